@@ -1,0 +1,47 @@
+"""The interface between a model's attention layers and the KV cache that stores their keys/values."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """What one forward step holds, independent of how the cache is laid out.
+
+    The step's tokens are flattened across sequences: sequence ``i`` contributes
+    ``query_lens[i]`` new tokens, appended after the ``context_lens[i]`` tokens it already
+    has in the cache. Backends that need more (block tables, slot mappings) subclass this.
+    """
+
+    seq_ids: tuple[int, ...]
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    def __post_init__(self) -> None:
+        if not len(self.seq_ids) == len(self.query_lens) == len(self.context_lens):
+            raise ValueError(
+                f"metadata lists differ in length: {len(self.seq_ids)} seq_ids, "
+                f"{len(self.query_lens)} query_lens, {len(self.context_lens)} context_lens"
+            )
+
+
+class AttentionBackend(ABC):
+    """Stores a layer's new keys/values and attends the step's queries over the sequence's cache."""
+
+    @abstractmethod
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """Causal attention for the step's tokens.
+
+        q (N, H, D), k and v (N, Hkv, D), already rotated; returns (N, H, D). N is
+        ``metadata.num_tokens``; the keys/values are written to the cache before attending.
+        """

@@ -1,0 +1,59 @@
+"""Contiguous KV cache: one pre-allocated (layers, seqs, Hkv, max_len, D) buffer per K and V.
+
+The simple reference layout: exact, easy to read, and what paged attention is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class ContiguousKVCache(AttentionBackend):
+    def __init__(
+        self,
+        num_layers: int,
+        num_seqs: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_layers, num_seqs, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        outputs = []
+        start = 0
+        for seq, q_len, ctx_len in zip(metadata.seq_ids, metadata.query_lens, metadata.context_lens, strict=True):
+            end = ctx_len + q_len
+            if end > self.max_len:
+                raise ValueError(f"sequence {seq} needs {end} cache slots, the cache holds {self.max_len}")
+            rows = slice(start, start + q_len)
+            self.k[layer, seq, :, ctx_len:end] = k[rows].transpose(0, 1)
+            self.v[layer, seq, :, ctx_len:end] = v[rows].transpose(0, 1)
+            outputs.append(self._attend(q[rows], self.k[layer, seq, :, :end], self.v[layer, seq, :, :end], ctx_len))
+            start += q_len
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    @staticmethod
+    def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int) -> torch.Tensor:
+        """q (T, H, D) over k, v (Hkv, ctx_len + T, D) -> (T, H, D)."""
+        q_len = q.shape[0]
+        qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, T, D)
+        if q_len == 1 or ctx_len == 0:
+            # One query sees everything; a fresh prompt is plain causal.
+            out = F.scaled_dot_product_attention(qh, k.unsqueeze(0), v.unsqueeze(0), is_causal=q_len > 1, enable_gqa=True)
+        else:
+            # Query i sits at cache position ctx_len + i and sees keys up to there.
+            rows = torch.arange(q_len, device=q.device).unsqueeze(1) + ctx_len
+            mask = torch.arange(ctx_len + q_len, device=q.device).unsqueeze(0) <= rows  # (T, ctx+T)
+            out = F.scaled_dot_product_attention(qh, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)  # (T, H, D)

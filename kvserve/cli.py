@@ -1,0 +1,93 @@
+"""The ``kvserve`` command: ``generate`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from kvserve.errors import KVServeError
+from kvserve.generation import Generator
+from kvserve.models.loader import LoadedModel, load_model
+from kvserve.progress import DelayedProgress
+from kvserve.sampling_params import SamplingParams
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations dtype")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def load_from_args(args: argparse.Namespace) -> LoadedModel:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise KVServeError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    with DelayedProgress("Loading model") as progress:
+        return load_model(args.model, DTYPES[args.dtype], args.device, progress.update)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    loaded = load_from_args(args)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop or [],
+    )
+    prompt = args.prompt
+    if args.chat:
+        prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    stream = Generator(loaded, args.device).stream(prompt, params)
+    if not args.chat:
+        sys.stdout.write(args.prompt)
+    for delta in stream:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="KV-cache-centred LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a continuation of a prompt, streamed to the terminal")
+    gen.add_argument("prompt")
+    add_model_args(gen)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.set_defaults(func=cmd_generate)
+
+    from kvserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, add_model_args)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (KVServeError, ValueError) as exc:
+        print(f"kvserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

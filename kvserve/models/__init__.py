@@ -1,0 +1,14 @@
+"""Model definitions and loaders."""
+
+from kvserve.models.config import ModelConfig, RopeScaling
+from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.loader import LoadedModel, default_model_path, load_model
+
+__all__ = [
+    "LlamaForCausalLM",
+    "LoadedModel",
+    "ModelConfig",
+    "RopeScaling",
+    "default_model_path",
+    "load_model",
+]

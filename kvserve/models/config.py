@@ -1,0 +1,104 @@
+"""Architecture hyper-parameters of a Llama-family model, independent of the file format."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.errors import UnsupportedModelError
+
+# Architectures that share the Llama block (RMSNorm, RoPE, GQA, SwiGLU); Qwen2 adds q/k/v bias.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary-embedding frequency scaling (``rope_scaling`` in a Hugging Face config).
+
+    ``linear`` divides every position by ``factor``; ``llama3`` rescales low frequencies only
+    (Llama 3.1 / SmolLM long-context configs).
+    """
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"rope scaling type {self.rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
+            )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture {self.architecture!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})"
+            )
+        if self.num_heads % self.num_kv_heads != 0:
+            raise UnsupportedModelError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> ModelConfig:
+        """Build from a Hugging Face ``config.json`` dictionary."""
+        model_type = cfg.get("model_type", "")
+        num_heads = cfg["num_attention_heads"]
+        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
+        rope_theta = cfg.get("rope_theta", 10000.0)
+        if scaling is not None:
+            rope_theta = scaling.get("rope_theta", rope_theta)
+            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+            scaling = None if rope_type == "default" else RopeScaling(
+                rope_type=rope_type,
+                factor=float(scaling.get("factor", 1.0)),
+                low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+                original_max_position_embeddings=int(
+                    scaling.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
+                ),
+            )
+        return cls(
+            architecture=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+        )

@@ -1,0 +1,176 @@
+"""Read a GGUF file (llama.cpp's format) with ggml's own ``gguf`` package: config, tensors, tokenizer fields."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from kvserve.errors import ModelLoadError, UnsupportedModelError
+from kvserve.models.config import ModelConfig, RopeScaling
+
+# Tensor types we read; every one is dequantised by ggml's reference code in the gguf package.
+SUPPORTED_TENSOR_TYPES = frozenset(
+    GGMLQuantizationType[name]
+    for name in (
+        "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+    )
+)
+
+# llama.cpp tensor names -> Hugging Face names (per layer: "blk.{i}." -> "model.layers.{i}.").
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+# llama.cpp's converter permutes Q/K rows of these architectures for its interleaved rotary layout.
+_PERMUTED_QK_ARCHITECTURES = ("llama", "mistral")
+
+
+class _ArrayGGUFReader(GGUFReader):
+    """``GGUFReader`` over a plain ndarray view of the memory map.
+
+    numpy's ``memmap`` subclass pays bookkeeping on every slice; parsing a 49k-token vocabulary
+    makes ~10^6 slices (2.3 s instead of 0.7 s). The view still reads the same mapped pages.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._data = value.view(np.ndarray)
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
+        return _ArrayGGUFReader(path)
+    except Exception as exc:  # the reader fails in many shapes on a damaged file
+        raise ModelLoadError(f"{path} is truncated or corrupt: {type(exc).__name__}: {exc}") from exc
+
+
+def field(reader: GGUFReader, key: str, default: object = None) -> object:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def read_config(reader: GGUFReader) -> ModelConfig:
+    arch = field(reader, "general.architecture")
+    if arch is None:
+        raise ModelLoadError("GGUF file has no general.architecture")
+
+    def meta(key: str, default: object = None) -> object:
+        value = field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF file lacks {arch}.{key}")
+        return value
+
+    num_heads = int(meta("attention.head_count"))
+    hidden = int(meta("embedding_length"))
+    tensor_names = {t.name for t in reader.tensors}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab_size = meta("vocab_size", len(tokens.data) if tokens is not None else None)
+    scaling_type = field(reader, f"{arch}.rope.scaling.type")
+    scaling = None
+    if scaling_type not in (None, "none") and "rope_freqs.weight" not in tensor_names:
+        scaling = RopeScaling(
+            rope_type=str(scaling_type),
+            factor=float(meta("rope.scaling.factor", 1.0)),
+            original_max_position_embeddings=int(meta("rope.scaling.original_context_length", 8192)),
+        )
+    return ModelConfig(
+        architecture=str(arch),
+        vocab_size=int(vocab_size),
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_layers=int(meta("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
+        head_dim=int(meta("attention.key_length", hidden // num_heads)),
+        max_position_embeddings=int(meta("context_length")),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+    )
+
+
+def tensor_sources(reader: GGUFReader, config: ModelConfig) -> dict[str, Callable[[], torch.Tensor]]:
+    """Hugging Face name -> a function that dequantises that tensor to float32 (out, in)."""
+    sources: dict[str, Callable[[], torch.Tensor]] = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        if name is None:
+            continue
+        if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
+            raise UnsupportedModelError(
+                f"tensor {tensor.name} uses quantisation type {tensor.tensor_type.name}, which kvserve does not "
+                f"read (supported: {sorted(t.name for t in SUPPORTED_TENSOR_TYPES)})"
+            )
+        heads = None
+        if config.architecture in _PERMUTED_QK_ARCHITECTURES:
+            heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.split(".")[-2])
+        sources[name] = _loader(tensor, heads)
+    return sources
+
+
+def rope_freq_factors(reader: GGUFReader) -> torch.Tensor | None:
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            return _dequantize(tensor)
+    return None
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def _loader(tensor: object, permuted_heads: int | None) -> Callable[[], torch.Tensor]:
+    def load() -> torch.Tensor:
+        weight = _dequantize(tensor)
+        return weight if permuted_heads is None else _unpermute_qk(weight, permuted_heads)
+
+    return load
+
+
+def _dequantize(tensor: object) -> torch.Tensor:
+    array = dequantize(tensor.data, tensor.tensor_type)
+    # Copy out of the read-only memory map; float32 whatever the stored type.
+    return torch.from_numpy(np.array(array, dtype=np.float32))
+
+
+def _unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (interleaved rotary pairs -> "rotate half" halves)."""
+    rows = weight.shape[0]
+    rest = weight.shape[1:]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)

@@ -1,0 +1,102 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) as a plain ``nn.Module``.
+
+Tokens are flattened across sequences (N tokens in a step), every token carries an explicit
+position id, and attention goes through an ``AttentionBackend``: the model knows nothing about
+blocks, policies or scheduling.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.models.config import ModelConfig
+from kvserve.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, rope_inverse_frequencies
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        # q, k and v fused in one matmul: rows [q | k | v].
+        self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(config.q_size, config.hidden_size, bias=False)
+        self.split_sizes = (config.q_size, config.kv_size, config.kv_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)  # (N, H, D)
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = backend.forward(self.layer, q, k, v, metadata)  # (N, H, D)
+        return self.o_proj(out.reshape(n, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend, metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, rope_freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = config
+        # Uninitialised like Linear: the checkpoint provides every weight.
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling, rope_freq_factors)
+        self.rotary = RotaryEmbedding(inv_freq, config.max_position_embeddings)
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids and positions (N,) -> final hidden states (N, hidden)."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, backend, metadata)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (M, hidden) -> float32 logits (M, vocab). Call it on the rows you sample from only."""
+        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()

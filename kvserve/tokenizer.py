@@ -1,0 +1,200 @@
+"""Tokenizer: the ``tokenizers`` library built from GGUF metadata or ``tokenizer.json``, plus the chat template."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+
+from gguf import GGUFReader
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
+
+from kvserve.errors import ModelLoadError, UnsupportedModelError
+
+# GGUF token types (llama.cpp's llama_token_type).
+_CONTROL = 3
+_USER_DEFINED = 4
+
+# Pre-tokenizer splits by ``tokenizer.ggml.pre``; these mirror llama.cpp's llama-vocab.cpp.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_TOKENIZER_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+# Pre-tokenizer types that isolate every digit before the GPT-2 split (SmolLM, StarCoder).
+_DIGIT_SPLIT_PRE_TYPES = ("smollm", "starcoder", "refact")
+
+
+@dataclass
+class Tokenizer:
+    backend: BackendTokenizer
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    add_bos_token: bool = False
+    chat_template: str | None = None
+    special_token_strings: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # tokenizer.json's post-processor adds BOS for Hugging Face folders; GGUF files say so in a flag.
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return [self.backend.id_to_token(i) or "" for i in ids]
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` ([{"role": ..., "content": ...}]) with the model's own Jinja template."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; pass a plain prompt instead of --chat")
+        return self._compiled_template.render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_token_strings
+        )
+
+    @cached_property
+    def _compiled_template(self):  # noqa: ANN202 - jinja2 Template
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.globals["raise_exception"] = _raise_template_error
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env.from_string(self.chat_template)
+
+    # ----- construction -----
+
+    @classmethod
+    def from_gguf(cls, reader: GGUFReader) -> Tokenizer:
+        def get(key: str, default: object = None) -> object:
+            f = reader.fields.get(f"tokenizer.{key}")
+            return default if f is None else f.contents()
+
+        kind = get("ggml.model")
+        if kind is None:
+            raise ModelLoadError("the GGUF file has no tokenizer (tokenizer.ggml.model is missing)")
+        if kind != "gpt2":
+            raise UnsupportedModelError(
+                f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level BPE); "
+                "load the model from a Hugging Face folder with tokenizer.json instead"
+            )
+        tokens: list[str] = get("ggml.tokens")
+        token_types: list[int] = get("ggml.token_type") or [1] * len(tokens)
+        backend = _byte_level_bpe(tokens, get("ggml.merges") or [], str(get("ggml.pre", "default")))
+        backend.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, token_types) if k == _CONTROL]
+        )
+        backend.add_tokens(
+            [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, token_types) if k == _USER_DEFINED]
+        )
+        bos, eos, eot = get("ggml.bos_token_id"), get("ggml.eos_token_id"), get("ggml.eot_token_id")
+        eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
+        strings = {name: tokens[i] for name, i in (("bos_token", bos), ("eos_token", eos)) if i is not None}
+        return cls(
+            backend=backend,
+            bos_token_id=bos,
+            eos_token_ids=eos_ids,
+            add_bos_token=bool(get("ggml.add_bos_token", False)),
+            chat_template=get("chat_template"),
+            special_token_strings=strings,
+        )
+
+    @classmethod
+    def from_hf_folder(cls, folder: Path) -> Tokenizer:
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{folder} has no tokenizer.json; kvserve needs it to tokenize prompts")
+        backend = BackendTokenizer.from_file(str(path))
+        config = _read_json(folder / "tokenizer_config.json")
+        generation = _read_json(folder / "generation_config.json")
+        model_config = _read_json(folder / "config.json")
+        strings = {k: _token_string(config.get(k)) for k in ("bos_token", "eos_token")}
+        strings = {k: v for k, v in strings.items() if v}
+        bos_id = backend.token_to_id(strings["bos_token"]) if "bos_token" in strings else None
+        eos = generation.get("eos_token_id", model_config.get("eos_token_id"))
+        if eos is None and "eos_token" in strings:
+            eos = backend.token_to_id(strings["eos_token"])
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        template = config.get("chat_template")
+        if template is None and (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        return cls(
+            backend=backend,
+            bos_token_id=bos_id,
+            eos_token_ids=eos_ids,
+            add_bos_token=False,  # the post-processor in tokenizer.json adds it where wanted
+            chat_template=template,
+            special_token_strings=strings,
+        )
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre_type: str) -> BackendTokenizer:
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_spelling = {b: c for b, c in enumerate(_bytes_to_unicode())}
+    vocab = {}
+    for index, token in enumerate(tokens):
+        # Tokens written outside the byte alphabet (rare, mislabelled specials) are respelled in it.
+        key = token if set(token) <= set(alphabet) else "".join(byte_spelling[b] for b in token.encode())
+        vocab.setdefault(key, index)
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    split = _PRE_TOKENIZER_SPLITS.get(pre_type)
+    if split is not None:
+        pre = [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(False, use_regex=False)]
+    elif pre_type in _DIGIT_SPLIT_PRE_TYPES:
+        pre = [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(False, use_regex=True)]
+    else:
+        pre = [pre_tokenizers.ByteLevel(False, use_regex=True)]
+    backend.pre_tokenizer = pre_tokenizers.Sequence(pre)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's printable spelling of each byte value 0..255."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    spelling, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            spelling[b] = chr(b)
+        else:
+            spelling[b] = chr(256 + extra)
+            extra += 1
+    return [spelling[b] for b in range(256)]
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_string(value: object) -> str | None:
+    if isinstance(value, dict):  # {"content": "<s>", ...} in older tokenizer_config files
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _raise_template_error(message: str) -> None:
+    raise TemplateError(message)
