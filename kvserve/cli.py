@@ -18,7 +18,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations dtype")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

@@ -78,8 +78,13 @@ class GenerationStream:
         gen, params, out = self.generator, self.params, self.output
         cfg = gen.config
         cache = ContiguousKVCache(
-            cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, len(out.prompt_token_ids) + self.max_new,
-            gen.dtype, gen.device,
+            cfg.num_layers,
+            1,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            len(out.prompt_token_ids) + self.max_new,
+            gen.dtype,
+            gen.device,
         )
         rng = make_generator(params, gen.device)
         detok = IncrementalDetokenizer(gen.tokenizer, out.prompt_token_ids)

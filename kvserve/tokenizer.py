@@ -57,7 +57,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # tokenizer.json's post-processor adds BOS for Hugging Face folders; GGUF files say so in a flag.
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+        if (
+            add_special_tokens
+            and self.add_bos_token
+            and self.bos_token_id is not None
+            and ids[:1] != [self.bos_token_id]
+        ):
             ids = [self.bos_token_id, *ids]
         return ids
 
@@ -104,10 +109,18 @@ class Tokenizer:
         token_types: list[int] = get("ggml.token_type") or [1] * len(tokens)
         backend = _byte_level_bpe(tokens, get("ggml.merges") or [], str(get("ggml.pre", "default")))
         backend.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, token_types) if k == _CONTROL]
+            [
+                AddedToken(t, special=True, normalized=False)
+                for t, k in zip(tokens, token_types, strict=True)
+                if k == _CONTROL
+            ]
         )
         backend.add_tokens(
-            [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, token_types) if k == _USER_DEFINED]
+            [
+                AddedToken(t, special=False, normalized=False)
+                for t, k in zip(tokens, token_types, strict=True)
+                if k == _USER_DEFINED
+            ]
         )
         bos, eos, eot = get("ggml.bos_token_id"), get("ggml.eos_token_id"), get("ggml.eot_token_id")
         eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
@@ -162,7 +175,10 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre_type: str) -> Back
     backend = BackendTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
     split = _PRE_TOKENIZER_SPLITS.get(pre_type)
     if split is not None:
-        pre = [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(False, use_regex=False)]
+        pre = [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(False, use_regex=False),
+        ]
     elif pre_type in _DIGIT_SPLIT_PRE_TYPES:
         pre = [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(False, use_regex=True)]
     else:

@@ -50,7 +50,9 @@ class ContiguousKVCache(AttentionBackend):
         qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, T, D)
         if q_len == 1 or ctx_len == 0:
             # One query sees everything; a fresh prompt is plain causal.
-            out = F.scaled_dot_product_attention(qh, k.unsqueeze(0), v.unsqueeze(0), is_causal=q_len > 1, enable_gqa=True)
+            out = F.scaled_dot_product_attention(
+                qh, k.unsqueeze(0), v.unsqueeze(0), is_causal=q_len > 1, enable_gqa=True
+            )
         else:
             # Query i sits at cache position ctx_len + i and sees keys up to there.
             rows = torch.arange(q_len, device=q.device).unsqueeze(1) + ctx_len

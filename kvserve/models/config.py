@@ -77,14 +77,18 @@ class ModelConfig:
         if scaling is not None:
             rope_theta = scaling.get("rope_theta", rope_theta)
             rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-            scaling = None if rope_type == "default" else RopeScaling(
-                rope_type=rope_type,
-                factor=float(scaling.get("factor", 1.0)),
-                low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-                high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-                original_max_position_embeddings=int(
-                    scaling.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
-                ),
+            scaling = (
+                None
+                if rope_type == "default"
+                else RopeScaling(
+                    rope_type=rope_type,
+                    factor=float(scaling.get("factor", 1.0)),
+                    low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+                    high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+                    original_max_position_embeddings=int(
+                        scaling.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
+                    ),
+                )
             )
         return cls(
             architecture=model_type,

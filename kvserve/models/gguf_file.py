@@ -17,8 +17,21 @@ from kvserve.models.config import ModelConfig, RopeScaling
 SUPPORTED_TENSOR_TYPES = frozenset(
     GGMLQuantizationType[name]
     for name in (
-        "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+        "F32",
+        "F16",
+        "BF16",
+        "Q8_0",
+        "Q4_0",
+        "Q4_1",
+        "Q5_0",
+        "Q5_1",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "IQ4_NL",
+        "IQ4_XS",
     )
 )
 

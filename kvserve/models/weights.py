@@ -51,7 +51,9 @@ def build_model(
             state[ours + "self_attn.qkv_proj.bias"] = torch.cat([get(attn + f"{p}_proj.bias") for p in "qkv"])
         state[ours + "self_attn.o_proj.weight"] = get(attn + "o_proj.weight")
         mlp = hf + "mlp."
-        state[ours + "mlp.gate_up_proj.weight"] = torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")])
+        state[ours + "mlp.gate_up_proj.weight"] = torch.cat(
+            [get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]
+        )
         state[ours + "mlp.down_proj.weight"] = get(mlp + "down_proj.weight")
 
     model = LlamaForCausalLM(config, rope_freq_factors)

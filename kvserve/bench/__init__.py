@@ -1,0 +1,1 @@
+"""Benchmarks that compare kvserve with the peer a user would otherwise pick, in one run."""
