@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PROMPT ?= The three most useful things to know about the KV cache of a transformer are
+PROMPT ?= In two sentences, what does a KV cache do in a transformer language model?
 
 .PHONY: run test lint bench clean
 
@@ -18,7 +18,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/kvserve generate --max-tokens 64 "$(PROMPT)"
+	$(BIN)/kvserve generate --chat --max-tokens 96 "$(PROMPT)"
 
 test: $(STAMP)
 	$(BIN)/ruff check kvserve tests
