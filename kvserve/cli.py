@@ -47,7 +47,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     prompt = args.prompt
     if args.chat:
-        prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": prompt}])
     stream = Generator(loaded, args.device).stream(prompt, params)
     if not args.chat:
         sys.stdout.write(args.prompt)

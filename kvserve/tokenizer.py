@@ -57,12 +57,7 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # tokenizer.json's post-processor adds BOS for Hugging Face folders; GGUF files say so in a flag.
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        if (
-            add_special_tokens
-            and self.add_bos_token
-            and self.bos_token_id is not None
-            and ids[:1] != [self.bos_token_id]
-        ):
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
 
@@ -79,6 +74,10 @@ class Tokenizer:
         return self._compiled_template.render(
             messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_token_strings
         )
+
+    def encode_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat; the template writes its own BOS, so none is added here."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
     @cached_property
     def _compiled_template(self):  # noqa: ANN202 - jinja2 Template
@@ -107,6 +106,8 @@ class Tokenizer:
             )
         tokens: list[str] = get("ggml.tokens")
         token_types: list[int] = get("ggml.token_type") or [1] * len(tokens)
+        if len(token_types) != len(tokens):
+            raise ModelLoadError(f"the GGUF tokenizer has {len(tokens)} tokens but {len(token_types)} token types")
         backend = _byte_level_bpe(tokens, get("ggml.merges") or [], str(get("ggml.pre", "default")))
         backend.add_special_tokens(
             [
@@ -139,7 +140,10 @@ class Tokenizer:
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise ModelLoadError(f"{folder} has no tokenizer.json; kvserve needs it to tokenize prompts")
-        backend = BackendTokenizer.from_file(str(path))
+        try:
+            backend = BackendTokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises a bare Exception on bad JSON
+            raise ModelLoadError(f"{path} is not a valid tokenizer.json: {exc}") from exc
         config = _read_json(folder / "tokenizer_config.json")
         generation = _read_json(folder / "generation_config.json")
         model_config = _read_json(folder / "config.json")
@@ -203,7 +207,12 @@ def _bytes_to_unicode() -> list[str]:
 
 
 def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
 
 
 def _token_string(value: object) -> str | None:

@@ -436,14 +436,22 @@ def test_tokenizer_from_gguf_reports_missing_tokenizer(gqa_checkpoint, tmp_path)
         Tokenizer.from_gguf(GGUFReader(path))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvserve bug: Tokenizer.from_hf_folder lets the tokenizers library's bare Exception (corrupt "
-    "tokenizer.json) and json.JSONDecodeError (corrupt tokenizer_config.json) escape instead of ModelLoadError",
-)
 @pytest.mark.parametrize("file", ["tokenizer.json", "tokenizer_config.json"])
 def test_hf_folder_with_corrupt_tokenizer_files(file, gqa_checkpoint, tmp_path) -> None:
     folder = _copy_folder(gqa_checkpoint[0], tmp_path / "m", file)
     (folder / file).write_text('{"truncated": ')
     with pytest.raises(ModelLoadError, match=file):
+        load_model(folder)
+
+
+def test_checkpoint_tensors_the_model_does_not_use_are_an_error(gqa_checkpoint, tmp_path) -> None:
+    """A tensor we would silently drop (here an MLP bias) means we would compute a different model."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy_folder(gqa_checkpoint[0], tmp_path / "m", drop="no-such-file")
+    weights = next(folder.glob("*.safetensors"))
+    state = load_file(weights)
+    state["model.layers.0.mlp.up_proj.bias"] = torch.zeros(state["model.layers.0.mlp.up_proj.weight"].shape[0])
+    save_file(state, weights, metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.mlp\.up_proj\.bias"):
         load_model(folder)

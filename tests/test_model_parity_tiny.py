@@ -182,12 +182,6 @@ def test_rope_scaling_changes_the_logits(name, tmp_path) -> None:
     assert (ours - hf_logits(unscaled, ids)).abs().max().item() > 1e-2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="kvserve bug: Llama with attention_bias=true has an o_proj bias (transformers' LlamaAttention); "
-    "kvserve's o_proj never has a bias and build_model silently drops self_attn.o_proj.bias",
-)
 def test_llama_attention_bias_matches_hf(tmp_path) -> None:
     """Llama with ``attention_bias: true`` has biases on q/k/v *and* o_proj (transformers' LlamaAttention)."""
     spec = TinySpec(num_heads=4, num_kv_heads=2, attention_bias=True)

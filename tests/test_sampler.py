@@ -148,6 +148,7 @@ def test_temperature_reshapes_the_distribution(temperature) -> None:
         ({"max_tokens": -3}, "max_tokens", "-3"),
         ({"max_tokens": 2.5}, "max_tokens", "2.5"),
         ({"temperature": -1}, "temperature", "-1"),
+        ({"temperature": float("nan")}, "temperature", "nan"),
         ({"top_p": 0}, "top_p", "0"),
         ({"top_p": 1.5}, "top_p", "1.5"),
         ({"top_k": 0}, "top_k", "0"),

@@ -125,6 +125,13 @@ def test_chat_template_renders(tokenizer: Tokenizer) -> None:
     assert ids[0] == BOS_ID and ids.count(EOS_ID) == len(MESSAGES)
 
 
+def test_encode_chat_has_exactly_one_bos(tokenizer: Tokenizer) -> None:
+    """The template writes BOS itself; the post-processor must not add a second one."""
+    ids = tokenizer.encode_chat(MESSAGES)
+    assert ids[0] == BOS_ID and ids.count(BOS_ID) == 1
+    assert ids == tokenizer.encode(tokenizer.apply_chat_template(MESSAGES), add_special_tokens=False)
+
+
 def test_chat_template_raise_exception(tmp_path: Path) -> None:
     template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first message must be user') }}{% endif %}x"
     write_tokenizer(tmp_path, chat_template=template)

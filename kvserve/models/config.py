@@ -47,7 +47,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = True
-    attention_bias: bool = False
+    attention_bias: bool = False  # bias on q, k and v
+    o_proj_bias: bool = False  # bias on the attention output too (Llama's attention_bias)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -71,6 +72,8 @@ class ModelConfig:
     def from_hf_config(cls, cfg: dict) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dictionary."""
         model_type = cfg.get("model_type", "")
+        if cfg.get("mlp_bias"):
+            raise UnsupportedModelError("mlp_bias=true (biases on the MLP projections) is not supported")
         num_heads = cfg["num_attention_heads"]
         scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
         rope_theta = cfg.get("rope_theta", 10000.0)
@@ -104,5 +107,6 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias")),
+            o_proj_bias=model_type != "qwen2" and bool(cfg.get("attention_bias")),
         )

@@ -51,6 +51,7 @@ _LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -106,6 +107,8 @@ def read_config(reader: GGUFReader) -> ModelConfig:
     hidden = int(meta("embedding_length"))
     tensor_names = {t.name for t in reader.tensors}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None and f"{arch}.vocab_size" not in reader.fields:
+        raise ModelLoadError("the GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
     vocab_size = meta("vocab_size", len(tokens.data) if tokens is not None else None)
     scaling_type = field(reader, f"{arch}.rope.scaling.type")
     scaling = None
@@ -130,6 +133,7 @@ def read_config(reader: GGUFReader) -> ModelConfig:
         rope_scaling=scaling,
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
+        o_proj_bias="blk.0.attn_output.bias" in tensor_names,
     )
 
 
@@ -137,9 +141,9 @@ def tensor_sources(reader: GGUFReader, config: ModelConfig) -> dict[str, Callabl
     """Hugging Face name -> a function that dequantises that tensor to float32 (out, in)."""
     sources: dict[str, Callable[[], torch.Tensor]] = {}
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
-        if name is None:
+        if tensor.name == "rope_freqs.weight":  # read by rope_freq_factors()
             continue
+        name = _hf_name(tensor.name)
         if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
             raise UnsupportedModelError(
                 f"tensor {tensor.name} uses quantisation type {tensor.tensor_type.name}, which kvserve does not "
@@ -159,13 +163,14 @@ def rope_freq_factors(reader: GGUFReader) -> torch.Tensor | None:
     return None
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str) -> str:
+    """The Hugging Face name; a tensor we do not know keeps its GGUF name (and is reported as unused)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
     if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    return None
+    return gguf_name
 
 
 def _loader(tensor: object, permuted_heads: int | None) -> Callable[[], torch.Tensor]:

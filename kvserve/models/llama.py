@@ -24,7 +24,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         # q, k and v fused in one matmul: rows [q | k | v].
         self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(config.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.split_sizes = (config.q_size, config.kv_size, config.kv_size)
 
     def forward(

@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from kvserve.errors import ModelLoadError
+from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.models.config import ModelConfig
 from kvserve.models.llama import LlamaForCausalLM
 
@@ -25,17 +25,16 @@ def build_model(
     ``names[name]()`` returns the float tensor (out, in) for ``name`` such as
     ``model.layers.0.self_attn.q_proj.weight``; each is materialised once, cast, and dropped.
     """
-    loaded = 0
+    used: set[str] = set()
     total = len(names)
 
     def get(name: str) -> torch.Tensor:
-        nonlocal loaded
         if name not in names:
             raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint")
         tensor = names[name]().to(dtype)
-        loaded += 1
+        used.add(name)
         if progress is not None:
-            progress(loaded, total)
+            progress(len(used), total)
         return tensor
 
     state = {"embed_tokens.weight": get("model.embed_tokens.weight"), "norm.weight": get("model.norm.weight")}
@@ -50,12 +49,22 @@ def build_model(
         if config.attention_bias:
             state[ours + "self_attn.qkv_proj.bias"] = torch.cat([get(attn + f"{p}_proj.bias") for p in "qkv"])
         state[ours + "self_attn.o_proj.weight"] = get(attn + "o_proj.weight")
+        if config.o_proj_bias:
+            state[ours + "self_attn.o_proj.bias"] = get(attn + "o_proj.bias")
         mlp = hf + "mlp."
         state[ours + "mlp.gate_up_proj.weight"] = torch.cat(
             [get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]
         )
         state[ours + "mlp.down_proj.weight"] = get(mlp + "down_proj.weight")
 
+    if config.tie_word_embeddings:
+        used.add("lm_head.weight")  # some checkpoints store the tied copy too
+    unused = sorted(set(names) - used)
+    if unused:
+        raise UnsupportedModelError(
+            f"the checkpoint has {len(unused)} tensors this architecture does not use, e.g. {unused[:3]}; "
+            "kvserve would compute a different model than the checkpoint describes"
+        )
     model = LlamaForCausalLM(config, rope_freq_factors)
     _check_shapes(model, state)
     model.load_state_dict(state, strict=True, assign=True)
