@@ -28,7 +28,9 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     lat.add_argument("--repeats", type=int, default=3)
     lat.add_argument("--text", default=str(DEFAULT_TEXT), help="text file the prompts are cut from")
     lat.add_argument("--no-peer", action="store_true", help="measure kvserve only")
-    lat.add_argument("--output", default="benchmarks/latency", help="writes OUTPUT.json and OUTPUT.md")
+    lat.add_argument(
+        "--output", default=None, help="writes OUTPUT.json and OUTPUT.md (default: benchmarks/latency-DTYPE)"
+    )
     lat.set_defaults(func=cmd_bench_latency)
 
 
@@ -65,7 +67,7 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
         "machine": describe_machine(),
         "results": [asdict(r) for r in results],
     }
-    out = Path(args.output)
+    out = Path(args.output or f"benchmarks/latency-{args.dtype}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     table = _markdown_table(report)
