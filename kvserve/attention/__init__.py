@@ -2,5 +2,6 @@
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.attention.contiguous import ContiguousKVCache
+from kvserve.attention.paged import PagedAttentionMetadata, PagedKVCache
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "ContiguousKVCache"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "ContiguousKVCache", "PagedAttentionMetadata", "PagedKVCache"]

@@ -1,0 +1,415 @@
+"""Paged KV cache and attention: PagedAttention (Kwon et al., SOSP'23, https://arxiv.org/abs/2309.06180).
+
+The cache is a pool of fixed-size blocks; a sequence's tokens live in the blocks listed in its
+block table, in order, so block ``table[j]`` holds its tokens ``j * block_size ..``. Each new
+token goes to the cache slot ``block_id * block_size + offset`` given by the step's slot mapping.
+
+Layout: one tensor per K and V shaped (num_layers, num_blocks, block_size, Hkv, D), i.e. per
+layer block-major, then token-major inside a block. Why this and not (.., Hkv, block_size, D):
+
+- Gathering a sequence is one ``index_select`` of whole blocks (each block is one contiguous run
+  of ``block_size * Hkv * D`` values in either layout), and here the result (blocks, block_size,
+  Hkv, D) *is* (tokens, Hkv, D): the reshape is free and SDPA reads the (Hkv, tokens, D) transpose
+  through its strides. The head-major layout needs a permute + copy after the gather; on CPU it
+  measured about 2x slower (B=32, context 512, SmolLM2 heads: 3.1 ms against 1.35 ms).
+- Writing the step's keys is one ``index_copy_`` of the (N, Hkv, D) rows into the (slots, Hkv, D)
+  view, with no transpose.
+- A (layer, block) pair is contiguous, which is what a swap between tiers copies.
+
+Decode sequences (query length 1) of a step are batched: their blocks are gathered into one padded
+(B, Hkv, T, D) tensor and attended with a single SDPA call, query heads folded as (B, Hkv, G, D)
+so each KV head is read once (measured 1.3-1.5x faster than ``enable_gqa=True``); a boolean key
+mask hides padding. Prefills (fresh or chunked) run one SDPA per sequence with a causal mask offset
+by the context length.
+
+Padding entries of a block table point at block 0; the attention masks keep them out, and the cache
+is zero-initialised so that no slot ever holds NaN (0 * NaN would leak through a mask).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata
+
+BlockTable = Sequence[int]
+
+
+@dataclass(frozen=True)
+class _Prefill:
+    """A sequence of the step with more than one new token, or with new tokens after a context."""
+
+    index: int  # position of the sequence in the metadata's lists
+    start: int  # first of its rows in the step's flattened tokens
+    query_len: int
+    context_len: int
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """How a step splits into batched decodes and per-sequence prefills; built once, used by every layer."""
+
+    decode_only: bool  # every sequence decodes one token: rows are already in sequence order
+    decode_rows: torch.Tensor  # (Bd,) long rows of the decode tokens in the step (empty if none)
+    decode_len: int  # longest decode sequence (context + 1); keys are padded to this length
+    decode_mask: torch.Tensor | None  # (Bd, 1, 1, decode_len) bool, True = attend; None if no padding
+    decode_tables: tuple[torch.Tensor, ...]  # per group: (Bd * blocks,) long, the decode rows' tables
+    prefills: tuple[_Prefill, ...]
+    prefill_tables: tuple[tuple[torch.Tensor, ...], ...]  # per group, per prefill: (blocks,) long
+
+
+@dataclass(frozen=True)
+class PagedAttentionMetadata(AttentionMetadata):
+    """Attention metadata for a paged cache: per KV group a block table and a slot mapping.
+
+    A KV group is a set of layers holding the same token slots and sharing one block table (a
+    plain model has one group). ``layer_to_group[layer]`` names a layer's group; empty means every
+    layer is in group 0. All groups hold the same token counts (``context_lens``).
+    """
+
+    slot_mappings: tuple[torch.Tensor, ...]  # per group: (N,) long, block_id * block_size + offset
+    block_tables: tuple[torch.Tensor, ...]  # per group: (num_seqs, max_blocks) int32, padded with 0
+    seq_lens: tuple[int, ...]  # context + query per sequence
+    block_size: int
+    layer_to_group: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        num_seqs, num_groups = len(self.seq_ids), len(self.block_tables)
+        if num_groups == 0 or len(self.slot_mappings) != num_groups:
+            raise ValueError(
+                f"need one block table and one slot mapping per KV group, got {num_groups} block tables "
+                f"and {len(self.slot_mappings)} slot mappings"
+            )
+        if len(self.seq_lens) != num_seqs:
+            raise ValueError(f"{len(self.seq_lens)} seq_lens for {num_seqs} sequences")
+        for table, slots in zip(self.block_tables, self.slot_mappings, strict=True):
+            if table.dim() != 2 or table.shape[0] != num_seqs:
+                raise ValueError(f"a block table must be (num_seqs={num_seqs}, max_blocks), got {tuple(table.shape)}")
+            if tuple(slots.shape) != (self.num_tokens,):
+                raise ValueError(f"a slot mapping must be ({self.num_tokens},), got {tuple(slots.shape)}")
+            longest = max(self.seq_lens, default=0)
+            if table.shape[1] * self.block_size < longest:
+                raise ValueError(
+                    f"block tables hold {table.shape[1]} blocks of {self.block_size} tokens, "
+                    f"a sequence needs {longest} tokens"
+                )
+        bad = [g for g in self.layer_to_group if not 0 <= g < num_groups]
+        if bad:
+            raise ValueError(f"layer_to_group names groups {bad}; there are {num_groups} groups")
+
+    @classmethod
+    def build(
+        cls,
+        seq_ids: Sequence[int],
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[BlockTable],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> PagedAttentionMetadata:
+        """Metadata for a single-group cache from plain block tables (one list of block ids per sequence)."""
+        return cls.build_grouped(seq_ids, query_lens, context_lens, [block_tables], block_size, device)
+
+    @classmethod
+    def build_grouped(
+        cls,
+        seq_ids: Sequence[int],
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        group_block_tables: Sequence[Sequence[BlockTable]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        layer_to_group: Sequence[int] = (),
+    ) -> PagedAttentionMetadata:
+        """Metadata with one block table per KV group: ``group_block_tables[g][i]`` is sequence i's table in group g."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        query_lens, context_lens = tuple(query_lens), tuple(context_lens)
+        seq_lens = tuple(c + q for c, q in zip(context_lens, query_lens, strict=True))
+        token_seq, token_pos = _token_positions(query_lens, context_lens)  # (N,), (N,) on CPU
+        tables, slots = [], []
+        for tables_of_group in group_block_tables:
+            table = _padded_table(tables_of_group, seq_lens, block_size)  # (S, max_blocks) int32
+            block_ids = table[token_seq, token_pos // block_size].long()
+            slots.append((block_ids * block_size + token_pos % block_size).to(device))
+            tables.append(table.to(device))
+        return cls(
+            seq_ids=tuple(seq_ids),
+            query_lens=query_lens,
+            context_lens=context_lens,
+            slot_mappings=tuple(slots),
+            block_tables=tuple(tables),
+            seq_lens=seq_lens,
+            block_size=block_size,
+            layer_to_group=tuple(layer_to_group),
+        )
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """(N,) long slots of the step's tokens, for a single-group cache."""
+        if len(self.slot_mappings) != 1:
+            raise ValueError(f"the cache has {len(self.slot_mappings)} KV groups; use slot_mappings[group]")
+        return self.slot_mappings[0]
+
+    def group_of(self, layer: int) -> int:
+        if not self.layer_to_group:
+            return 0
+        if not 0 <= layer < len(self.layer_to_group):
+            raise ValueError(f"layer {layer} has no KV group; layer_to_group covers {len(self.layer_to_group)} layers")
+        return self.layer_to_group[layer]
+
+    @cached_property
+    def plan(self) -> _StepPlan:
+        """Split of the step into batched decodes and per-sequence prefills (computed on first use)."""
+        return _make_plan(self)
+
+
+def _token_positions(query_lens: tuple[int, ...], context_lens: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each of the step's N tokens: its sequence's index and its cache position (both (N,) long)."""
+    q = torch.tensor(query_lens, dtype=torch.long)
+    ctx = torch.tensor(context_lens, dtype=torch.long)
+    token_seq = torch.repeat_interleave(torch.arange(len(query_lens)), q)  # (N,)
+    starts = torch.cumsum(q, 0) - q  # first row of each sequence
+    token_pos = torch.arange(int(q.sum())) - starts[token_seq] + ctx[token_seq]  # (N,)
+    return token_seq, token_pos
+
+
+def _padded_table(tables: Sequence[BlockTable], seq_lens: tuple[int, ...], block_size: int) -> torch.Tensor:
+    """Block tables as one (num_seqs, max_blocks) int32 tensor padded with block 0."""
+    if len(tables) != len(seq_lens):
+        raise ValueError(f"{len(tables)} block tables for {len(seq_lens)} sequences")
+    for i, (table, length) in enumerate(zip(tables, seq_lens, strict=True)):
+        if len(table) * block_size < length:
+            raise ValueError(
+                f"sequence {i} needs {length} slots but its block table has {len(table)} blocks of {block_size} tokens"
+            )
+    width = max((len(t) for t in tables), default=0)
+    return torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32).view(len(tables), width)
+
+
+def _make_plan(meta: PagedAttentionMetadata) -> _StepPlan:
+    device = meta.slot_mappings[0].device
+    starts = [0]
+    for q_len in meta.query_lens:
+        starts.append(starts[-1] + q_len)
+    decodes = [i for i, (q, c) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)) if q == 1]
+    prefills = tuple(
+        _Prefill(i, starts[i], q, c)
+        for i, (q, c) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True))
+        if q > 1
+    )
+    decode_len = max((meta.seq_lens[i] for i in decodes), default=0)
+    decode_blocks = math.ceil(decode_len / meta.block_size)
+    decode_idx = torch.tensor(decodes, dtype=torch.long, device=device)
+    decode_tables = tuple(
+        t.index_select(0, decode_idx)[:, :decode_blocks].reshape(-1).long() for t in meta.block_tables
+    )
+    decode_mask = None
+    lens = [meta.seq_lens[i] for i in decodes]
+    if any(n != decode_len for n in lens):
+        lens_t = torch.tensor(lens, device=device)
+        decode_mask = (torch.arange(decode_len, device=device) < lens_t[:, None]).view(len(lens), 1, 1, decode_len)
+    prefill_tables = tuple(
+        tuple(t[p.index, : math.ceil(meta.seq_lens[p.index] / meta.block_size)].long() for p in prefills)
+        for t in meta.block_tables
+    )
+    return _StepPlan(
+        decode_only=not prefills,
+        decode_rows=torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device),
+        decode_len=decode_len,
+        decode_mask=decode_mask,
+        decode_tables=decode_tables,
+        prefills=prefills,
+        prefill_tables=prefill_tables,
+    )
+
+
+class PagedKVCache(AttentionBackend):
+    """Block pool of keys and values for every layer, and attention that reads it through block tables."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        pin_memory: bool = False,
+    ) -> None:
+        sizes = dict(
+            num_layers=num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+        )
+        bad = {name: value for name, value in sizes.items() if value < 1}
+        if bad:
+            raise ValueError(f"cache sizes must be >= 1, got {bad}")
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # Zeros, not empty: padding reads masked slots, which must not hold NaN.
+        self.k = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        self.v = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+
+    def make_host_cache(self, num_blocks: int | None = None) -> PagedKVCache:
+        """A CPU cache with this one's block shape to swap to (pinned when this cache is on CUDA)."""
+        return PagedKVCache(
+            self.num_layers,
+            num_blocks or self.num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.k.dtype,
+            "cpu",
+            pin_memory=self.k.is_cuda,
+        )
+
+    # ----- block movement -----
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write: copy each (src, dst) block's contents in every layer (all reads before writes)."""
+        if not pairs:
+            return
+        src, dst = _check_pairs(pairs, self.num_blocks, self.num_blocks)
+        src_t = torch.tensor(src, dtype=torch.long, device=self.k.device)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=self.k.device)
+        for cache in (self.k, self.v):
+            cache.index_copy_(1, dst_t, cache.index_select(1, src_t))  # (L, n, block_size, Hkv, D)
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]], host_cache: PagedKVCache) -> None:
+        """Copy (this cache's block, host block) pairs to ``host_cache``.
+
+        On CUDA the copies are asynchronous on the current stream: synchronise it (or wait on an
+        event recorded after this call) before reading the host blocks.
+        """
+        self._check_peer(host_cache)
+        _transfer(self, host_cache, pairs)
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]], host_cache: PagedKVCache) -> None:
+        """Copy (host block, this cache's block) pairs from ``host_cache`` (asynchronous on CUDA)."""
+        self._check_peer(host_cache)
+        _transfer(host_cache, self, pairs)
+
+    def _check_peer(self, other: PagedKVCache) -> None:
+        mine = (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.k.dtype)
+        theirs = (other.num_layers, other.block_size, other.num_kv_heads, other.head_dim, other.k.dtype)
+        if mine != theirs:
+            raise ValueError(
+                f"caches differ in (layers, block_size, kv_heads, head_dim, dtype): {mine} against {theirs}"
+            )
+
+    # ----- attention -----
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        if not isinstance(metadata, PagedAttentionMetadata):
+            raise TypeError(f"PagedKVCache needs PagedAttentionMetadata, got {type(metadata).__name__}")
+        if metadata.block_size != self.block_size:
+            raise ValueError(f"metadata is for blocks of {metadata.block_size} tokens, the cache has {self.block_size}")
+        group = metadata.group_of(layer)
+        k_cache, v_cache = self.k[layer], self.v[layer]  # (num_blocks, block_size, Hkv, D)
+        slots = metadata.slot_mappings[group]
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)  # (slots, Hkv, D)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
+        plan = metadata.plan
+        if plan.decode_only:
+            return self._decode(q, k_cache, v_cache, plan, group)
+        out = torch.empty_like(q)  # (N, H, D)
+        if plan.decode_rows.numel():
+            rows = plan.decode_rows
+            out.index_copy_(0, rows, self._decode(q.index_select(0, rows), k_cache, v_cache, plan, group))
+        for p, table in zip(plan.prefills, plan.prefill_tables[group], strict=True):
+            rows = slice(p.start, p.start + p.query_len)
+            if p.context_len == 0:  # the whole sequence is this step's keys: no gather needed
+                keys, values = k[rows], v[rows]
+            else:
+                seq_len = p.context_len + p.query_len
+                keys = k_cache.index_select(0, table).flatten(0, 1)[:seq_len]  # (seq_len, Hkv, D)
+                values = v_cache.index_select(0, table).flatten(0, 1)[:seq_len]
+            out[rows] = _attend_prefill(q[rows], keys, values, p.context_len)
+        return out
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _StepPlan, group: int
+    ) -> torch.Tensor:
+        """q (B, H, D), one query per decode sequence, over their gathered blocks -> (B, H, D)."""
+        batch, num_heads, head_dim = q.shape
+        hkv = self.num_kv_heads
+        table, length = plan.decode_tables[group], plan.decode_len
+        keys = k_cache.index_select(0, table).view(batch, -1, hkv, head_dim)[:, :length].transpose(1, 2)
+        values = v_cache.index_select(0, table).view(batch, -1, hkv, head_dim)[:, :length].transpose(1, 2)
+        # (B, Hkv, T, D). Query head h reads KV head h // G: fold the G heads of a group into query rows.
+        qg = q.reshape(batch, hkv, num_heads // hkv, head_dim)  # (B, Hkv, G, D)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=plan.decode_mask)  # (B, Hkv, G, D)
+        return out.reshape(batch, num_heads, head_dim)
+
+
+def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int) -> torch.Tensor:
+    """q (T, H, D) at cache positions ctx_len.. over k, v (ctx_len + T, Hkv, D) -> (T, H, D)."""
+    q_len = q.shape[0]
+    qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, T, D)
+    kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx + T, D)
+    if ctx_len == 0:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=q_len > 1, enable_gqa=True)
+    else:
+        # Query i sits at cache position ctx_len + i and sees keys up to there.
+        rows = torch.arange(q_len, device=q.device).unsqueeze(1) + ctx_len
+        mask = torch.arange(ctx_len + q_len, device=q.device).unsqueeze(0) <= rows  # (T, ctx + T)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)  # (T, H, D)
+
+
+def _check_pairs(pairs: Sequence[tuple[int, int]], num_src: int, num_dst: int) -> tuple[list[int], list[int]]:
+    src = [int(s) for s, _ in pairs]
+    dst = [int(d) for _, d in pairs]
+    out_of_range = [(s, d) for s, d in zip(src, dst, strict=True) if not (0 <= s < num_src and 0 <= d < num_dst)]
+    if out_of_range:
+        raise ValueError(f"block pairs {out_of_range} are out of range ({num_src} source, {num_dst} target blocks)")
+    if len(set(dst)) != len(dst):
+        raise ValueError(f"a target block appears twice in {list(pairs)}")
+    return src, dst
+
+
+def _transfer(src: PagedKVCache, dst: PagedKVCache, pairs: Sequence[tuple[int, int]]) -> None:
+    """Copy whole blocks (src block, dst block) in every layer, K and V, between two caches."""
+    if not pairs:
+        return
+    src_ids, dst_ids = _check_pairs(pairs, src.num_blocks, dst.num_blocks)
+    src_dev, dst_dev = src.k.device, dst.k.device
+    src_t = torch.tensor(src_ids, dtype=torch.long, device=src_dev)
+    dst_t = torch.tensor(dst_ids, dtype=torch.long, device=dst_dev)
+    for s, d in ((src.k, dst.k), (src.v, dst.v)):
+        if src_dev == dst_dev:
+            d.index_copy_(1, dst_t, s.index_select(1, src_t))
+        elif dst_dev.type != "cpu":  # host -> device: gather into pinned memory, one async upload
+            staged = torch.empty((s.shape[0], len(src_ids), *s.shape[2:]), dtype=s.dtype, pin_memory=True)
+            torch.index_select(s, 1, src_t, out=staged)  # (L, n, block_size, Hkv, D)
+            d.index_copy_(1, dst_t, staged.to(dst_dev, non_blocking=True))
+        else:  # device -> host: gather on the device, then contiguous async copies per layer and run
+            staged = s.index_select(1, src_t)  # (L, n, block_size, Hkv, D) on the device
+            for first, start, count in _runs(dst_ids):
+                for layer in range(s.shape[0]):
+                    d[layer, start : start + count].copy_(staged[layer, first : first + count], non_blocking=True)
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """Consecutive runs in ``ids`` as (index of its first entry, first id, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block in enumerate(ids):
+        if runs and block == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, block, 1))
+    return runs
