@@ -17,6 +17,7 @@ from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.models.loader import LoadedModel
 from kvserve.sampler import make_generator, sample
 from kvserve.sampling_params import SamplingParams
+from kvserve.stopping import find_stop, partial_stop_len
 
 
 @dataclass
@@ -97,14 +98,14 @@ class GenerationStream:
                 out.finish_reason = "stop"
             else:
                 out.text += detok.step(token)
-                stop_at = _find_stop(out.text, params.stop, emitted)
-                if stop_at is not None:
-                    out.text = out.text[:stop_at]
+                stop = find_stop(out.text, params.stop, emitted)
+                if stop is not None:
+                    out.text = out.text[: stop[0]]
                     out.finish_reason = "stop"
                 elif len(out.token_ids) >= self.max_new:
                     out.finish_reason = "length"
             # Hold back a tail that could still grow into a stop string.
-            safe = len(out.text) if out.finish_reason else len(out.text) - _partial_stop_len(out.text, params.stop)
+            safe = len(out.text) if out.finish_reason else len(out.text) - partial_stop_len(out.text, params.stop)
             if safe > emitted:
                 yield out.text[emitted:safe]
                 emitted = safe
@@ -113,19 +114,3 @@ class GenerationStream:
             position = len(out.prompt_token_ids) + len(out.token_ids) - 1
             logits = gen.forward_last(cache, [token], position)
 
-
-def _find_stop(text: str, stops: Sequence[str], emitted: int) -> int | None:
-    """Index where the earliest stop string starts in the not-yet-emitted part of ``text``."""
-    hits = [i for s in stops if (i := text.find(s, max(0, emitted - len(s) + 1))) != -1]
-    return min(hits) if hits else None
-
-
-def _partial_stop_len(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-    best = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:n]):
-                best = n
-                break
-    return best

@@ -1,14 +1,39 @@
-"""Logits -> next token: greedy, or temperature / top-k / top-p sampling with a per-request generator."""
+"""Logits -> next tokens for a batch of sequences, each with its own parameters and generator.
+
+Order of operations (vLLM's): penalties on the raw logits, then temperature, then top-k, top-p
+and min-p filters, then a draw from the row's own ``torch.Generator`` (greedy rows take the
+argmax). Reported logprobs are those of the raw model distribution, as vLLM reports by default.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from kvserve.sampling_params import SamplingParams
 
 
+@dataclass
+class SampleRow:
+    """What the sampler needs to know about one sequence."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float  # raw model log-probability of token_id
+    top_logprobs: dict[int, float] | None = None  # params.logprobs most likely tokens, plus token_id
+
+
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A generator owned by one request, so its samples do not depend on other requests."""
+    """A generator owned by one sequence, so its samples do not depend on the rest of the batch."""
     if params.greedy:
         return None
     generator = torch.Generator(device=device)
@@ -20,24 +45,80 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits (vocab,) float32 -> one token id."""
-    if params.greedy:
-        return int(logits.argmax())
-    logits = logits / params.temperature
-    if params.top_k != -1 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        logits = _top_p_filter(logits, params.top_p)
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One row: logits (vocab,) float32 -> token id."""
+    return sample_batch(logits.unsqueeze(0), [SampleRow(params, generator)])[0].token_id
 
 
-def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches ``top_p``."""
-    sorted_logits, order = torch.sort(logits, descending=True)
-    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-    # Drop a token when the tokens before it already reach top_p (the first one always stays).
-    drop = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(0, order, sorted_logits)
+def sample_batch(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[SampledToken]:
+    """logits (B, vocab) float32, one row per sequence -> one sampled token per row."""
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    processed = apply_penalties(logits, rows)
+    greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+    chosen = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    if greedy:
+        chosen[greedy] = processed[greedy].argmax(dim=-1)
+    random = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if random:
+        probs = filtered_probs(processed[random], [rows[i].params for i in random])
+        for j, i in enumerate(random):
+            chosen[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
+    return [_result(raw_logprobs[i], int(chosen[i]), row.params.logprobs) for i, row in enumerate(rows)]
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Repetition penalty over prompt + output tokens; presence and frequency over output tokens."""
+    if not any(row.params.has_penalties for row in rows):
+        return logits
+    logits = logits.clone()
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.has_penalties:
+            continue
+        if p.repetition_penalty != 1:
+            seen = torch.tensor(sorted({*row.prompt_token_ids, *row.output_token_ids}), dtype=torch.long)
+            if len(seen):
+                values = logits[i, seen]
+                penalised = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+                logits[i, seen] = penalised
+        if (p.presence_penalty or p.frequency_penalty) and len(row.output_token_ids):
+            counts = torch.bincount(torch.tensor(list(row.output_token_ids)), minlength=logits.shape[-1])
+            counts = counts.to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p per row: logits (B, V) -> probabilities (B, V)."""
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+    logits = logits / temperature
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab).unsqueeze(0)  # (1, V)
+    top_k = torch.tensor([p.top_k if p.top_k != -1 else vocab for p in params]).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # top-p: drop a token when the more likely tokens before it already reach top_p (the first stays).
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype).unsqueeze(1)
+    drop = (probs.cumsum(dim=-1) - probs) >= top_p
+    # min-p: drop tokens less likely than min_p times the most likely one.
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)
+    drop |= probs < min_p * probs[:, :1]
+    probs = probs.masked_fill(drop, 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.empty_like(probs).scatter_(1, order, probs)
+
+
+def _result(logprobs: torch.Tensor, token: int, num_top: int | None) -> SampledToken:
+    top = None
+    if num_top is not None:
+        top = top_logprobs(logprobs, num_top)
+        top.setdefault(token, float(logprobs[token]))
+    return SampledToken(token, float(logprobs[token]), top)
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> dict[int, float]:
+    """The k most likely tokens of a log-probability row (vocab,), most likely first."""
+    if k == 0:
+        return {}
+    values, ids = torch.topk(logprobs, k)
+    return dict(zip(ids.tolist(), values.tolist(), strict=True))

@@ -2,40 +2,91 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+MAX_N = 64
 
 
 @dataclass
 class SamplingParams:
     """Sampling options for one request.
 
-    ``temperature == 0`` is greedy decoding. ``top_k == -1`` and ``top_p == 1`` disable those
-    filters. ``seed`` makes a sampled request reproducible on its own, whatever else runs.
+    ``temperature == 0`` is greedy decoding. ``top_k == -1``, ``top_p == 1`` and ``min_p == 0``
+    disable those filters. ``seed`` makes a sampled request reproducible on its own, whatever else
+    runs in the batch. ``n`` samples share the prompt's KV blocks; with ``use_beam_search`` the
+    ``n`` best of ``best_of`` beams come back. ``logprobs``/``prompt_logprobs`` ask for that many
+    most likely tokens (plus the chosen one) at each generated / prompt position.
     """
 
+    n: int = 1
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.best_of is None:
+            self.best_of = self.n
+        _check_int("n", self.n, 1, MAX_N)
+        _check_int("best_of", self.best_of, self.n, MAX_N)
+        _check_int("max_tokens", self.max_tokens, 1, None)
+        if not self.temperature >= 0 or math.isinf(self.temperature):  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k != -1 and self.top_k < 1:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, 0, MAX_LOGPROBS)
         if any(not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
+        if self.use_beam_search:
+            self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        if self.best_of < 2:
+            raise ValueError(f"beam search needs best_of >= 2 beams, got best_of={self.best_of}")
+        if self.temperature != 0 or self.top_p != 1 or self.top_k != -1 or self.min_p != 0:
+            raise ValueError("beam search is deterministic: temperature must be 0 and top_p/top_k/min_p disabled")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def _check_int(name: str, value: object, low: int, high: int | None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an integer {bound}, got {value!r}")

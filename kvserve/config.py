@@ -1,0 +1,55 @@
+"""Engine configuration: frozen dataclasses validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.kv.sizing import parse_memory_size
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an ``LLMEngine`` needs to start. Sizes accept ``"2GiB"``-style strings or bytes."""
+
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
+    dtype: str = "float32"
+    device: str = "cpu"
+    kv_cache_memory: str | int = "1GiB"
+    swap_space: str | int = "1GiB"  # host tier for preemption by swapping
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    preemption_mode: str = "recompute"
+    max_model_len: int | None = None  # default: the model's context length
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        parse_memory_size(self.kv_cache_memory)  # raises on a bad size, naming it
+        parse_memory_size(self.swap_space)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return parse_memory_size(self.kv_cache_memory)
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return parse_memory_size(self.swap_space)

@@ -1,0 +1,381 @@
+"""``LLMEngine``: requests in, one scheduler step at a time, ``RequestOutput``s out.
+
+Each ``step()`` asks the scheduler what to run, lets the runner run it over the paged KV cache,
+samples, and updates the requests: counters, prefix-cache registration, detokenisation, stop
+checks, forking into ``best_of`` samples after the prompt, and beam search. The server and the
+offline ``LLM`` both drive this loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+
+from kvserve import beam_search
+from kvserve.attention.paged import PagedKVCache
+from kvserve.config import EngineConfig
+from kvserve.detokenizer import IncrementalDetokenizer
+from kvserve.kv.manager import KVCacheManager, KVUsage
+from kvserve.kv.sizing import kv_block_bytes
+from kvserve.models.loader import LoadedModel, load_model
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.request import Request, Sequence
+from kvserve.runner import ModelRunner
+from kvserve.sampler import SampledToken, SampleRow, make_generator, sample_batch, top_logprobs
+from kvserve.sampling_params import SamplingParams
+from kvserve.scheduler import Scheduler, SchedulerConfig
+from kvserve.stopping import find_stop, partial_stop_len
+
+logger = logging.getLogger("kvserve")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded or load_model(config.model, config.torch_dtype, config.device)
+        self.tokenizer = self.loaded.tokenizer
+        cfg = self.loaded.config
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        dtype_size = torch.empty((), dtype=self.loaded.dtype).element_size()
+        block_bytes = kv_block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype_size, config.block_size)
+        num_blocks = config.kv_cache_bytes // block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory={config.kv_cache_memory!r} holds no block; one block of {config.block_size} "
+                f"tokens needs {block_bytes} bytes"
+            )
+        num_host_blocks = config.swap_space_bytes // block_bytes
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, num_host_blocks=num_host_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )  # fmt: skip
+        cache = PagedKVCache(
+            cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, self.loaded.dtype,
+            config.device,
+        )  # fmt: skip
+        host = cache.make_host_cache(num_host_blocks) if num_host_blocks else None
+        self.runner = ModelRunner(self.loaded.model, cache, host, num_groups=1, device=config.device)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode), self.kv
+        )
+        self.requests: dict[str, Request] = {}
+        self._seqs: dict[int, tuple[Request, Sequence]] = {}
+        self._pending_beams: dict[str, dict[int, torch.Tensor]] = {}  # request -> beam -> logits row
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self.kv_summary = (
+            f"KV cache: {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size:,} tokens "
+            f"({num_blocks * block_bytes / 2**30:.2f} GiB, {self.loaded.dtype}); host tier for swapping: "
+            f"{num_host_blocks} blocks"
+        )
+        logger.info(self.kv_summary)
+
+    # ----- requests -----
+
+    def add_request(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        add_special_tokens: bool = True,
+    ) -> str:
+        """Queue a request (text or token ids); returns its id. Raises ValueError for a bad request."""
+        request_id = request_id if request_id is not None else str(next(self._request_ids))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
+        self._validate(ids)
+        seq = self._new_sequence(ids, len(ids), params, seed_offset=0)
+        request = Request(request_id, text, ids, params, [seq])
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(ids)
+            # Every prompt position needs its logits, so cached blocks cannot stand in for them.
+            request.cache_salt = ("prompt_logprobs", request_id)
+        self.requests[request_id] = request
+        self._seqs[seq.seq_id] = (request, seq)
+        self.scheduler.add(request)
+        return request_id
+
+    def _validate(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; the context is {self.max_model_len} tokens, and at least one "
+                "must be left to generate"
+            )
+        bad = [i for i in ids if not 0 <= i < self.loaded.config.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.loaded.config.vocab_size})")
+        capacity = self.kv.pool.num_blocks * self.kv.block_size
+        if len(ids) > capacity:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the whole KV cache holds {capacity} tokens")
+
+    def _new_sequence(self, ids: list[int], num_prompt: int, params: SamplingParams, seed_offset: int) -> Sequence:
+        child = params if params.seed is None else _with_seed(params, params.seed + seed_offset)
+        return Sequence(
+            seq_id=next(self._seq_ids),
+            token_ids=list(ids),
+            num_prompt_tokens=num_prompt,
+            generator=make_generator(child, self.config.device),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
+        )
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.live_seqs:
+            seq.finish_reason = "abort"
+        self._release(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def kv_usage(self) -> KVUsage:
+        return self.kv.usage()
+
+    # ----- the loop -----
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler iteration; returns outputs of every request that advanced or finished."""
+        out = self.scheduler.schedule()
+        touched: dict[str, Request] = {}
+        for request_id in out.rejected:
+            request = self.requests[request_id]
+            for seq in request.live_seqs:
+                seq.finish_reason, seq.stop_reason = "length", "kv_cache_capacity"
+            touched[request_id] = request
+        wants_all_rows = {
+            s.seq_id for s in out.scheduled if self._seqs[s.seq_id][0].prompt_logprobs is not None
+            and s.num_computed_tokens < self._seqs[s.seq_id][1].num_prompt_tokens
+        }  # fmt: skip
+        result = self.runner.execute(out, wants_all_rows)
+        sampled: dict[str, list[tuple[Sequence, torch.Tensor]]] = {}
+        for s in out.scheduled:
+            request, seq = self._seqs[s.seq_id]
+            touched[request.request_id] = request
+            seq.num_computed_tokens += len(s.token_ids)
+            self.kv.cache_full_blocks(seq.seq_id, seq.token_ids[: seq.num_computed_tokens])
+            logits = result.logits[result.rows[s.seq_id]] if result.logits is not None else None
+            if s.seq_id in wants_all_rows:
+                self._record_prompt_logprobs(request, s.num_computed_tokens, s.token_ids, logits)
+            if s.samples:
+                sampled.setdefault(request.request_id, []).append((seq, logits[-1]))
+        self._sample(sampled)
+        return [self._finish_or_report(request) for request in touched.values()]
+
+    def _record_prompt_logprobs(self, request: Request, start: int, chunk: Seq[int], logits: torch.Tensor) -> None:
+        """Row i of the chunk (position start + i) predicts the prompt token at start + i + 1."""
+        logprobs = torch.log_softmax(logits, dim=-1)
+        prompt = request.prompt_token_ids
+        for i in range(len(chunk)):
+            target = start + i + 1
+            if target >= len(prompt):
+                break
+            entry = top_logprobs(logprobs[i], request.params.prompt_logprobs)
+            entry[prompt[target]] = float(logprobs[i, prompt[target]])
+            request.prompt_logprobs[target] = entry
+
+    def _sample(self, sampled: dict[str, list[tuple[Sequence, torch.Tensor]]]) -> None:
+        rows: list[tuple[Request, Sequence]] = []
+        logits: list[torch.Tensor] = []
+        for request_id, items in sampled.items():
+            request = self.requests[request_id]
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            if request.params.use_beam_search:
+                self._beam_step(request, items)
+                continue
+            for seq, row in items:
+                for child in self._fork_for_best_of(request, seq):
+                    rows.append((request, child))
+                    logits.append(row)
+        if not rows:
+            return
+        sample_rows = [
+            SampleRow(r.params, s.generator, r.prompt_token_ids, s.output_token_ids) for r, s in rows
+        ]
+        for (request, seq), token in zip(rows, sample_batch(torch.stack(logits), sample_rows), strict=True):
+            self._append_token(request, seq, token)
+
+    def _fork_for_best_of(self, request: Request, seq: Sequence) -> list[Sequence]:
+        """After the prompt, one sequence becomes best_of sequences sharing its blocks."""
+        if not request.prefilling or request.params.best_of == 1:
+            return [seq]
+        for i in range(1, request.params.best_of):
+            child = self._new_sequence(seq.token_ids, seq.num_prompt_tokens, request.params, seed_offset=i)
+            child.num_computed_tokens = seq.num_computed_tokens
+            self.kv.fork(seq.seq_id, child.seq_id)
+            request.seqs.append(child)
+            self._seqs[child.seq_id] = (request, child)
+        return list(request.seqs)
+
+    def _beam_step(self, request: Request, items: list[tuple[Sequence, torch.Tensor]]) -> None:
+        """Advance beam search once every live beam has its next-token logits."""
+        pending = self._pending_beams.setdefault(request.request_id, {})
+        for seq, row in items:
+            pending[seq.seq_id] = row
+        live = request.live_seqs
+        if any(seq.seq_id not in pending for seq in live):
+            return  # a beam is still catching up (recomputed after preemption)
+        del self._pending_beams[request.request_id]
+        params, width = request.params, request.params.best_of
+        logprobs = torch.log_softmax(torch.stack([pending[s.seq_id] for s in live]), dim=-1)
+        candidates = beam_search.propose(logprobs, [s.cumulative_logprob for s in live], width)
+        stop_ids = self._stop_token_ids(params)
+        new_beams: list[tuple[Sequence, beam_search.Candidate]] = []
+        used: set[int] = set()
+        for cand in candidates:
+            parent = live[cand.parent]
+            if cand.token_id in stop_ids:
+                self._add_finished_beam(request, parent, cand)
+                continue
+            if len(new_beams) == width:
+                continue
+            if cand.parent in used:
+                child = self._new_sequence(parent.token_ids, parent.num_prompt_tokens, params, 0)
+                _copy_progress(parent, child)
+                self.kv.fork(parent.seq_id, child.seq_id)
+                request.seqs.append(child)
+                self._seqs[child.seq_id] = (request, child)
+                beam = child
+            else:
+                used.add(cand.parent)
+                beam = parent
+            new_beams.append((beam, cand))
+        for i, parent in enumerate(live):
+            if i not in used:  # pruned
+                parent.finish_reason = "pruned"
+                self.scheduler.free_sequence(parent)
+        for beam, cand in new_beams:
+            self._append_token(request, beam, SampledToken(cand.token_id, cand.logprob, None), beam=True)
+            if beam.finished:  # reached max_tokens or a stop string
+                request.finished_beams.append(beam)
+        still = request.live_seqs
+        finished_scores = [self._beam_score(request, s) for s in request.finished_beams]
+        if not still or beam_search.is_done(
+            finished_scores, max(s.cumulative_logprob for s in still), len(still[0].output_token_ids), width,
+            params.length_penalty,
+        ):  # fmt: skip
+            for seq in still:
+                seq.finish_reason = seq.finish_reason or "stop"
+                self._add_finished_beam(request, seq, None)
+
+    def _add_finished_beam(self, request: Request, parent: Sequence, cand: beam_search.Candidate | None) -> None:
+        if cand is None:
+            request.finished_beams.append(parent)
+            return
+        done = self._new_sequence(parent.token_ids, parent.num_prompt_tokens, request.params, 0)
+        _copy_progress(parent, done)
+        done.token_ids.append(cand.token_id)
+        done.cumulative_logprob += cand.logprob
+        done.finish_reason, done.stop_reason = "stop", cand.token_id
+        request.finished_beams.append(done)
+
+    def _beam_score(self, request: Request, seq: Sequence) -> float:
+        return beam_search.beam_score(seq.cumulative_logprob, len(seq.output_token_ids), request.params.length_penalty)
+
+    # ----- per-token bookkeeping -----
+
+    def _stop_token_ids(self, params: SamplingParams) -> set[int]:
+        ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            ids |= set(self.tokenizer.eos_token_ids)
+        return ids
+
+    def _append_token(self, request: Request, seq: Sequence, token: SampledToken, beam: bool = False) -> None:
+        params = request.params
+        seq.token_ids.append(token.token_id)
+        seq.cumulative_logprob += token.logprob
+        if params.logprobs is not None:
+            seq.logprobs.append(token.top_logprobs or {token.token_id: token.logprob})
+        if not beam and token.token_id in self._stop_token_ids(params):
+            seq.finish_reason, seq.stop_reason = "stop", token.token_id
+            return
+        seq.text += seq.detokenizer.step(token.token_id)
+        stop = find_stop(seq.text, params.stop, seq.emitted_chars)
+        if stop is not None:
+            seq.text = seq.text[: stop[0]]
+            seq.finish_reason, seq.stop_reason = "stop", stop[1]
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def _finish_or_report(self, request: Request) -> RequestOutput:
+        for seq in request.seqs:
+            if seq.finished and seq.seq_id in self.kv:
+                self.scheduler.free_sequence(seq)
+        if not request.live_seqs:
+            self._release(request)
+        return self._output(request)
+
+    def _release(self, request: Request) -> None:
+        self.scheduler.finish(request)
+        self.requests.pop(request.request_id, None)
+        for seq in request.seqs:
+            self._seqs.pop(seq.seq_id, None)
+        self._pending_beams.pop(request.request_id, None)
+        request.finish_time = time.monotonic()
+
+    def _output(self, request: Request) -> RequestOutput:
+        params = request.params
+        finished = request.finished
+        if params.use_beam_search:
+            pool = request.finished_beams if finished else request.live_seqs
+            chosen = sorted(pool, key=lambda s: self._beam_score(request, s), reverse=True)[: params.n]
+        elif finished and params.best_of > params.n:
+            chosen = sorted(request.seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+        else:
+            chosen = request.seqs[: params.n]
+        outputs = [self._completion(i, seq, params, finished) for i, seq in enumerate(chosen)]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=request.prompt_logprobs,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=request.num_cached_prompt_tokens,
+            metrics={
+                "arrival_time": request.arrival_time,
+                "first_token_time": request.first_token_time or 0.0,
+                "finish_time": request.finish_time or 0.0,
+            },
+        )
+
+    @staticmethod
+    def _completion(index: int, seq: Sequence, params: SamplingParams, finished: bool) -> CompletionOutput:
+        # While streaming, hold back a tail that may still become a stop string.
+        held = 0 if (finished or seq.finished) else partial_stop_len(seq.text, params.stop)
+        visible = len(seq.text) - held
+        seq.emitted_chars = max(seq.emitted_chars, visible)
+        return CompletionOutput(
+            index=index,
+            text=seq.text[:visible],
+            token_ids=list(seq.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=list(seq.logprobs) if params.logprobs is not None else None,
+            finish_reason=seq.finish_reason if seq.finish_reason != "pruned" else "stop",
+            stop_reason=seq.stop_reason,
+        )
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return dataclasses.replace(params, seed=seed)
+
+
+def _copy_progress(parent: Sequence, child: Sequence) -> None:
+    child.token_ids = list(parent.token_ids)
+    child.num_computed_tokens = parent.num_computed_tokens
+    child.cumulative_logprob = parent.cumulative_logprob
+    child.logprobs = list(parent.logprobs)
+    child.text = parent.text
+    child.emitted_chars = parent.emitted_chars
+

@@ -1,0 +1,100 @@
+"""The offline API, shaped like vLLM's: ``LLM(...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from kvserve.config import EngineConfig
+from kvserve.engine import LLMEngine
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """Loads a model once and runs batches of prompts through the paged engine.
+
+    Keyword arguments are ``EngineConfig`` fields: ``model``, ``dtype``, ``device``,
+    ``kv_cache_memory``, ``swap_space``, ``block_size``, ``enable_prefix_caching``,
+    ``max_num_seqs``, ``max_num_batched_tokens``, ``preemption_mode``, ``max_model_len``.
+    """
+
+    def __init__(self, model: str | None = None, **engine_options: object) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+
+    def get_tokenizer(self):  # noqa: ANN201 - kvserve.tokenizer.Tokenizer
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One ``RequestOutput`` per prompt, in prompt order. A prompt is text or a list of token ids."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run([(p, True) for p in prompts], sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (a list of messages) or several."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        prompts = [(tokenizer.encode_chat(conversation), False) for conversation in conversations]
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def _run(
+        self,
+        prompts: list[tuple[Prompt, bool]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        params = _params_per_prompt(sampling_params, len(prompts))
+        ids = [
+            self.engine.add_request(prompt, p, add_special_tokens=special)
+            for (prompt, special), p in zip(prompts, params, strict=True)
+        ]
+        results: dict[str, RequestOutput] = {}
+        progress = _progress_bar(len(ids), use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+                        if progress is not None:
+                            progress.update(1)
+        finally:
+            if progress is not None:
+                progress.close()
+            for request_id in ids:
+                if request_id not in results:
+                    self.engine.abort_request(request_id)  # interrupted: leave nothing queued
+        return [results[request_id] for request_id in ids]
+
+
+def _params_per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    if len(sampling_params) != count:
+        raise ValueError(f"got {len(sampling_params)} SamplingParams for {count} prompts")
+    return list(sampling_params)
+
+
+def _progress_bar(total: int, enabled: bool):  # noqa: ANN202 - tqdm or None
+    if not enabled or total < 2:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", unit="req", file=sys.stderr, dynamic_ncols=True)

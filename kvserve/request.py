@@ -1,0 +1,85 @@
+"""Request and sequence state: status, token lists and counters. No tensors live here.
+
+A request holds one sequence while its prompt is computed; when the prompt's last logits are
+sampled it forks into ``best_of`` sequences that share the prompt's KV blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.detokenizer import IncrementalDetokenizer
+from kvserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted by recompute
+    RUNNING = "running"
+    SWAPPED = "swapped"  # preempted, its blocks in the host tier
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    token_ids: list[int]  # prompt followed by generated tokens
+    num_prompt_tokens: int
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer | None
+    num_computed_tokens: int = 0  # tokens whose keys/values are in the cache
+    text: str = ""
+    emitted_chars: int = 0  # characters of text already streamed
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop string or token that ended it
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    cache_salt: tuple = ()  # salts prefix-cache hashes; unique when cached blocks must not be reused
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    finished_beams: list[Sequence] = field(default_factory=list)  # beam search hypotheses
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.finished]
+
+    @property
+    def prefilling(self) -> bool:
+        """True until the prompt's last logits are sampled (and the request forks into best_of)."""
+        return len(self.seqs) == 1 and not self.seqs[0].output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED

@@ -1,0 +1,233 @@
+"""Continuous batching: which sequences run this step and how many tokens each, as plain data.
+
+Iteration-level scheduling in the style of vLLM v1: there is no prefill or decode phase, only each
+sequence's ``num_computed_tokens`` against its ``num_tokens``. Every step the scheduler fills a token
+budget (``max_num_batched_tokens``) FCFS: running requests first (so decodes are never stalled by a
+long prompt, which is computed in chunks), then swapped-out requests, then waiting ones. When the
+KV cache runs out of blocks, the most recently arrived running request is preempted, by swapping
+its blocks to the host tier or by freeing them to recompute later. The scheduler only does
+bookkeeping through the ``KVCacheManager``; the runner executes what it emits.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.kv.manager import AllocationStatus, KVCacheManager
+from kvserve.request import Request, RequestStatus, Sequence
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    preemption_mode: str = "recompute"  # or "swap" (falls back to recompute when the host tier is full)
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    request_id: str
+    seq_id: int
+    token_ids: tuple[int, ...]  # the tokens computed this step
+    num_computed_tokens: int  # tokens already in the cache before this step
+    block_tables: tuple[tuple[int, ...], ...]  # one per KV group
+    samples: bool  # this chunk reaches the sequence's last token, so its logits are sampled
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledSequence, ...] = ()
+    blocks_to_swap_out: tuple[tuple[int, int], ...] = ()  # (device block, host block)
+    blocks_to_swap_in: tuple[tuple[int, int], ...] = ()  # (host block, device block)
+    blocks_to_copy: tuple[tuple[int, int], ...] = ()  # copy-on-write (src, dst) device blocks
+    preempted: tuple[str, ...] = ()  # request ids preempted this step
+    rejected: tuple[str, ...] = ()  # request ids that can never fit in the KV cache
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)
+
+
+@dataclass
+class _Step:
+    """The output being built, and what is left of the step's budgets."""
+
+    tokens_left: int
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Release a finished or pruned sequence's blocks."""
+        if seq.seq_id in self.kv:
+            self.kv.free(seq.seq_id)
+
+    def finish(self, request: Request) -> None:
+        """Remove a request from every queue and free all its blocks (finished or aborted)."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if request in queue:
+                queue.remove(request)
+        for seq in request.seqs:
+            self.free_sequence(seq)
+        request.status = RequestStatus.FINISHED
+
+    # ----- one step -----
+
+    def schedule(self) -> SchedulerOutput:
+        step = _Step(tokens_left=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:  # under memory pressure, admit nothing new this step
+            self._schedule_swapped(step)
+            self._schedule_waiting(step)
+        return SchedulerOutput(
+            scheduled=tuple(step.scheduled),
+            blocks_to_swap_out=tuple(step.swap_out),
+            blocks_to_swap_in=tuple(step.swap_in),
+            blocks_to_copy=tuple(self.kv.take_pending_copies()),
+            preempted=tuple(step.preempted),
+            rejected=tuple(step.rejected),
+        )
+
+    def _schedule_running(self, step: _Step) -> None:
+        kept: list[Request] = []
+        queue = list(self.running)
+        while queue:
+            request = queue.pop(0)
+            while not self._reserve(request, step.tokens_left):
+                victim = queue.pop() if queue else request  # the latest arrival goes first
+                self._preempt(victim, step)
+                if victim is request:
+                    break
+            else:
+                kept.append(request)
+                self._emit(request, step)
+        self.running = kept
+
+    def _schedule_swapped(self, step: _Step) -> None:
+        while self.swapped and step.tokens_left > 0:
+            request = self.swapped[0]
+            seqs = request.live_seqs
+            if self._num_running_seqs() + len(seqs) > self.config.max_num_seqs:
+                return
+            if any(self.kv.can_swap_in(s.seq_id) != AllocationStatus.OK for s in seqs):
+                return
+            self.swapped.popleft()
+            for seq in seqs:
+                step.swap_in += self.kv.swap_in(seq.seq_id)
+            self._start(request, step)
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        while self.waiting and step.tokens_left > 0:
+            request = self.waiting[0]
+            seqs = request.live_seqs
+            if self._num_running_seqs() + len(seqs) > self.config.max_num_seqs:
+                return
+            statuses = [self.kv.can_allocate(s.num_tokens, s.token_ids, request.cache_salt) for s in seqs]
+            if AllocationStatus.NEVER in statuses or self.kv.can_allocate(
+                sum(s.num_tokens for s in seqs)
+            ) == AllocationStatus.NEVER:
+                self.waiting.popleft()
+                step.rejected.append(request.request_id)
+                continue
+            if any(status != AllocationStatus.OK for status in statuses):
+                return  # FCFS: the head waits for blocks, nobody overtakes it
+            self.waiting.popleft()
+            for seq in seqs:
+                seq.num_computed_tokens = self.kv.allocate(seq.seq_id, seq.token_ids, request.cache_salt)
+            if request.prefilling:
+                request.num_cached_prompt_tokens = seqs[0].num_computed_tokens
+            self._start(request, step)
+
+    def _start(self, request: Request, step: _Step) -> None:
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        if self._reserve(request, step.tokens_left):
+            self._emit(request, step)
+
+    # ----- helpers -----
+
+    def _tokens_this_step(self, seq: Sequence, tokens_left: int) -> int:
+        return min(seq.num_uncomputed_tokens, tokens_left)
+
+    def _reserve(self, request: Request, tokens_left: int) -> bool:
+        """Slots for what each live sequence computes this step; False if the cache is full.
+        Idempotent: a retry after a preemption only appends what is still missing."""
+        for seq in request.live_seqs:
+            tokens_left_for_seq = tokens_left
+            n = self._tokens_this_step(seq, tokens_left_for_seq)
+            missing = seq.num_computed_tokens + n - self.kv.num_slots(seq.seq_id)
+            if missing > 0 and not self.kv.append_slots(seq.seq_id, missing):
+                return False
+            tokens_left -= n
+        return True
+
+    def _emit(self, request: Request, step: _Step) -> None:
+        for seq in request.live_seqs:
+            n = self._tokens_this_step(seq, step.tokens_left)
+            if n == 0:
+                continue
+            start = seq.num_computed_tokens
+            step.scheduled.append(
+                ScheduledSequence(
+                    request_id=request.request_id,
+                    seq_id=seq.seq_id,
+                    token_ids=tuple(seq.token_ids[start : start + n]),
+                    num_computed_tokens=start,
+                    block_tables=tuple(
+                        tuple(self.kv.block_table(seq.seq_id, g)) for g in range(len(self.kv.groups))
+                    ),
+                    samples=start + n == seq.num_tokens,
+                )
+            )
+            step.tokens_left -= n
+
+    def _preempt(self, request: Request, step: _Step) -> None:
+        seqs = [s for s in request.live_seqs if s.seq_id in self.kv]
+        swap = self.config.preemption_mode == "swap" and self._can_swap_out(seqs)
+        for seq in seqs:
+            if swap:
+                step.swap_out += self.kv.swap_out(seq.seq_id)
+            else:
+                self.kv.free(seq.seq_id)
+                seq.num_computed_tokens = 0
+        if swap:
+            request.status = RequestStatus.SWAPPED
+            self.swapped.appendleft(request)
+        else:
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        step.preempted.append(request.request_id)
+        self.num_preemptions += 1
+
+    def _can_swap_out(self, seqs: list[Sequence]) -> bool:
+        if self.kv.host_pool is None:
+            return False
+        blocks = sum(len(self.kv.block_table(s.seq_id, g)) for s in seqs for g in range(len(self.kv.groups)))
+        return blocks <= self.kv.host_pool.num_free
+
+    def _num_running_seqs(self) -> int:
+        return sum(len(r.live_seqs) for r in self.running)
