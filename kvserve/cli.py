@@ -8,13 +8,12 @@ from collections.abc import Sequence
 
 import torch
 
+from kvserve.config import DTYPES
 from kvserve.errors import KVServeError
 from kvserve.generation import Generator
 from kvserve.models.loader import LoadedModel, load_model
 from kvserve.progress import DelayedProgress
 from kvserve.sampling_params import SamplingParams
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -14,6 +15,7 @@ import torch
 
 from kvserve.bench.latency import DEFAULT_TEXT, KVServeEngine, TransformersEngine, measure
 from kvserve.bench.machine import describe_machine
+from kvserve.config import DTYPES
 from kvserve.models.loader import default_model_path
 from kvserve.tokenizer import Tokenizer
 
@@ -33,10 +35,22 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     )
     lat.set_defaults(func=cmd_bench_latency)
 
+    thr = bench_sub.add_parser("throughput", help="replayed Azure trace: paged engine vs transformers static batches")
+    add_model_args(thr)
+    thr.add_argument("--num-requests", type=int, default=64, help="first N requests of the trace")
+    thr.add_argument("--scale", type=float, default=4.0, help="divide the trace's token counts by this")
+    thr.add_argument("--hf-batch-size", type=int, default=8, help="transformers static batch size")
+    thr.add_argument("--kv-cache-memory", default="2GiB")
+    thr.add_argument("--max-num-seqs", type=int, default=64)
+    thr.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    thr.add_argument("--batch-sizes", default="1,4,16,64", help="decode-scaling batch sizes")
+    thr.add_argument("--decode-tokens", type=int, default=32, help="tokens per request in the decode-scaling runs")
+    thr.add_argument("--no-peer", action="store_true", help="measure kvserve only")
+    thr.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/throughput-DTYPE)")
+    thr.set_defaults(func=cmd_bench_throughput)
+
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
-    from kvserve.cli import DTYPES
-
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
@@ -108,4 +122,120 @@ def _markdown_table(report: dict) -> str:
             f"| **kvserve speed-up** | {peer['load_s'] / ours['load_s']:.2f}x | {ratios} | "
             f"{ours['decode_tokens_per_s'] / peer['decode_tokens_per_s']:.2f}x |"
         )
+    return "\n".join(lines) + "\n"
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from kvserve.bench import throughput
+    from kvserve.bench.plots import plot_decode_scaling
+    from kvserve.bench.workload import load_trace_requests
+    from kvserve.cli import load_from_args
+    from kvserve.config import EngineConfig
+    from kvserve.engine import LLMEngine
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    loaded = load_from_args(args)
+    config = EngineConfig(
+        dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+    )  # fmt: skip
+    engine = LLMEngine(config, loaded)
+    log(f"bench throughput: {loaded.path.name}, {args.dtype}, {torch.get_num_threads()} threads; {engine.kv_summary}")
+    requests = load_trace_requests(loaded.tokenizer, args.num_requests, args.scale, engine.max_model_len)
+    log(
+        f"workload: {len(requests)} requests, {sum(len(r.prompt_ids) for r in requests):,} prompt tokens, "
+        f"{sum(r.output_len for r in requests):,} output tokens"
+    )
+    results = [throughput.run_kvserve(engine, requests, log)]
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    prompts = [r.prompt_ids[:32] for r in load_trace_requests(loaded.tokenizer, max(batch_sizes), 1.0, 8192, seed=1)]
+    scaling_engine = LLMEngine(dataclasses.replace(config, enable_prefix_caching=False), loaded)
+    scaling = {"kvserve": {}}
+    for b in batch_sizes:
+        scaling["kvserve"][b] = throughput.decode_scaling_kvserve(scaling_engine, prompts[:b], args.decode_tokens)
+        log(f"  kvserve decode, batch {b}: {scaling['kvserve'][b]:.1f} tokens/s")
+    if not args.no_peer:
+        from transformers import AutoModelForCausalLM  # bench-only dependency
+
+        hf = AutoModelForCausalLM.from_pretrained(
+            loaded.path.parent, gguf_file=loaded.path.name, dtype=loaded.dtype
+        ).eval()
+        pad = loaded.tokenizer.eos_token_ids[0]
+        results.append(throughput.run_transformers(hf, requests, args.hf_batch_size, pad, log))
+        scaling["transformers"] = {}
+        for b in batch_sizes:
+            scaling["transformers"][b] = throughput.decode_scaling_transformers(hf, prompts[:b], args.decode_tokens)
+            log(f"  transformers decode, batch {b}: {scaling['transformers'][b]:.1f} tokens/s")
+
+    report = {
+        "benchmark": "throughput",
+        "date": date.today().isoformat(),
+        "command": "kvserve " + " ".join(sys.argv[1:]),
+        "model": loaded.path.name,
+        "dtype": args.dtype,
+        "machine": describe_machine(),
+        "workload": {
+            "trace": "azure_llm_inference_conv_2023.csv",
+            "num_requests": len(requests),
+            "scale": args.scale,
+            "prompt_tokens": sum(len(r.prompt_ids) for r in requests),
+            "output_tokens": sum(r.output_len for r in requests),
+            "hf_batch_size": args.hf_batch_size,
+        },
+        "results": [
+            {**asdict(r), "requests_per_s": r.requests_per_s, "output_tokens_per_s": r.output_tokens_per_s}
+            for r in results
+        ],
+        "decode_scaling_tokens_per_s": scaling,
+        "decode_tokens": args.decode_tokens,
+    }
+    out = Path(args.output or f"benchmarks/throughput-{args.dtype}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    plot_decode_scaling(scaling, out.with_suffix(".png"), f"{loaded.path.name}, {args.dtype}")
+    table = _throughput_table(report)
+    out.with_suffix(".md").write_text(table)
+    print(table)
+    return 0
+
+
+def _throughput_table(report: dict) -> str:
+    m, w = report["machine"], report["workload"]
+    lines = [
+        f"# Throughput: {report['model']}, {report['dtype']}",
+        "",
+        f"`{report['command']}` on {report['date']}: {m['cpu']}, {m['nproc']} CPUs, {m['memory_gib']} GiB, "
+        f"torch {m['torch']}, {m['torch_threads']} threads.",
+        "",
+        f"Workload: the first {w['num_requests']} requests of {w['trace']}, token counts divided by {w['scale']:g} "
+        f"({w['prompt_tokens']:,} prompt and {w['output_tokens']:,} output tokens), greedy, EOS ignored. "
+        f"transformers: static batches of {w['hf_batch_size']}.",
+        "",
+        "| engine | time (s) | requests/s | output tokens/s | KV waste % |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    results = report["results"]
+    for r in results:
+        lines.append(
+            f"| {r['engine']} | {r['seconds']:.1f} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | "
+            f"{r['kv_waste_pct']:.1f} |"
+        )
+    if len(results) == 2:
+        ratio = results[0]["output_tokens_per_s"] / results[1]["output_tokens_per_s"]
+        lines.append(f"| **kvserve / transformers** | | | **{ratio:.2f}x** | |")
+    scaling = report["decode_scaling_tokens_per_s"]
+    engines = list(scaling)
+    lines += [
+        "",
+        f"Decode tokens/s by batch size ({report['decode_tokens']} tokens per request, 32-token prompts):",
+        "",
+    ]
+    lines.append("| batch | " + " | ".join(engines) + (" | ratio |" if len(engines) == 2 else " |"))
+    lines.append("| ---: | " + " | ".join("---:" for _ in engines) + (" | ---: |" if len(engines) == 2 else " |"))
+    for b in scaling["kvserve"]:
+        values = [scaling[e][b] for e in engines]
+        ratio = f" | {values[0] / values[1]:.2f}x" if len(values) == 2 else ""
+        lines.append(f"| {b} | " + " | ".join(f"{v:.1f}" for v in values) + ratio + " |")
     return "\n".join(lines) + "\n"
