@@ -91,6 +91,11 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
         self._validate(ids)
+        if params.best_of > self.config.max_num_seqs:
+            raise ValueError(
+                f"best_of={params.best_of} sequences can never run side by side with max_num_seqs="
+                f"{self.config.max_num_seqs}"
+            )
         seq = self._new_sequence(ids, len(ids), params, seed_offset=0)
         request = Request(request_id, text, ids, params, [seq])
         if params.prompt_logprobs is not None:
@@ -152,6 +157,8 @@ class LLMEngine:
             request = self.requests[request_id]
             for seq in request.live_seqs:
                 seq.finish_reason, seq.stop_reason = "length", "kv_cache_capacity"
+                if request.params.use_beam_search:
+                    request.finished_beams.append(seq)
             touched[request_id] = request
         wants_all_rows = {
             s.seq_id for s in out.scheduled if self._seqs[s.seq_id][0].prompt_logprobs is not None
@@ -233,10 +240,11 @@ class LLMEngine:
         stop_ids = self._stop_token_ids(params)
         new_beams: list[tuple[Sequence, beam_search.Candidate]] = []
         used: set[int] = set()
-        for cand in candidates:
+        for rank, cand in enumerate(candidates):
             parent = live[cand.parent]
             if cand.token_id in stop_ids:
-                self._add_finished_beam(request, parent, cand)
+                if rank < width:  # as Hugging Face: only a stop among the top `width` ends a hypothesis
+                    self._add_finished_beam(request, parent, cand)
                 continue
             if len(new_beams) == width:
                 continue

@@ -3,10 +3,11 @@
 Iteration-level scheduling in the style of vLLM v1: there is no prefill or decode phase, only each
 sequence's ``num_computed_tokens`` against its ``num_tokens``. Every step the scheduler fills a token
 budget (``max_num_batched_tokens``) FCFS: running requests first (so decodes are never stalled by a
-long prompt, which is computed in chunks), then swapped-out requests, then waiting ones. When the
-KV cache runs out of blocks, the most recently arrived running request is preempted, by swapping
-its blocks to the host tier or by freeing them to recompute later. The scheduler only does
-bookkeeping through the ``KVCacheManager``; the runner executes what it emits.
+long prompt, which is computed in chunks), then swapped-out requests, then waiting ones (none while
+a request is swapped out: it arrived first). When the KV cache runs out of blocks, the most recently
+arrived running request is preempted, by swapping its blocks to the host tier or by freeing them to
+recompute later. The scheduler only does bookkeeping through the ``KVCacheManager``; the runner
+executes what it emits.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class _Step:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write taken from the manager so far
     preempted: list[str] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
 
@@ -102,12 +104,13 @@ class Scheduler:
         self._schedule_running(step)
         if not step.preempted:  # under memory pressure, admit nothing new this step
             self._schedule_swapped(step)
-            self._schedule_waiting(step)
+            if not self.swapped:  # FCFS: a swapped-out request arrived before every waiting one
+                self._schedule_waiting(step)
         return SchedulerOutput(
             scheduled=tuple(step.scheduled),
             blocks_to_swap_out=tuple(step.swap_out),
             blocks_to_swap_in=tuple(step.swap_in),
-            blocks_to_copy=tuple(self.kv.take_pending_copies()),
+            blocks_to_copy=tuple(step.copies + self.kv.take_pending_copies()),
             preempted=tuple(step.preempted),
             rejected=tuple(step.rejected),
         )
@@ -130,13 +133,13 @@ class Scheduler:
     def _schedule_swapped(self, step: _Step) -> None:
         while self.swapped and step.tokens_left > 0:
             request = self.swapped[0]
-            seqs = request.live_seqs
-            if self._num_running_seqs() + len(seqs) > self.config.max_num_seqs:
+            if self._num_running_seqs() + _num_seqs(request) > self.config.max_num_seqs:
                 return
-            if any(self.kv.can_swap_in(s.seq_id) != AllocationStatus.OK for s in seqs):
+            # All sequences at once, with room for their next tokens: _preempt made sure they fit.
+            if self._blocks_unshared(request) > self.kv.pool.num_free:
                 return
             self.swapped.popleft()
-            for seq in seqs:
+            for seq in request.live_seqs:
                 step.swap_in += self.kv.swap_in(seq.seq_id)
             self._start(request, step)
 
@@ -144,16 +147,14 @@ class Scheduler:
         while self.waiting and step.tokens_left > 0:
             request = self.waiting[0]
             seqs = request.live_seqs
-            if self._num_running_seqs() + len(seqs) > self.config.max_num_seqs:
-                return
-            statuses = [self.kv.can_allocate(s.num_tokens, s.token_ids, request.cache_salt) for s in seqs]
-            if AllocationStatus.NEVER in statuses or self.kv.can_allocate(
-                sum(s.num_tokens for s in seqs)
-            ) == AllocationStatus.NEVER:
+            status = self._admission(request)
+            if status == AllocationStatus.NEVER:
                 self.waiting.popleft()
                 step.rejected.append(request.request_id)
                 continue
-            if any(status != AllocationStatus.OK for status in statuses):
+            if self._num_running_seqs() + _num_seqs(request) > self.config.max_num_seqs:
+                return
+            if status != AllocationStatus.OK:
                 return  # FCFS: the head waits for blocks, nobody overtakes it
             self.waiting.popleft()
             for seq in seqs:
@@ -169,6 +170,34 @@ class Scheduler:
             self._emit(request, step)
 
     # ----- helpers -----
+
+    def _admission(self, request: Request) -> AllocationStatus:
+        """Whether all of a waiting request's sequences can get blocks now, later, or never."""
+        if _num_seqs(request) > self.config.max_num_seqs:
+            return AllocationStatus.NEVER  # best_of sequences can never run side by side
+        seqs = request.live_seqs
+        if len(seqs) == 1:
+            return self.kv.can_allocate(seqs[0].num_tokens, seqs[0].token_ids, request.cache_salt)
+        # Forked sequences back after recompute are allocated one by one, each needing its own blocks
+        # except the cached prompt blocks the first one holds by then. Counting no other hit keeps the
+        # sum an upper bound, so allocation cannot run dry half way through the request.
+        cached = min(self.kv.cached_prefix_tokens(s.token_ids, request.cache_salt) for s in seqs)
+        shared = min(cached, len(request.prompt_token_ids)) // self.kv.block_size
+        blocks = sum(self._blocks_for(s.num_tokens) for s in seqs) - (len(seqs) - 1) * shared
+        return self._pool_status(len(self.kv.groups) * blocks)
+
+    def _blocks_unshared(self, request: Request) -> int:
+        """Device blocks a request takes when each sequence holds all its tokens on its own, as after a
+        swap-in (a swap copies shared blocks once per sequence)."""
+        return len(self.kv.groups) * sum(self._blocks_for(s.num_tokens) for s in request.live_seqs)
+
+    def _pool_status(self, blocks: int) -> AllocationStatus:
+        if blocks > self.kv.pool.num_blocks:
+            return AllocationStatus.NEVER
+        return AllocationStatus.OK if blocks <= self.kv.pool.num_free else AllocationStatus.LATER
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.kv.block_size)
 
     def _tokens_this_step(self, seq: Sequence, tokens_left: int) -> int:
         return min(seq.num_uncomputed_tokens, tokens_left)
@@ -207,11 +236,13 @@ class Scheduler:
 
     def _preempt(self, request: Request, step: _Step) -> None:
         seqs = [s for s in request.live_seqs if s.seq_id in self.kv]
-        swap = self.config.preemption_mode == "swap" and self._can_swap_out(seqs)
+        swap = self.config.preemption_mode == "swap" and self._can_swap_out(request, seqs)
+        step.copies += self.kv.take_pending_copies()
         for seq in seqs:
             if swap:
-                step.swap_out += self.kv.swap_out(seq.seq_id)
+                self._swap_out(seq, step)
             else:
+                self._drop_copies_into(self._device_blocks(seq), step)
                 self.kv.free(seq.seq_id)
                 seq.num_computed_tokens = 0
         if swap:
@@ -223,11 +254,32 @@ class Scheduler:
         step.preempted.append(request.request_id)
         self.num_preemptions += 1
 
-    def _can_swap_out(self, seqs: list[Sequence]) -> bool:
+    def _swap_out(self, seq: Sequence, step: _Step) -> None:
+        # A copy-on-write queued this step runs after the swap-outs: save the copy's source instead of
+        # its target, which holds nothing yet, and drop the copy.
+        source = {dst: src for src, dst in step.copies}
+        plan = self.kv.swap_out(seq.seq_id)
+        step.swap_out += [(source.get(device, device), host) for device, host in plan]
+        self._drop_copies_into({device for device, _ in plan}, step)
+
+    def _drop_copies_into(self, blocks: set[int], step: _Step) -> None:
+        step.copies = [(src, dst) for src, dst in step.copies if dst not in blocks]
+
+    def _device_blocks(self, seq: Sequence) -> set[int]:
+        return {b for g in range(len(self.kv.groups)) for b in self.kv.block_table(seq.seq_id, g)}
+
+    def _can_swap_out(self, request: Request, seqs: list[Sequence]) -> bool:
         if self.kv.host_pool is None:
             return False
         blocks = sum(len(self.kv.block_table(s.seq_id, g)) for s in seqs for g in range(len(self.kv.groups)))
-        return blocks <= self.kv.host_pool.num_free
+        # Swapped out, forked sequences no longer share blocks: if they could never all come back, or
+        # a sequence could never take its next token, swapping would only bounce; recompute instead.
+        return blocks <= self.kv.host_pool.num_free and self._blocks_unshared(request) <= self.kv.pool.num_blocks
 
     def _num_running_seqs(self) -> int:
-        return sum(len(r.live_seqs) for r in self.running)
+        return sum(_num_seqs(r) for r in self.running)
+
+
+def _num_seqs(request: Request) -> int:
+    """Sequences a request runs: one still computing its prompt forks into best_of after it."""
+    return request.params.best_of if request.prefilling else len(request.live_seqs)

@@ -51,7 +51,7 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
 def test_bad_sampling_value_is_a_clear_error():
     result = run_cli("generate", "--temperature", "-1", "hi")
     assert result.returncode == 2
-    assert "temperature must be >= 0, got -1" in result.stderr
+    assert "temperature must be >= 0 and finite, got -1.0" in result.stderr
 
 
 def test_progress_is_silent_for_quick_steps():
