@@ -170,7 +170,6 @@ class LLMEngine:
             request, seq = self._seqs[s.seq_id]
             touched[request.request_id] = request
             seq.num_computed_tokens += len(s.token_ids)
-            self.kv.cache_full_blocks(seq.seq_id, seq.token_ids[: seq.num_computed_tokens])
             logits = result.logits[result.rows[s.seq_id]] if result.logits is not None else None
             if s.seq_id in wants_all_rows:
                 self._record_prompt_logprobs(request, s.num_computed_tokens, s.token_ids, logits)

@@ -206,8 +206,7 @@ class Scheduler:
         """Slots for what each live sequence computes this step; False if the cache is full.
         Idempotent: a retry after a preemption only appends what is still missing."""
         for seq in request.live_seqs:
-            tokens_left_for_seq = tokens_left
-            n = self._tokens_this_step(seq, tokens_left_for_seq)
+            n = self._tokens_this_step(seq, tokens_left)
             missing = seq.num_computed_tokens + n - self.kv.num_slots(seq.seq_id)
             if missing > 0 and not self.kv.append_slots(seq.seq_id, missing):
                 return False
@@ -220,6 +219,10 @@ class Scheduler:
             if n == 0:
                 continue
             start = seq.num_computed_tokens
+            # Full blocks this step computes are findable at once (as in vLLM v1): a request admitted
+            # later in this same step may reuse them, because every layer writes the step's keys and
+            # values before any sequence attends.
+            self.kv.cache_full_blocks(seq.seq_id, seq.token_ids[: start + n])
             step.scheduled.append(
                 ScheduledSequence(
                     request_id=request.request_id,

@@ -183,6 +183,22 @@ def test_prefix_caching_hits_and_matches_generator(folder, loaded, generator):
     assert tokens(first + later) == reference(generator, prompts, params)
 
 
+def test_requests_admitted_in_one_step_share_the_blocks_that_step_computes(folder, loaded, generator):
+    base = "the quick brown fox jumps over the lazy dog. "
+    prompts = [base + "the cat", base + "hello there"]
+    engine = make_engine(folder, loaded)
+    steps = record(engine)
+    params = greedy(6)
+    ids = [engine.tokenizer.encode(p) for p in prompts]
+    shared = next(i for i, (a, b) in enumerate(zip(*ids, strict=False)) if a != b) // BLOCK * BLOCK
+    outputs = run(engine, prompts, params)
+    first_step = steps[0].scheduled
+    assert [s.request_id for s in first_step] == [o.request_id for o in outputs]  # one step, together
+    assert outputs[1].num_cached_tokens == shared > 0
+    assert first_step[1].num_computed_tokens == shared  # the second computes only its own suffix
+    assert tokens(outputs) == reference(generator, prompts, params)
+
+
 def test_prefix_caching_off_reports_no_hits(folder, loaded):
     engine = make_engine(folder, loaded, enable_prefix_caching=False)
     run(engine, PROMPTS[:1], greedy(2))

@@ -11,8 +11,9 @@ Choices, each following vLLM:
 - Prefix hits count whole blocks and stop before the prompt's last token: a prompt whose every
   block is cached still recomputes its last block, so the step has logits to sample from. Hits are the
   same count in every group (the computed-token count is per sequence).
-- Blocks are hashed (``cache_full_blocks``) only once the caller says their tokens' KV is written, so a
-  request can never hit a block that is still being computed.
+- Blocks are hashed only when the caller registers them (``cache_full_blocks``). The scheduler registers
+  the full blocks a step is about to compute (vLLM v1 does the same): every layer writes the step's keys
+  and values before any sequence attends, so a request admitted in that same step may already share them.
 - ``free`` releases each table back to front: a sequence's tail blocks, the least likely to be shared
   by another prompt, are evicted first.
 - Copy-on-write happens on append: writing into a partly filled last block that is shared (after
