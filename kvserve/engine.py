@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import time
 from collections.abc import Sequence as Seq
 
@@ -22,6 +21,7 @@ from kvserve.config import EngineConfig
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.kv.manager import KVCacheManager, KVUsage
 from kvserve.kv.sizing import kv_block_bytes
+from kvserve.log import get_logger
 from kvserve.models.loader import LoadedModel, load_model
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.request import Request, Sequence
@@ -30,8 +30,6 @@ from kvserve.sampler import SampledToken, SampleRow, make_generator, sample_batc
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler, SchedulerConfig
 from kvserve.stopping import find_stop, partial_stop_len
-
-logger = logging.getLogger("kvserve")
 
 
 class LLMEngine:
@@ -73,7 +71,7 @@ class LLMEngine:
             f"({num_blocks * block_bytes / 2**30:.2f} GiB, {self.loaded.dtype}); host tier for swapping: "
             f"{num_host_blocks} blocks"
         )
-        logger.info(self.kv_summary)
+        get_logger().info(self.kv_summary)
 
     # ----- requests -----
 

@@ -49,6 +49,15 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     thr.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/throughput-DTYPE)")
     thr.set_defaults(func=cmd_bench_throughput)
 
+    pre = bench_sub.add_parser("prefix", help="requests sharing a long system prompt: prefix caching on vs off")
+    add_model_args(pre)
+    pre.add_argument("--num-requests", type=int, default=32)
+    pre.add_argument("--shared-tokens", type=int, default=1500, help="length of the shared system prompt")
+    pre.add_argument("--max-tokens", type=int, default=16)
+    pre.add_argument("--kv-cache-memory", default="2GiB")
+    pre.add_argument("--output", default=None, help="OUTPUT.json/.md (default: benchmarks/prefix-DTYPE)")
+    pre.set_defaults(func=cmd_bench_prefix)
+
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
     if args.threads is not None:
@@ -239,3 +248,63 @@ def _throughput_table(report: dict) -> str:
         ratio = f" | {values[0] / values[1]:.2f}x" if len(values) == 2 else ""
         lines.append(f"| {b} | " + " | ".join(f"{v:.1f}" for v in values) + ratio + " |")
     return "\n".join(lines) + "\n"
+
+
+def cmd_bench_prefix(args: argparse.Namespace) -> int:
+    from kvserve.bench.prefix import run_shared_prefix
+    from kvserve.bench.workload import AUSTEN
+    from kvserve.cli import load_from_args
+    from kvserve.config import EngineConfig
+    from kvserve.engine import LLMEngine
+
+    loaded = load_from_args(args)
+    tok = loaded.tokenizer
+    text = AUSTEN.read_text(errors="replace")
+    shared = tok.encode(text[: args.shared_tokens * 8], add_special_tokens=False)[: args.shared_tokens]
+    questions = [line for line in text.splitlines() if len(line) > 60][1000 : 1000 + args.num_requests]
+    prompts = [shared + tok.encode(f"\nQuestion {i}: {q}\nAnswer:", add_special_tokens=False)
+               for i, q in enumerate(questions)]  # fmt: skip
+    results = []
+    for caching in (True, False):
+        config = EngineConfig(
+            dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
+            enable_prefix_caching=caching,
+        )  # fmt: skip
+        result = run_shared_prefix(LLMEngine(config, loaded), prompts, args.max_tokens)
+        print(f"  prefix caching {'on' if caching else 'off'}: {result.seconds:.1f} s, mean TTFT "
+              f"{result.mean_ttft_s:.2f} s, hit rate {result.prefix_hit_rate:.1%}", file=sys.stderr)  # fmt: skip
+        results.append(result)
+    report = {
+        "benchmark": "prefix",
+        "date": date.today().isoformat(),
+        "command": "kvserve " + " ".join(sys.argv[1:]),
+        "model": loaded.path.name,
+        "dtype": args.dtype,
+        "machine": describe_machine(),
+        "workload": {"num_requests": len(prompts), "shared_tokens": len(shared), "max_tokens": args.max_tokens},
+        "results": [asdict(r) for r in results],
+    }
+    out = Path(args.output or f"benchmarks/prefix-{args.dtype}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    on, off = results
+    m = report["machine"]
+    table = "\n".join([
+        f"# Shared system prompt: {report['model']}, {report['dtype']}",
+        "",
+        f"`{report['command']}` on {report['date']}: {m['cpu']}, {m['nproc']} CPUs, torch {m['torch']}, "
+        f"{m['torch_threads']} threads. {len(prompts)} requests arriving together, each a {len(shared)}-token "
+        f"shared prompt (Austen) plus its own question, {args.max_tokens} greedy tokens each.",
+        "",
+        "| prefix caching | total (s) | mean TTFT (s) | p50 TTFT (s) | max TTFT (s) | hit rate | cached tokens/req |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *[
+            f"| {'on' if r.prefix_caching else 'off'} | {r.seconds:.1f} | {r.mean_ttft_s:.2f} | {r.p50_ttft_s:.2f} | "
+            f"{r.max_ttft_s:.2f} | {r.prefix_hit_rate:.1%} | {r.cached_tokens_per_request:.0f} |"
+            for r in results
+        ],
+        f"| **saving** | {off.seconds / on.seconds:.2f}x | {off.mean_ttft_s / on.mean_ttft_s:.2f}x | | | | |",
+    ]) + "\n"  # fmt: skip
+    out.with_suffix(".md").write_text(table)
+    print(table)
+    return 0

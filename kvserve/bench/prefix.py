@@ -1,0 +1,55 @@
+"""Shared system prompt: N requests that start with the same long prompt, prefix caching on vs off.
+
+All requests arrive at once. With caching, the first request's prompt blocks are computed once
+and every other request reuses them in the same step, so each computes only its own question.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvserve.engine import LLMEngine
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class PrefixResult:
+    prefix_caching: bool
+    seconds: float
+    mean_ttft_s: float
+    p50_ttft_s: float
+    max_ttft_s: float
+    prefix_hit_rate: float  # of all prompt tokens looked up
+    cached_tokens_per_request: float
+    prompt_tokens: int
+
+
+def run_shared_prefix(engine: LLMEngine, prompts: Sequence[list[int]], max_tokens: int) -> PrefixResult:
+    before = engine.kv_usage()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    arrival = time.monotonic()
+    ids = [engine.add_request(p, params) for p in prompts]
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    seconds = time.perf_counter() - start
+    ttft = [finished[i].metrics["first_token_time"] - arrival for i in ids]
+    after = engine.kv_usage()
+    queried = after.prefix_query_tokens - before.prefix_query_tokens
+    hits = after.prefix_hit_tokens - before.prefix_hit_tokens
+    return PrefixResult(
+        prefix_caching=engine.config.enable_prefix_caching,
+        seconds=seconds,
+        mean_ttft_s=statistics.mean(ttft),
+        p50_ttft_s=statistics.median(ttft),
+        max_ttft_s=max(ttft),
+        prefix_hit_rate=hits / queried if queried else 0.0,
+        cached_tokens_per_request=statistics.mean(finished[i].num_cached_tokens for i in ids),
+        prompt_tokens=sum(len(p) for p in prompts),
+    )
