@@ -137,7 +137,7 @@ def _markdown_table(report: dict) -> str:
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from kvserve.bench import throughput
     from kvserve.bench.plots import plot_decode_scaling
-    from kvserve.bench.workload import load_trace_requests
+    from kvserve.bench.workload import fixed_length_prompts, load_trace_requests
     from kvserve.cli import load_from_args
     from kvserve.config import EngineConfig
     from kvserve.engine import LLMEngine
@@ -159,7 +159,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     )
     results = [throughput.run_kvserve(engine, requests, log)]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    prompts = [r.prompt_ids[:32] for r in load_trace_requests(loaded.tokenizer, max(batch_sizes), 1.0, 8192, seed=1)]
+    prompts = fixed_length_prompts(loaded.tokenizer, max(batch_sizes), 32)
     scaling_engine = LLMEngine(dataclasses.replace(config, enable_prefix_caching=False), loaded)
     scaling = {"kvserve": {}}
     for b in batch_sizes:

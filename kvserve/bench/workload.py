@@ -53,6 +53,15 @@ def load_trace_requests(
     return requests
 
 
+def fixed_length_prompts(
+    tokenizer: Tokenizer, count: int, length: int, text: Path = AUSTEN, seed: int = 1
+) -> list[list[int]]:
+    """``count`` distinct prompts of exactly ``length`` tokens of real text."""
+    pool = _token_pool(tokenizer, text, count * length * 2)
+    starts = random.Random(seed).sample(range(len(pool) - length), count)
+    return [pool[s : s + length] for s in starts]
+
+
 def _token_pool(tokenizer: Tokenizer, text: Path, min_tokens: int) -> list[int]:
     content = text.read_text(errors="replace")
     chars = min_tokens * 6
