@@ -88,7 +88,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
-        self._validate(ids)
+        self.validate_prompt(ids)
         if params.best_of > self.config.max_num_seqs:
             raise ValueError(
                 f"best_of={params.best_of} sequences can never run side by side with max_num_seqs="
@@ -105,7 +105,8 @@ class LLMEngine:
         self.scheduler.add(request)
         return request_id
 
-    def _validate(self, ids: list[int]) -> None:
+    def validate_prompt(self, ids: list[int]) -> None:
+        """Raise ValueError for a prompt that can never run. Reads only fixed sizes, so any thread may call it."""
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.max_model_len:

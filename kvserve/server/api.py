@@ -1,0 +1,138 @@
+"""The OpenAI-compatible HTTP API: ``build_app(async_engine, model_name, api_key=None)`` -> FastAPI app.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as server-sent events
+with ``stream: true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. With an ``api_key``,
+every ``/v1`` route needs ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open.
+Errors use OpenAI's shape with the offending field in ``param``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvserve.server.async_engine import AsyncEngine
+from kvserve.server.chat import create_chat_completion
+from kvserve.server.completions import create_completion
+from kvserve.server.errors import ApiError, from_validation_errors
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from kvserve.server.serving import ClientDisconnected, ServeContext
+from kvserve.server.tokens import TokenTexts
+
+CLIENT_CLOSED = 499  # nginx's status for a client that hung up; nobody receives it
+
+
+def build_app(
+    async_engine: AsyncEngine,
+    model_name: str,
+    api_key: str | None = None,
+    model_aliases: Iterable[str] = (),
+    model_root: str | None = None,
+) -> FastAPI:
+    """The app; its lifespan starts the engine thread and shuts it down (aborting what is left)."""
+    ctx = ServeContext(
+        engine=async_engine,
+        model_name=model_name,
+        accepted_names=frozenset([model_name, *model_aliases]),
+        texts=TokenTexts(async_engine.engine.tokenizer),
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        yield
+        await asyncio.to_thread(async_engine.shutdown)
+
+    app = FastAPI(title="kvserve", lifespan=lifespan)
+    app.state.ctx = ctx
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    _add_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        return await create_completion(ctx, await _parse(raw, CompletionRequest), raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        return await create_chat_completion(ctx, await _parse(raw, ChatCompletionRequest), raw)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = ModelCard(id=model_name, root=model_root, max_model_len=ctx.max_model_len)
+        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_running:
+            return _error(ApiError(503, "the engine is not running", type="server_error"))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = async_engine.metrics.render() if async_engine.metrics is not None else b""
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+async def _parse(raw: Request, model: type[BaseModel]) -> BaseModel:
+    """The JSON body as ``model``, whatever the content type says (``curl -d`` sends a form type)."""
+    try:
+        return model.model_validate_json(await raw.body())
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors()) from None
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body().model_dump(), status_code=exc.status, headers=exc.headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return _error(from_validation_errors(exc.errors()))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return _error(ApiError(exc.status_code, str(exc.detail), headers=exc.headers))
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=CLIENT_CLOSED)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        return _error(ApiError(500, f"internal server error: {exc!r}", type="server_error"))
+
+
+class ApiKeyMiddleware:
+    """Plain ASGI (so streaming responses pass through untouched): ``/v1`` needs the bearer key."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization")
+            if given is None or not secrets.compare_digest(given, self.expected):
+                message = "missing API key: send 'Authorization: Bearer <key>'" if given is None else "invalid API key"
+                error = ApiError(401, message, None, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await _error(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

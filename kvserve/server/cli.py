@@ -1,0 +1,73 @@
+"""``kvserve serve``: load a model, start the engine thread and serve the OpenAI API with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from kvserve.config import PREEMPTION_MODES
+
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+def add_serve_parser(sub: argparse._SubParsersAction, add_model_args: Callable) -> None:
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (completions, chat, metrics)")
+    add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("KVSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KVSERVE_API_KEY, else none)",
+    )
+    serve.add_argument("--max-queue", type=int, default=None, help="most requests waiting + running; more get 503")
+    serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
+    serve.add_argument("--kv-cache-memory", default="1GiB")
+    serve.add_argument("--swap-space", default="1GiB", help="host tier for preemption by swapping")
+    serve.add_argument("--max-num-seqs", type=int, default=64)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    serve.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--no-prefix-caching", action="store_true")
+    serve.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    serve.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn  # the web stack loads only for this command
+
+    from kvserve.cli import load_from_args
+    from kvserve.config import EngineConfig
+    from kvserve.engine import LLMEngine
+    from kvserve.models.loader import default_model_path
+    from kvserve.server.api import build_app
+    from kvserve.server.async_engine import AsyncEngine
+    from kvserve.server.metrics import ServerMetrics
+
+    if args.max_queue is not None and args.max_queue < 1:
+        raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    config = EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
+        swap_space=args.swap_space, block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        preemption_mode=args.preemption_mode, max_model_len=args.max_model_len,
+    )  # fmt: skip
+    engine = LLMEngine(config, load_from_args(args))
+    path = Path(args.model).expanduser() if args.model else default_model_path()
+    name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
+    aliases = {str(path), str(path.resolve()), args.model or DEFAULT_SERVED_NAME}
+    metrics = ServerMetrics(name)
+    app = build_app(AsyncEngine(engine, metrics, args.max_queue), name, args.api_key, aliases, str(path))
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"kvserve: serving {name} at http://{host}:{args.port}/v1", file=sys.stderr)
+    limits = f"context {engine.max_model_len} tokens, at most {config.max_num_seqs} sequences per step"
+    queue = f", at most {args.max_queue} requests queued" if args.max_queue else ""
+    print(f"kvserve: {limits}{queue}; API key {'required' if args.api_key else 'not required'}", file=sys.stderr)
+    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"kvserve: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0

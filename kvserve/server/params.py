@@ -1,0 +1,93 @@
+"""Request body -> ``SamplingParams``, with each ``ValueError`` turned into a 400 that names the field."""
+
+from __future__ import annotations
+
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.errors import ApiError, bad_request
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+
+_FIELDS = (
+    "n", "best_of", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs", "seed", "stop",
+)  # fmt: skip
+_SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+
+def completion_params(body: CompletionRequest, max_num_seqs: int) -> SamplingParams:
+    if body.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    prompt_logprobs = body.logprobs if body.echo else None
+    renames = {"prompt_logprobs": "logprobs"}
+    return _build(body, body.max_tokens, body.logprobs, prompt_logprobs, renames, max_num_seqs)
+
+
+def chat_params(body: ChatCompletionRequest, prompt_len: int, max_model_len: int, max_num_seqs: int) -> SamplingParams:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is None:  # as OpenAI and vLLM: up to the end of the context
+        max_tokens = max(1, max_model_len - prompt_len)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return _build(body, max_tokens, logprobs, None, {"max_tokens": field, "logprobs": "top_logprobs"}, max_num_seqs)
+
+
+def _build(
+    body: _SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    renames: dict[str, str],
+    max_num_seqs: int,
+) -> SamplingParams:
+    if body.seed is not None and not _SEED_RANGE[0] <= body.seed <= _SEED_RANGE[1]:
+        raise bad_request(f"seed must be a 64-bit integer, got {body.seed}", "seed")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    try:
+        params = SamplingParams(
+            n=body.n,
+            best_of=body.best_of,
+            use_beam_search=body.use_beam_search,
+            length_penalty=body.length_penalty,
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            seed=body.seed,
+            stop=stop,
+            stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+        )
+    except ValueError as exc:
+        raise _named(str(exc), body, renames) from None
+    if params.best_of > max_num_seqs:
+        param = "best_of" if body.best_of is not None else "n"
+        raise bad_request(
+            f"{param}={params.best_of} sequences can never run side by side: the server runs at most "
+            f"{max_num_seqs} sequences at once (--max-num-seqs)",
+            param,
+        )
+    if body.stream and (params.best_of > params.n or params.use_beam_search):
+        param = "use_beam_search" if params.use_beam_search else "best_of"
+        raise bad_request(f"{param} cannot be streamed: the best sequences are only known at the end", param)
+    return params
+
+
+def _named(message: str, body: _SamplingFields, renames: dict[str, str]) -> ApiError:
+    """A 400 for a ``SamplingParams`` error; its message starts with the field's name."""
+    first = message.split(" ", 1)[0]
+    if first in _FIELDS:
+        param = renames.get(first, first)
+        if param != first:
+            message = param + message[len(first) :]
+        return bad_request(message, param)
+    if message.startswith("beam search"):
+        return bad_request(message, "use_beam_search")
+    return bad_request(message)

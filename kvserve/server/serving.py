@@ -1,0 +1,142 @@
+"""What both endpoints share: admission into the engine, results with disconnect detection, SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+from starlette.requests import Request
+
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.async_engine import AsyncEngine, EngineStepError, EngineStoppedError, QueueFullError, RequestStream
+from kvserve.server.errors import ApiError, bad_request
+from kvserve.server.tokens import TokenTexts
+
+RETRY_AFTER_S = 1
+DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class ServeContext:
+    """Everything a handler needs; built once by ``build_app``."""
+
+    engine: AsyncEngine
+    model_name: str
+    accepted_names: frozenset[str]
+    texts: TokenTexts
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - kvserve.tokenizer.Tokenizer
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.engine.config.max_num_seqs
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.accepted_names:
+            raise ApiError(
+                404, f"The model `{name}` does not exist; this server serves `{self.model_name}`", "model",
+                code="model_not_found",
+            )  # fmt: skip
+
+    def check_prompt(self, ids: Sequence[int], param: str) -> None:
+        try:
+            self.engine.engine.validate_prompt(list(ids))
+        except ValueError as exc:
+            raise bad_request(str(exc), param) from None
+
+    async def admit(
+        self, request_id: str, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[RequestStream]:
+        """One engine request per prompt, all admitted or none; errors become 400 / 503."""
+        items = [(f"{request_id}-{i}", ids, params) for i, ids in enumerate(prompts)]
+        try:
+            return await self.engine.add_requests(items)
+        except QueueFullError as exc:
+            raise ApiError(503, str(exc), None, "server_busy", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineStoppedError as exc:
+            raise ApiError(503, str(exc), None, "server_error", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready."""
+
+
+async def results(streams: Sequence[RequestStream], raw: Request) -> list[RequestOutput]:
+    """The final output of every stream; aborts them all if the client disconnects or anything fails."""
+    gather = asyncio.ensure_future(asyncio.gather(*(s.result() for s in streams)))
+    watch = asyncio.ensure_future(_wait_disconnect(raw))
+    try:
+        await asyncio.wait({gather, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not gather.done():
+            raise ClientDisconnected()
+        return gather.result()
+    except EngineStepError as exc:
+        raise ApiError(500, str(exc), None, "server_error") from None
+    except EngineStoppedError as exc:
+        raise ApiError(503, str(exc), None, "server_error") from None
+    finally:
+        watch.cancel()
+        if not gather.done():
+            gather.cancel()
+        for stream in streams:
+            stream.abort()
+
+
+async def _wait_disconnect(raw: Request) -> None:
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they come; the caller aborts the streams."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        live = len(tasks)
+        while live:
+            index, item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+def sse_error(exc: Exception) -> str:
+    error = exc if isinstance(exc, ApiError) else ApiError(500, str(exc), None, "server_error")
+    return f"data: {error.body().model_dump_json()}\n\n"

@@ -1,0 +1,65 @@
+"""``kvserve serve`` as a user runs it: a subprocess on a tiny model, driven over HTTP, stopped with Ctrl-C."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_command_serves_and_stops_cleanly(tiny_folder):
+    port = free_port()
+    command = [
+        sys.executable, "-m", "kvserve.cli", "serve", "--model", str(tiny_folder), "--port", str(port),
+        "--threads", "1", "--api-key", "sk-cli", "--max-queue", "8", "--served-model-name", "tiny-cli",
+        "--kv-cache-memory", "8MiB", "--block-size", "8", "--max-num-seqs", "4", "--log-level", "warning",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert process.poll() is None, process.communicate()[1]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "kvserve serve did not come up"
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-cli", max_retries=0)
+        assert client.models.list().data[0].id == "tiny-cli"
+        response = client.completions.create(model="tiny-cli", prompt="hello", max_tokens=5, temperature=0)
+        assert response.usage.completion_tokens <= 5 and response.choices[0].finish_reason in ("stop", "length")
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0) as bad:
+            try:
+                bad.models.list()
+                raise AssertionError("a wrong API key was accepted")
+            except openai.AuthenticationError:
+                pass
+        # n above --max-num-seqs can never run
+        try:
+            client.completions.create(model="tiny-cli", prompt="hello", max_tokens=5, n=5)
+            raise AssertionError("n > max_num_seqs was accepted")
+        except openai.BadRequestError as exc:
+            assert exc.body["param"] == "n" and "max-num-seqs" in exc.body["message"]
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            _, stderr = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert process.returncode == 0, stderr
+    assert f"serving tiny-cli at http://127.0.0.1:{port}/v1" in stderr
+    assert "KV cache:" in stderr and "blocks x 8 tokens" in stderr
