@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -57,6 +58,31 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     pre.add_argument("--kv-cache-memory", default="2GiB")
     pre.add_argument("--output", default=None, help="OUTPUT.json/.md (default: benchmarks/prefix-DTYPE)")
     pre.set_defaults(func=cmd_bench_prefix)
+
+    srv = bench_sub.add_parser("serve", help="load generator against any OpenAI-compatible server (streaming)")
+    srv.add_argument("--base-url", required=True, help="the server's API root, e.g. http://127.0.0.1:8000/v1")
+    srv.add_argument("--model", default=None, help="model name to request (default: the first in GET /models)")
+    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    srv.add_argument("--num-requests", type=int, default=64)
+    srv.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second, or inf")
+    srv.add_argument("--sweep-rates", default=None, help="comma-separated rates (e.g. 1,2,4,inf); draws a PNG")
+    srv.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
+    srv.add_argument("--workload", choices=["azure", "synthetic"], default="azure")
+    srv.add_argument("--scale", type=float, default=4.0, help="azure: divide the trace's token counts by this")
+    srv.add_argument("--input-len", type=int, default=256, help="synthetic: prompt tokens")
+    srv.add_argument("--output-len", type=int, default=128, help="synthetic: output tokens")
+    srv.add_argument("--max-model-len", type=int, default=2048, help="azure: clamp prompt + output to this")
+    srv.add_argument("--tokenizer", default=None, help="GGUF or HF folder whose tokenizer builds the prompts "
+                     "(default: SmolLM2-135M-Instruct)")  # fmt: skip
+    srv.add_argument("--seed", type=int, default=0, help="prompt offsets and arrival times")
+    srv.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
+    srv.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    srv.add_argument("--label", default=None, help="name of the server under test (default: the model name)")
+    srv.add_argument("--compare-with", action="append", default=[], metavar="REPORT.json",
+                     help="another server's `bench serve` report to draw in the same PNG (repeatable)")  # fmt: skip
+    srv.add_argument("--output", default=None, help="OUTPUT.json/.md(/.png) (default: benchmarks/serve-LABEL)")
+    srv.set_defaults(func=cmd_bench_serve)
 
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
@@ -308,3 +334,151 @@ def cmd_bench_prefix(args: argparse.Namespace) -> int:
     out.with_suffix(".md").write_text(table)
     print(table)
     return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import re
+
+    from kvserve.bench import serve
+    from kvserve.bench.plots import plot_serving_latency
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    rates = _parse_rates(args.sweep_rates) if args.sweep_rates else [args.request_rate]
+    extra_body = _parse_extra_body(args.extra_body)
+    others = _other_reports(args.compare_with)
+    if args.num_requests < 1:
+        raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
+    tokenizer_path = Path(args.tokenizer) if args.tokenizer else default_model_path()
+    requests, workload = _serve_workload(args, _load_tokenizer(tokenizer_path))
+    model = args.model or asyncio.run(serve.first_model_id(args.base_url, args.api_key))
+    label = args.label or Path(model).name
+    target = serve.ServeTarget(args.base_url, model, args.endpoint, args.api_key, args.request_timeout, extra_body)
+    log(f"bench serve: {label} at {target.url()}, model {model!r}; {workload['description']}")
+    runs = []
+    for rate in rates:
+        log(f"request rate {rate:g}/s, concurrency {args.concurrency or 'unlimited'}:")
+        results, duration = asyncio.run(serve.run_load(target, requests, rate, args.concurrency, args.seed, log))
+        summary = serve.summarize(results, duration)
+        if summary["failed"]:
+            log(f"  {summary['failed']} requests failed, e.g. {summary['errors'][0]}")
+        if summary["short_requests"]:
+            log(f"  warning: {summary['short_requests']} requests got fewer tokens than they asked for: the server "
+                "stopped them early (EOS not ignored? streams interrupted by newer requests?)")  # fmt: skip
+        runs.append({"request_rate": rate, "concurrency": args.concurrency, "summary": summary})
+
+    report = {
+        "benchmark": "serve",
+        "date": date.today().isoformat(),
+        "command": "kvserve " + " ".join(sys.argv[1:]),
+        "label": label,
+        "base_url": args.base_url,
+        "model": model,
+        "endpoint": args.endpoint,
+        "tokenizer": tokenizer_path.name,
+        "machine": describe_machine(),
+        "workload": workload,
+        "runs": [{**run, "request_rate": _rate_json(run["request_rate"])} for run in runs],
+    }
+    out = Path(args.output or f"benchmarks/serve-{re.sub(r'[^A-Za-z0-9_.-]+', '_', label)}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    servers = {label: runs}
+    for name, other_runs in others:
+        while name in servers:
+            name += "'"
+        servers[name] = other_runs
+    if len(runs) > 1 or len(servers) > 1:
+        plot_serving_latency(servers, out.with_suffix(".png"), workload["description"])
+    m = report["machine"]
+    text = "\n".join([
+        f"# Serving: {label}",
+        "",
+        f"`{report['command']}` on {report['date']}: {m['cpu']}, {m['nproc']} CPUs, {m['memory_gib']} GiB. "
+        f"Model {model!r} via {target.url()}; {workload['description']}; greedy, EOS ignored, streamed.",
+        "",
+        serve.table(runs),
+    ])  # fmt: skip
+    out.with_suffix(".md").write_text(text)
+    print(text)
+    return 0 if all(run["summary"]["completed"] for run in runs) else 1
+
+
+def _other_reports(paths: list[str]) -> list[tuple[str, list[dict]]]:
+    """(label, runs) of other ``bench serve`` reports, read before the benchmark runs so a bad path fails early."""
+    reports = []
+    for path in paths:
+        try:
+            report = json.loads(Path(path).read_text())
+            reports.append((str(report["label"]), list(report["runs"])))
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"--compare-with {path} is not a readable `kvserve bench serve` report: {exc}") from exc
+    return reports
+
+
+def _parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise ValueError(f"--sweep-rates must be comma-separated numbers or inf, got {text!r}") from exc
+    if not rates or any(r <= 0 for r in rates):
+        raise ValueError(f"--sweep-rates must be positive numbers or inf, got {text!r}")
+    return rates
+
+
+def _parse_extra_body(text: str | None) -> dict:
+    if text is None:
+        return {}
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--extra-body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ValueError(f"--extra-body must be a JSON object, got {text!r}")
+    return body
+
+
+def _rate_json(rate: float) -> float | str:
+    return "inf" if math.isinf(rate) else rate
+
+
+def _load_tokenizer(path: Path) -> Tokenizer:
+    from kvserve.models import gguf_file
+
+    if path.is_dir():
+        return Tokenizer.from_hf_folder(path)
+    if not path.is_file():
+        raise ValueError(f"--tokenizer {path} does not exist")
+    return Tokenizer.from_gguf(gguf_file.open_gguf(path))
+
+
+def _serve_workload(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[list, dict]:
+    from kvserve.bench import serve
+    from kvserve.bench.workload import (
+        AZURE_CONV_TRACE,
+        TraceRequest,
+        fixed_length_prompts,
+        load_trace_requests,
+    )
+
+    if args.workload == "azure":
+        trace = load_trace_requests(tokenizer, args.num_requests, args.scale, args.max_model_len, seed=args.seed)
+        description = f"first {len(trace)} requests of {AZURE_CONV_TRACE.name}, token counts / {args.scale:g}"
+    else:
+        if args.input_len < 1 or args.output_len < 1:
+            raise ValueError(f"--input-len and --output-len must be >= 1, got {args.input_len}, {args.output_len}")
+        prompts = fixed_length_prompts(tokenizer, args.num_requests, args.input_len, seed=args.seed + 1)
+        trace = [TraceRequest(p, args.output_len) for p in prompts]
+        description = f"{len(trace)} synthetic requests, {args.input_len} prompt + {args.output_len} output tokens"
+    workload = {
+        "kind": args.workload,
+        "description": description,
+        "num_requests": len(trace),
+        "scale": args.scale if args.workload == "azure" else None,
+        "prompt_tokens": sum(len(r.prompt_ids) for r in trace),
+        "output_tokens": sum(r.output_len for r in trace),
+        "seed": args.seed,
+    }
+    return serve.build_requests(tokenizer, trace), workload

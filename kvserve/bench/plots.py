@@ -25,3 +25,51 @@ def plot_decode_scaling(scaling: dict[str, dict[int, float]], path: Path, title:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_serving_latency(runs_by_server: dict[str, list[dict]], path: Path, title: str) -> None:
+    """TTFT (p50, p99) and TPOT (p50, p99) against request rate, one colour per server.
+
+    ``runs_by_server`` maps a server label to ``kvserve bench serve`` runs (``request_rate`` and
+    ``summary``). An infinite rate is drawn one step to the right of the largest finite one.
+    """
+    import math
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    finite = [r["request_rate"] for runs in runs_by_server.values() for r in runs if not _is_inf(r["request_rate"])]
+    inf_x = max(finite) * 2 if finite else 1.0
+    fig, (ax_ttft, ax_tpot) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, (server, runs) in enumerate(runs_by_server.items()):
+        runs = sorted(runs, key=lambda r: math.inf if _is_inf(r["request_rate"]) else float(r["request_rate"]))
+        xs = [inf_x if _is_inf(r["request_rate"]) else float(r["request_rate"]) for r in runs]
+        colour = f"C{i}"
+        for ax, metric in ((ax_ttft, "ttft_ms"), (ax_tpot, "tpot_ms")):
+            for pct, style in (("p50", "-"), ("p99", "--")):
+                ys = [r["summary"][metric][pct] for r in runs]
+                ys = [math.nan if y is None else y for y in ys]
+                ax.plot(xs, ys, style, marker="o", color=colour, label=f"{server} {pct}")
+    ticks = sorted(set(finite)) + ([inf_x] if any(_has_inf(runs) for runs in runs_by_server.values()) else [])
+    for ax, name in ((ax_ttft, "time to first token (ms)"), (ax_tpot, "time per output token (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [("inf" if t == inf_x and t not in finite else f"{t:g}") for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("request rate (requests/s)")
+        ax.set_ylabel(name)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Serving latency vs request rate\n{title}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _is_inf(rate: float | str) -> bool:
+    return rate == "inf" or (isinstance(rate, float) and rate == float("inf"))
+
+
+def _has_inf(runs: list[dict]) -> bool:
+    return any(_is_inf(r["request_rate"]) for r in runs)
