@@ -9,13 +9,12 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
-from datetime import date
 from pathlib import Path
 
 import torch
 
 from kvserve.bench.latency import DEFAULT_TEXT, KVServeEngine, TransformersEngine, measure
-from kvserve.bench.machine import describe_machine
+from kvserve.bench.report import new_report, write_report
 from kvserve.config import DTYPES
 from kvserve.models.loader import default_model_path
 from kvserve.tokenizer import Tokenizer
@@ -107,21 +106,8 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
         engines.append(lambda: TransformersEngine(model_path, dtype))
     results = [measure(make, prompt_ids, lengths, args.decode_tokens, args.repeats, log) for make in engines]
 
-    report = {
-        "benchmark": "latency",
-        "date": date.today().isoformat(),
-        "command": "kvserve " + " ".join(sys.argv[1:]),
-        "model": model_path.name,
-        "dtype": args.dtype,
-        "machine": describe_machine(),
-        "results": [asdict(r) for r in results],
-    }
-    out = Path(args.output or f"benchmarks/latency-{args.dtype}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    table = _markdown_table(report)
-    out.with_suffix(".md").write_text(table)
-    print(table)
+    report = new_report("latency", model=model_path.name, dtype=args.dtype, results=[asdict(r) for r in results])
+    write_report(Path(args.output or f"benchmarks/latency-{args.dtype}"), report, _markdown_table(report))
     return 0
 
 
@@ -204,14 +190,11 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
             scaling["transformers"][b] = throughput.decode_scaling_transformers(hf, prompts[:b], args.decode_tokens)
             log(f"  transformers decode, batch {b}: {scaling['transformers'][b]:.1f} tokens/s")
 
-    report = {
-        "benchmark": "throughput",
-        "date": date.today().isoformat(),
-        "command": "kvserve " + " ".join(sys.argv[1:]),
-        "model": loaded.path.name,
-        "dtype": args.dtype,
-        "machine": describe_machine(),
-        "workload": {
+    report = new_report(
+        "throughput",
+        model=loaded.path.name,
+        dtype=args.dtype,
+        workload={
             "trace": "azure_llm_inference_conv_2023.csv",
             "num_requests": len(requests),
             "scale": args.scale,
@@ -219,20 +202,16 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
             "output_tokens": sum(r.output_len for r in requests),
             "hf_batch_size": args.hf_batch_size,
         },
-        "results": [
+        results=[
             {**asdict(r), "requests_per_s": r.requests_per_s, "output_tokens_per_s": r.output_tokens_per_s}
             for r in results
         ],
-        "decode_scaling_tokens_per_s": scaling,
-        "decode_tokens": args.decode_tokens,
-    }
+        decode_scaling_tokens_per_s=scaling,
+        decode_tokens=args.decode_tokens,
+    )
     out = Path(args.output or f"benchmarks/throughput-{args.dtype}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report(out, report, _throughput_table(report))
     plot_decode_scaling(scaling, out.with_suffix(".png"), f"{loaded.path.name}, {args.dtype}")
-    table = _throughput_table(report)
-    out.with_suffix(".md").write_text(table)
-    print(table)
     return 0
 
 
@@ -300,19 +279,13 @@ def cmd_bench_prefix(args: argparse.Namespace) -> int:
         print(f"  prefix caching {'on' if caching else 'off'}: {result.seconds:.1f} s, mean TTFT "
               f"{result.mean_ttft_s:.2f} s, hit rate {result.prefix_hit_rate:.1%}", file=sys.stderr)  # fmt: skip
         results.append(result)
-    report = {
-        "benchmark": "prefix",
-        "date": date.today().isoformat(),
-        "command": "kvserve " + " ".join(sys.argv[1:]),
-        "model": loaded.path.name,
-        "dtype": args.dtype,
-        "machine": describe_machine(),
-        "workload": {"num_requests": len(prompts), "shared_tokens": len(shared), "max_tokens": args.max_tokens},
-        "results": [asdict(r) for r in results],
-    }
-    out = Path(args.output or f"benchmarks/prefix-{args.dtype}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    report = new_report(
+        "prefix",
+        model=loaded.path.name,
+        dtype=args.dtype,
+        workload={"num_requests": len(prompts), "shared_tokens": len(shared), "max_tokens": args.max_tokens},
+        results=[asdict(r) for r in results],
+    )
     on, off = results
     m = report["machine"]
     table = "\n".join([
@@ -331,8 +304,7 @@ def cmd_bench_prefix(args: argparse.Namespace) -> int:
         ],
         f"| **saving** | {off.seconds / on.seconds:.2f}x | {off.mean_ttft_s / on.mean_ttft_s:.2f}x | | | | |",
     ]) + "\n"  # fmt: skip
-    out.with_suffix(".md").write_text(table)
-    print(table)
+    write_report(Path(args.output or f"benchmarks/prefix-{args.dtype}"), report, table)
     return 0
 
 
@@ -369,29 +341,17 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                 "stopped them early (EOS not ignored? streams interrupted by newer requests?)")  # fmt: skip
         runs.append({"request_rate": rate, "concurrency": args.concurrency, "summary": summary})
 
-    report = {
-        "benchmark": "serve",
-        "date": date.today().isoformat(),
-        "command": "kvserve " + " ".join(sys.argv[1:]),
-        "label": label,
-        "base_url": args.base_url,
-        "model": model,
-        "endpoint": args.endpoint,
-        "tokenizer": tokenizer_path.name,
-        "machine": describe_machine(),
-        "workload": workload,
-        "runs": [{**run, "request_rate": _rate_json(run["request_rate"])} for run in runs],
-    }
+    report = new_report(
+        "serve",
+        label=label,
+        base_url=args.base_url,
+        model=model,
+        endpoint=args.endpoint,
+        tokenizer=tokenizer_path.name,
+        workload=workload,
+        runs=[{**run, "request_rate": _rate_json(run["request_rate"])} for run in runs],
+    )
     out = Path(args.output or f"benchmarks/serve-{re.sub(r'[^A-Za-z0-9_.-]+', '_', label)}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    servers = {label: runs}
-    for name, other_runs in others:
-        while name in servers:
-            name += "'"
-        servers[name] = other_runs
-    if len(runs) > 1 or len(servers) > 1:
-        plot_serving_latency(servers, out.with_suffix(".png"), workload["description"])
     m = report["machine"]
     text = "\n".join([
         f"# Serving: {label}",
@@ -401,8 +361,14 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         "",
         serve.table(runs),
     ])  # fmt: skip
-    out.with_suffix(".md").write_text(text)
-    print(text)
+    write_report(out, report, text)
+    servers = {label: runs}
+    for name, other_runs in others:
+        while name in servers:
+            name += "'"
+        servers[name] = other_runs
+    if len(runs) > 1 or len(servers) > 1:
+        plot_serving_latency(servers, out.with_suffix(".png"), workload["description"])
     return 0 if all(run["summary"]["completed"] for run in runs) else 1
 
 
