@@ -183,21 +183,13 @@ class Scheduler:
         # sum an upper bound, so allocation cannot run dry half way through the request.
         cached = min(self.kv.cached_prefix_tokens(s.token_ids, request.cache_salt) for s in seqs)
         shared = min(cached, len(request.prompt_token_ids)) // self.kv.block_size
-        blocks = sum(self._blocks_for(s.num_tokens) for s in seqs) - (len(seqs) - 1) * shared
-        return self._pool_status(len(self.kv.groups) * blocks)
+        blocks = sum(self.kv.blocks_for(s.num_tokens) for s in seqs) - (len(seqs) - 1) * shared
+        return self.kv.device_status(len(self.kv.groups) * blocks)
 
     def _blocks_unshared(self, request: Request) -> int:
         """Device blocks a request takes when each sequence holds all its tokens on its own, as after a
         swap-in (a swap copies shared blocks once per sequence)."""
-        return len(self.kv.groups) * sum(self._blocks_for(s.num_tokens) for s in request.live_seqs)
-
-    def _pool_status(self, blocks: int) -> AllocationStatus:
-        if blocks > self.kv.pool.num_blocks:
-            return AllocationStatus.NEVER
-        return AllocationStatus.OK if blocks <= self.kv.pool.num_free else AllocationStatus.LATER
-
-    def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.kv.block_size)
+        return len(self.kv.groups) * sum(self.kv.blocks_for(s.num_tokens) for s in request.live_seqs)
 
     def _tokens_this_step(self, seq: Sequence, tokens_left: int) -> int:
         return min(seq.num_uncomputed_tokens, tokens_left)

@@ -127,7 +127,7 @@ class KVCacheManager:
         """Whether a new sequence of ``num_tokens`` fits; pass its ``token_ids`` to count cached prefix blocks."""
         if not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
-        total = len(self.groups) * self._blocks_for(num_tokens)
+        total = len(self.groups) * self.blocks_for(num_tokens)
         if total > self.pool.num_blocks:
             return AllocationStatus.NEVER
         hits = self._lookup(token_ids, extra)[1] if token_ids else [[] for _ in self.groups]
@@ -145,7 +145,7 @@ class KVCacheManager:
         if not token_ids:
             raise ValueError(f"sequence {seq_id}: cannot allocate KV blocks for an empty prompt")
         hashes, hits = self._lookup(token_ids, extra)
-        num_blocks = self._blocks_for(len(token_ids))
+        num_blocks = self.blocks_for(len(token_ids))
         needed = len(self.groups) * num_blocks - _count_held(hits)
         if needed > self.pool.num_free:
             raise NoFreeBlocksError(
@@ -198,7 +198,7 @@ class KVCacheManager:
         return True
 
     def _blocks_needed(self, table: _GroupTable, num_new: int) -> int:
-        grow = self._blocks_for(table.num_slots + num_new) - len(table.blocks)
+        grow = self.blocks_for(table.num_slots + num_new) - len(table.blocks)
         return grow + self._must_copy(table, num_new)
 
     def _must_copy(self, table: _GroupTable, num_new: int) -> bool:
@@ -212,7 +212,7 @@ class KVCacheManager:
             table.blocks[-1] = dst
             self._pending_copies.append((src.block_id, dst.block_id))
         table.num_slots += num_new
-        table.blocks += self.pool.allocate(self._blocks_for(table.num_slots) - len(table.blocks))
+        table.blocks += self.pool.allocate(self.blocks_for(table.num_slots) - len(table.blocks))
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write copies ``(src_block, dst_block)`` the runner must do before the next forward."""
@@ -335,10 +335,15 @@ class KVCacheManager:
             prefix_hit_tokens=self._hit_tokens,
         )
 
-    # ----- helpers -----
+    def device_status(self, num_blocks: int) -> AllocationStatus:
+        """Whether ``num_blocks`` device blocks are free now, may be later, or never can be."""
+        return self._status(num_blocks, self.pool)
 
-    def _blocks_for(self, num_slots: int) -> int:
+    def blocks_for(self, num_slots: int) -> int:
+        """Blocks that hold ``num_slots`` token slots."""
         return -(-num_slots // self.block_size)
+
+    # ----- helpers -----
 
     def _num_blocks_of(self, seq: _Sequence) -> int:
         return sum(len(table.blocks) for table in seq.tables)
