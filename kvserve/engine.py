@@ -96,6 +96,8 @@ class LLMEngine:
             )
         seq = self._new_sequence(ids, len(ids), params, seed_offset=0)
         request = Request(request_id, text, ids, params, [seq])
+        eos = () if params.ignore_eos else self.tokenizer.eos_token_ids
+        request.stop_token_ids = frozenset((*params.stop_token_ids, *eos))
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(ids)
             # Every prompt position needs its logits, so cached blocks cannot stand in for them.
@@ -235,7 +237,7 @@ class LLMEngine:
         params, width = request.params, request.params.best_of
         logprobs = torch.log_softmax(torch.stack([pending[s.seq_id] for s in live]), dim=-1)
         candidates = beam_search.propose(logprobs, [s.cumulative_logprob for s in live], width)
-        stop_ids = self._stop_token_ids(params)
+        stop_ids = request.stop_token_ids
         new_beams: list[tuple[Sequence, beam_search.Candidate]] = []
         used: set[int] = set()
         for rank, cand in enumerate(candidates):
@@ -291,19 +293,13 @@ class LLMEngine:
 
     # ----- per-token bookkeeping -----
 
-    def _stop_token_ids(self, params: SamplingParams) -> set[int]:
-        ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            ids |= set(self.tokenizer.eos_token_ids)
-        return ids
-
     def _append_token(self, request: Request, seq: Sequence, token: SampledToken, beam: bool = False) -> None:
         params = request.params
         seq.token_ids.append(token.token_id)
         seq.cumulative_logprob += token.logprob
         if params.logprobs is not None:
             seq.logprobs.append(token.top_logprobs or {token.token_id: token.logprob})
-        if not beam and token.token_id in self._stop_token_ids(params):
+        if not beam and token.token_id in request.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token.token_id
             return
         seq.text += seq.detokenizer.step(token.token_id)

@@ -67,6 +67,7 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    stop_token_ids: frozenset[int] = frozenset()  # ends a sequence: the request's stop ids, plus EOS unless ignored
     cache_salt: tuple = ()  # salts prefix-cache hashes; unique when cached blocks must not be reused
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     finished_beams: list[Sequence] = field(default_factory=list)  # beam search hypotheses
