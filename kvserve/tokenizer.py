@@ -168,12 +168,12 @@ class Tokenizer:
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre_type: str) -> BackendTokenizer:
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_spelling = {b: c for b, c in enumerate(_bytes_to_unicode())}
+    byte_spelling = bytes_to_unicode()
+    alphabet = set(byte_spelling)
     vocab = {}
     for index, token in enumerate(tokens):
         # Tokens written outside the byte alphabet (rare, mislabelled specials) are respelled in it.
-        key = token if set(token) <= set(alphabet) else "".join(byte_spelling[b] for b in token.encode())
+        key = token if set(token) <= alphabet else "".join(byte_spelling[b] for b in token.encode())
         vocab.setdefault(key, index)
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     backend = BackendTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
@@ -192,7 +192,7 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre_type: str) -> Back
     return backend
 
 
-def _bytes_to_unicode() -> list[str]:
+def bytes_to_unicode() -> list[str]:
     """GPT-2's printable spelling of each byte value 0..255."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
     printable += list(range(ord("®"), ord("ÿ") + 1))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvserve.server.protocol import ChatLogprobToken, CompletionLogprobs, TopLogprob
-from kvserve.tokenizer import Tokenizer, _bytes_to_unicode
+from kvserve.tokenizer import Tokenizer, bytes_to_unicode
 
 Logprobs = Sequence[dict[int, float] | None]  # per position: token id -> logprob (top k plus the chosen one)
 
@@ -21,7 +21,7 @@ class TokenTexts:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         byte_level = type(tokenizer.backend.decoder).__name__ == "ByteLevel"
-        self._byte_of = {c: b for b, c in enumerate(_bytes_to_unicode())} if byte_level else None
+        self._byte_of = {c: b for b, c in enumerate(bytes_to_unicode())} if byte_level else None
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def get(self, token_id: int) -> tuple[str, list[int]]:
