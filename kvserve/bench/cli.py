@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from kvserve.bench.latency import DEFAULT_TEXT, KVServeEngine, TransformersEngine, measure
+from kvserve.bench.latency import KVServeEngine, TransformersEngine, measure
 from kvserve.bench.report import new_report, write_report
+from kvserve.bench.workload import AUSTEN
 from kvserve.config import DTYPES
 from kvserve.models.loader import default_model_path
 from kvserve.tokenizer import Tokenizer
@@ -28,7 +29,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     lat.add_argument("--prefill-lengths", default="512,2048", help="comma-separated prompt lengths")
     lat.add_argument("--decode-tokens", type=int, default=128)
     lat.add_argument("--repeats", type=int, default=3)
-    lat.add_argument("--text", default=str(DEFAULT_TEXT), help="text file the prompts are cut from")
+    lat.add_argument("--text", default=str(AUSTEN), help="text file the prompts are cut from")
     lat.add_argument("--no-peer", action="store_true", help="measure kvserve only")
     lat.add_argument(
         "--output", default=None, help="writes OUTPUT.json and OUTPUT.md (default: benchmarks/latency-DTYPE)"
@@ -257,7 +258,6 @@ def _throughput_table(report: dict) -> str:
 
 def cmd_bench_prefix(args: argparse.Namespace) -> int:
     from kvserve.bench.prefix import run_shared_prefix
-    from kvserve.bench.workload import AUSTEN
     from kvserve.cli import load_from_args
     from kvserve.config import EngineConfig
     from kvserve.engine import LLMEngine

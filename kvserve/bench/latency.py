@@ -18,8 +18,6 @@ from kvserve.generation import Generator
 from kvserve.models.loader import load_model
 from kvserve.sampling_params import SamplingParams
 
-DEFAULT_TEXT = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "prose" / "austen.txt"
-
 
 @dataclass
 class LatencyResult:
