@@ -26,7 +26,7 @@ from kvserve.models.loader import LoadedModel, load_model
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.request import Request, Sequence
 from kvserve.runner import ModelRunner
-from kvserve.sampler import SampledToken, SampleRow, make_generator, sample_batch, top_logprobs
+from kvserve.sampler import SampledToken, SampleRow, make_generator, sample_batch
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler, SchedulerConfig
 from kvserve.stopping import find_stop, partial_stop_len
@@ -181,15 +181,22 @@ class LLMEngine:
 
     def _record_prompt_logprobs(self, request: Request, start: int, chunk: Seq[int], logits: torch.Tensor) -> None:
         """Row i of the chunk (position start + i) predicts the prompt token at start + i + 1."""
-        logprobs = torch.log_softmax(logits, dim=-1)
         prompt = request.prompt_token_ids
-        for i in range(len(chunk)):
-            target = start + i + 1
-            if target >= len(prompt):
-                break
-            entry = top_logprobs(logprobs[i], request.params.prompt_logprobs)
-            entry[prompt[target]] = float(logprobs[i, prompt[target]])
-            request.prompt_logprobs[target] = entry
+        rows = min(len(chunk), len(prompt) - start - 1)  # the last prompt token predicts no prompt token
+        if rows <= 0:
+            return
+        logprobs = torch.log_softmax(logits[:rows], dim=-1)  # (rows, vocab); batched: evals score long windows
+        targets = torch.tensor(prompt[start + 1 : start + 1 + rows], dtype=torch.long, device=logprobs.device)
+        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        k = request.params.prompt_logprobs
+        top_ids, top_values = ([[]] * rows, [[]] * rows)
+        if k:
+            values, ids = torch.topk(logprobs, k, dim=-1)
+            top_ids, top_values = ids.tolist(), values.tolist()
+        for i in range(rows):
+            entry = dict(zip(top_ids[i], top_values[i], strict=True))
+            entry[prompt[start + 1 + i]] = chosen[i]
+            request.prompt_logprobs[start + 1 + i] = entry
 
     def _sample(self, sampled: dict[str, list[tuple[Sequence, torch.Tensor]]]) -> None:
         rows: list[tuple[Request, Sequence]] = []

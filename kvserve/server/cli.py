@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from kvserve.config import PREEMPTION_MODES
+from kvserve.engine_args import add_engine_args, engine_config_from_args
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
@@ -25,14 +25,7 @@ def add_serve_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     )
     serve.add_argument("--max-queue", type=int, default=None, help="most requests waiting + running; more get 503")
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
-    serve.add_argument("--kv-cache-memory", default="1GiB")
-    serve.add_argument("--swap-space", default="1GiB", help="host tier for preemption by swapping")
-    serve.add_argument("--max-num-seqs", type=int, default=64)
-    serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    serve.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    serve.add_argument("--block-size", type=int, default=16)
-    serve.add_argument("--no-prefix-caching", action="store_true")
-    serve.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
+    add_engine_args(serve)
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     serve.set_defaults(func=cmd_serve)
 
@@ -41,7 +34,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn  # the web stack loads only for this command
 
     from kvserve.cli import load_from_args
-    from kvserve.config import EngineConfig
     from kvserve.engine import LLMEngine
     from kvserve.models.loader import default_model_path
     from kvserve.server.api import build_app
@@ -50,12 +42,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_queue is not None and args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
-    config = EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
-        swap_space=args.swap_space, block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        preemption_mode=args.preemption_mode, max_model_len=args.max_model_len,
-    )  # fmt: skip
+    config = engine_config_from_args(args)
     engine = LLMEngine(config, load_from_args(args))
     path = Path(args.model).expanduser() if args.model else default_model_path()
     name = args.served_model_name or args.model or DEFAULT_SERVED_NAME

@@ -1,0 +1,35 @@
+"""Command-line options that build an ``EngineConfig``, shared by every command that runs the engine."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict
+
+from kvserve.config import PREEMPTION_MODES, EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser, kv_cache_memory: str = "1GiB") -> None:
+    """The paged engine's options (model, dtype, device and threads come from ``add_model_args``)."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--kv-cache-memory", default=kv_cache_memory, help="device KV cache size, e.g. 2GiB")
+    group.add_argument("--swap-space", default="1GiB", help="host tier for preemption by swapping")
+    group.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    group.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    group.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    group.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
+        swap_space=args.swap_space, block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        preemption_mode=args.preemption_mode, max_model_len=args.max_model_len,
+    )  # fmt: skip
+
+
+def describe_config(config: EngineConfig) -> dict[str, object]:
+    """The configuration as plain JSON data, for reports."""
+    return asdict(config)
