@@ -1,4 +1,4 @@
-"""The ``kvserve`` command: ``generate``, ``serve`` and ``bench``."""
+"""The ``kvserve`` command: ``generate``, ``serve``, ``bench`` and ``eval``."""
 
 from __future__ import annotations
 
@@ -74,10 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     from kvserve.bench.cli import add_bench_parser
+    from kvserve.eval.cli import add_eval_parser
     from kvserve.server.cli import add_serve_parser
 
     add_serve_parser(sub, add_model_args)
     add_bench_parser(sub, add_model_args)
+    add_eval_parser(sub, add_model_args)
     return parser
 
 

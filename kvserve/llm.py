@@ -25,6 +25,13 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options: object) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an engine that is already built (the CLI's, an eval's) instead of loading another."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
     def get_tokenizer(self):  # noqa: ANN201 - kvserve.tokenizer.Tokenizer
         return self.engine.tokenizer
 

@@ -7,11 +7,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvserve.eval.data import AUSTEN, AZURE_CONV_TRACE
 from kvserve.tokenizer import Tokenizer
-
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-AZURE_CONV_TRACE = DATA / "traces" / "azure_llm_inference_conv_2023.csv"
-AUSTEN = DATA / "prose" / "austen.txt"
 
 
 @dataclass(frozen=True)

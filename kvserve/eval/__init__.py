@@ -1,0 +1,1 @@
+"""Evaluation: perplexity, multiple-choice accuracy, long-document QA and needle retrieval, for any engine setup."""

@@ -1,0 +1,44 @@
+"""An eval's JSON: the headline, the results, the full engine configuration, the model's hash, the machine."""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from kvserve.bench.machine import describe_machine
+
+
+def eval_report(
+    kind: str, headline: str, results: dict, *, backend: str, engine: dict, model: dict, options: dict
+) -> dict:
+    return {
+        "eval": kind,
+        "headline": headline,
+        "results": results,
+        "backend": backend,
+        "engine": engine,
+        "model": model,
+        "options": options,
+        "command": "kvserve " + " ".join(sys.argv[1:]),
+        "date": datetime.now().isoformat(timespec="seconds"),
+        "machine": describe_machine(),
+    }
+
+
+def write_eval_report(report: dict, output: Path) -> Path:
+    output = output if output.suffix == ".json" else output.with_suffix(".json")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    return output
+
+
+def load_eval_report(path: Path) -> dict:
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not a readable eval report: {exc}") from exc
+    if not isinstance(report, dict) or "eval" not in report or "results" not in report:
+        raise ValueError(f"{path} is not a kvserve eval report (no 'eval' and 'results' fields)")
+    return report
