@@ -177,7 +177,7 @@ class _Session:
         if self.backend == "hf":
             from kvserve.eval.hf_reference import TransformersScorer
 
-            return TransformersScorer(self.loaded.path, self.loaded.dtype)
+            return TransformersScorer.load(self.loaded.path, self.loaded.dtype)
         from kvserve.eval.loglikelihood import EngineScorer
 
         return EngineScorer(self.engine())
@@ -198,8 +198,9 @@ class _Session:
         engine = asdict(self.config)
         if self.backend == "kvserve" and self._engine is not None:
             engine["max_model_len"] = self._engine.max_model_len
+        backend = "transformers" if self.backend == "hf" else "kvserve"
         report = eval_report(
-            kind, headline, results, backend=self.backend, engine=engine,
+            kind, headline, results, backend=backend, engine=engine,
             model=model_fingerprint(self.loaded.path), options=options,
         )  # fmt: skip
         path = write_eval_report(report, self.report_path(kind, task))
@@ -212,13 +213,13 @@ _SIZE = re.compile(r"^(\d+(?:\.\d+)?)([kK]?)$")
 
 
 def parse_lengths(spec: str) -> list[int]:
-    """``"1k,2k,4k"`` -> [1024, 2048, 4096]; plain numbers are tokens."""
+    """``"1k,2k,4k"`` -> [1000, 2000, 4000] (decimal, so 8k fits a context of 8,192); plain numbers are tokens."""
     lengths = []
     for part in spec.split(","):
         match = _SIZE.match(part.strip())
         if not match:
             raise ValueError(f"bad length {part!r} in {spec!r}; expected e.g. 1k,2k,4k or 1500")
-        value = float(match.group(1)) * (1024 if match.group(2) else 1)
+        value = float(match.group(1)) * (1000 if match.group(2) else 1)
         if value < 16:
             raise ValueError(f"length {part!r} is too short; at least 16 tokens")
         lengths.append(int(value))

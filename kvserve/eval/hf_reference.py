@@ -17,15 +17,19 @@ class TransformersScorer:
 
     name = "transformers"
 
-    def __init__(self, model_path: Path, dtype: torch.dtype = torch.float32, progress: bool = True) -> None:
+    def __init__(self, model, progress: bool = True) -> None:  # noqa: ANN001 - a transformers PreTrainedModel
+        self.model = model.eval()
+        self.progress = progress
+
+    @classmethod
+    def load(cls, model_path: Path, dtype: torch.dtype = torch.float32, progress: bool = True) -> TransformersScorer:
         from transformers import AutoModelForCausalLM  # test/bench-only dependency
 
         if model_path.suffix == ".gguf":  # transformers dequantises GGUF tensors on load
             model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, dtype=dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-        self.model = model.eval()
-        self.progress = progress
+        return cls(model, progress)
 
     @torch.inference_mode()
     def loglikelihood(self, requests: Sequence[LoglikelihoodRequest]) -> list[Loglikelihood]:

@@ -29,13 +29,16 @@ def sliding_windows(num_tokens: int, context: int, stride: int) -> list[Window]:
         raise ValueError(f"stride must be in [1, context={context}], got {stride}")
     if num_tokens < 2:
         raise ValueError(f"the text has {num_tokens} tokens; perplexity needs at least 2")
-    windows, prev_end = [], 0
-    for begin in range(0, num_tokens, stride):
-        end = min(begin + context, num_tokens)
-        windows.append(Window(begin, end, max(prev_end, begin + 1)))
-        prev_end = end
-        if end == num_tokens:
-            break
+    end = min(context, num_tokens)
+    windows = [Window(0, end, 1)]
+    while end < num_tokens:
+        new_end = min(end + stride, num_tokens)
+        begin = max(0, new_end - context)
+        if begin >= end:  # stride == context: keep one token of history so no token goes unscored
+            begin = end - 1
+            new_end = min(begin + context, num_tokens)
+        windows.append(Window(begin, new_end, end))
+        end = new_end
     return windows
 
 

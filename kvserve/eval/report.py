@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -30,8 +31,19 @@ def eval_report(
 def write_eval_report(report: dict, output: Path) -> Path:
     output = output if output.suffix == ".json" else output.with_suffix(".json")
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(report, indent=2) + "\n")
+    output.write_text(json.dumps(_finite(report), indent=2, allow_nan=False) + "\n")
     return output
+
+
+def _finite(value: object) -> object:
+    """NaN (a standard error of one sample) becomes null: strict JSON has no NaN."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def load_eval_report(path: Path) -> dict:
