@@ -190,8 +190,8 @@ class LLMEngine:
         chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
         k = request.params.prompt_logprobs
         top_ids, top_values = ([[]] * rows, [[]] * rows)
-        if k:
-            values, ids = torch.topk(logprobs, k, dim=-1)
+        if k:  # max is several times faster than topk for the common k=1 (evals ask for it)
+            values, ids = logprobs.max(dim=-1, keepdim=True) if k == 1 else torch.topk(logprobs, k, dim=-1)
             top_ids, top_values = ids.tolist(), values.tolist()
         for i in range(rows):
             entry = dict(zip(top_ids[i], top_values[i], strict=True))
