@@ -93,6 +93,10 @@ def cmd_ppl(args: argparse.Namespace) -> int:
         text = session.tokenizer.decode(tokens)
     result = evaluate_perplexity(session.scorer(), tokens, text, args.context, args.stride)
     name = args.data if args.data in TEXTS else path.stem
+    print(
+        f"{result.num_windows:,} windows, {result.processed_tokens:,} tokens through the model in "
+        f"{result.seconds:.1f} s ({result.processed_tokens / max(result.seconds, 1e-9):,.0f} tokens/s)"
+    )
     headline = f"perplexity {result.perplexity:.3f} over {result.scored_tokens:,} tokens"
     options = {"data": str(path), "context": args.context, "stride": args.stride, "limit_tokens": args.limit_tokens}
     return session.finish("ppl", name, headline, result.as_dict(), options)
