@@ -12,6 +12,7 @@ from gguf.quants import dequantize
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.models.config import ModelConfig, RopeScaling
+from kvserve.models.quant_linear import INT4_TYPES, Int4Weight
 
 # Tensor types we read; every one is dequantised by ggml's reference code in the gguf package.
 SUPPORTED_TENSOR_TYPES = frozenset(
@@ -149,11 +150,33 @@ def tensor_sources(reader: GGUFReader, config: ModelConfig) -> dict[str, Callabl
                 f"tensor {tensor.name} uses quantisation type {tensor.tensor_type.name}, which kvserve does not "
                 f"read (supported: {sorted(t.name for t in SUPPORTED_TENSOR_TYPES)})"
             )
-        heads = None
-        if config.architecture in _PERMUTED_QK_ARCHITECTURES:
-            heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.split(".")[-2])
-        sources[name] = _loader(tensor, heads)
+        sources[name] = _loader(tensor, _permuted_heads(name, config))
     return sources
+
+
+def _permuted_heads(hf_name: str, config: ModelConfig) -> int | None:
+    """The head count whose Q/K row permutation llama.cpp applied to this tensor, or None."""
+    if config.architecture not in _PERMUTED_QK_ARCHITECTURES:
+        return None
+    return {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(hf_name.split(".")[-2])
+
+
+def int4_sources(reader: GGUFReader, config: ModelConfig) -> dict[str, Callable[[], Int4Weight]]:
+    """Hugging Face name -> a function giving the tensor's 4-bit codes and group constants, for the
+    Q4_0 / Q4_1 tensors (no dequantisation; Q/K rows un-permuted like ``tensor_sources``)."""
+    sources: dict[str, Callable[[], Int4Weight]] = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in INT4_TYPES or len(tensor.data.shape) != 2:
+            continue
+        name = _hf_name(tensor.name)
+        heads = _permuted_heads(name, config)
+        sources[name] = _int4_loader(tensor, heads)
+    return sources
+
+
+def tensor_type_names(reader: GGUFReader) -> dict[str, str]:
+    """Hugging Face name -> the GGUF tensor type's name (for reports)."""
+    return {_hf_name(t.name): t.tensor_type.name for t in reader.tensors}
 
 
 def rope_freq_factors(reader: GGUFReader) -> torch.Tensor | None:
@@ -177,6 +200,16 @@ def _loader(tensor: object, permuted_heads: int | None) -> Callable[[], torch.Te
     def load() -> torch.Tensor:
         weight = _dequantize(tensor)
         return weight if permuted_heads is None else _unpermute_qk(weight, permuted_heads)
+
+    return load
+
+
+def _int4_loader(tensor: object, permuted_heads: int | None) -> Callable[[], Int4Weight]:
+    def load() -> Int4Weight:
+        weight = Int4Weight.from_ggml_blocks(tensor.data, tensor.tensor_type)
+        if permuted_heads is None:
+            return weight
+        return weight.map_rows(lambda rows: _unpermute_qk(rows, permuted_heads))
 
     return load
 

