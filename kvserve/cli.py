@@ -8,9 +8,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kvserve.config import DTYPES
+from kvserve.config import WEIGHT_MODES
 from kvserve.errors import KVServeError
 from kvserve.generation import Generator
+from kvserve.models.dtype import DTYPE_CHOICES, DTYPES, resolve_dtype_name
 from kvserve.models.loader import LoadedModel, load_model
 from kvserve.progress import DelayedProgress
 from kvserve.sampling_params import SamplingParams
@@ -20,7 +21,14 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)"
     )
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations dtype")
+    parser.add_argument(
+        "--dtype", choices=DTYPE_CHOICES, default="auto",
+        help="weights and activations dtype (auto: bfloat16 on CUDA or a CPU with AMX/avx512_bf16, else float32)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--weights", choices=WEIGHT_MODES, default="native",
+        help="GGUF weights: native runs Q4_0/Q4_1 as int4 (bfloat16 on CPU only), dequant dequantises all",
+    )  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
@@ -31,7 +39,7 @@ def load_from_args(args: argparse.Namespace) -> LoadedModel:
             raise KVServeError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     with DelayedProgress("Loading model") as progress:
-        return load_model(args.model, DTYPES[args.dtype], args.device, progress.update)
+        return load_model(args.model, DTYPES[args.dtype], args.device, progress.update, weights=args.weights)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -86,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "dtype", None) is not None:  # every report, log and file name shows the dtype that runs
+            args.dtype = resolve_dtype_name(args.dtype, args.device)
         return args.func(args)
     except (KVServeError, ValueError) as exc:
         print(f"kvserve: error: {exc}", file=sys.stderr)

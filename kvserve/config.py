@@ -7,9 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.kv.sizing import parse_memory_size
+from kvserve.models.dtype import DTYPE_CHOICES, DTYPES, resolve_dtype
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+__all__ = ["DTYPES", "DTYPE_CHOICES", "WEIGHT_MODES", "PREEMPTION_MODES", "EngineConfig"]
+
 PREEMPTION_MODES = ("recompute", "swap")
+# native: run Q4_0/Q4_1 GGUF weights as int4 (bfloat16 activations); dequant: dequantise every tensor.
+WEIGHT_MODES = ("native", "dequant")
 
 
 @dataclass(frozen=True)
@@ -17,8 +21,9 @@ class EngineConfig:
     """Everything an ``LLMEngine`` needs to start. Sizes accept ``"2GiB"``-style strings or bytes."""
 
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: bfloat16 where the device accelerates it, float32 otherwise
     device: str = "cpu"
+    weights: str = "native"  # GGUF weights: native int4 where the types allow it, or dequant
     kv_cache_memory: str | int = "1GiB"
     swap_space: str | int = "1GiB"  # host tier for preemption by swapping
     block_size: int = 16
@@ -29,8 +34,10 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -44,7 +51,8 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        """The dtype the engine runs in (``auto`` resolved for this machine and device)."""
+        return resolve_dtype(self.dtype, self.device)
 
     @property
     def kv_cache_bytes(self) -> int:

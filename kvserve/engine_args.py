@@ -6,6 +6,7 @@ import argparse
 from dataclasses import asdict
 
 from kvserve.config import PREEMPTION_MODES, EngineConfig
+from kvserve.models.dtype import DTYPE_NAMES
 
 
 def add_engine_args(parser: argparse.ArgumentParser, kv_cache_memory: str = "1GiB") -> None:
@@ -23,7 +24,8 @@ def add_engine_args(parser: argparse.ArgumentParser, kv_cache_memory: str = "1Gi
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
+        model=args.model, dtype=args.dtype, device=args.device, weights=args.weights,
+        kv_cache_memory=args.kv_cache_memory,
         swap_space=args.swap_space, block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         preemption_mode=args.preemption_mode, max_model_len=args.max_model_len,
@@ -31,5 +33,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def describe_config(config: EngineConfig) -> dict[str, object]:
-    """The configuration as plain JSON data, for reports."""
-    return asdict(config)
+    """The configuration as plain JSON data, for reports: ``dtype`` is the one that ran (``auto`` resolved)."""
+    data = asdict(config)
+    data["dtype"] = DTYPE_NAMES[config.torch_dtype]
+    if config.dtype != data["dtype"]:
+        data["dtype_requested"] = config.dtype
+    return data

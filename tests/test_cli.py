@@ -19,7 +19,7 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 @pytest.mark.real_model
 def test_generate_streams_a_continuation_of_the_prompt(default_model):
     prompt = "The capital of France is"
-    result = run_cli("generate", "--max-tokens", "12", "--threads", "1", prompt)
+    result = run_cli("generate", "--dtype", "float32", "--max-tokens", "12", "--threads", "1", prompt)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(prompt)
     continuation = result.stdout[len(prompt) :].strip()

@@ -145,7 +145,7 @@ def test_mixed_length_batch_matches_generator(folder, loaded, generator):
 
 
 def test_offline_llm_api_matches_generator(folder, generator):
-    llm = LLM(str(folder), block_size=BLOCK, kv_cache_memory="64KiB", swap_space=0)
+    llm = LLM(str(folder), dtype="float32", block_size=BLOCK, kv_cache_memory="64KiB", swap_space=0)
     params = greedy(8)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.prompt for o in outputs] == PROMPTS

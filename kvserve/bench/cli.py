@@ -16,7 +16,7 @@ import torch
 from kvserve.bench.latency import KVServeEngine, TransformersEngine, measure
 from kvserve.bench.report import new_report, write_report
 from kvserve.bench.workload import AUSTEN
-from kvserve.config import DTYPES
+from kvserve.models.dtype import resolve_dtype
 from kvserve.models.loader import default_model_path
 from kvserve.tokenizer import Tokenizer
 
@@ -88,7 +88,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype]
+    dtype = resolve_dtype(args.dtype, args.device)
     lengths = [int(x) for x in args.prefill_lengths.split(",")]
     text_path = Path(args.text)
     if not text_path.is_file():
@@ -98,16 +98,18 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    kv = KVServeEngine(str(model_path), dtype)  # also provides the tokenizer for the prompt
+    kv = KVServeEngine(str(model_path), dtype, args.weights)  # also provides the tokenizer for the prompt
     prompt_ids = _prompt_ids(kv.loaded.tokenizer, text_path, max(lengths))
     del kv
     log(f"bench latency: {model_path.name}, {args.dtype}, {torch.get_num_threads()} threads")
-    engines = [lambda: KVServeEngine(str(model_path), dtype)]
+    engines = [lambda: KVServeEngine(str(model_path), dtype, args.weights)]
     if not args.no_peer:
         engines.append(lambda: TransformersEngine(model_path, dtype))
     results = [measure(make, prompt_ids, lengths, args.decode_tokens, args.repeats, log) for make in engines]
 
-    report = new_report("latency", model=model_path.name, dtype=args.dtype, results=[asdict(r) for r in results])
+    report = new_report(
+        "latency", model=model_path.name, dtype=args.dtype, weights=args.weights, results=[asdict(r) for r in results]
+    )
     write_report(Path(args.output or f"benchmarks/latency-{args.dtype}"), report, _markdown_table(report))
     return 0
 
@@ -160,7 +162,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
 
     loaded = load_from_args(args)
     config = EngineConfig(
-        dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
+        dtype=args.dtype, device=args.device, weights=args.weights, kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
     )  # fmt: skip
     engine = LLMEngine(config, loaded)
@@ -195,6 +197,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
         "throughput",
         model=loaded.path.name,
         dtype=args.dtype,
+        weights=args.weights,
         workload={
             "trace": "azure_llm_inference_conv_2023.csv",
             "num_requests": len(requests),
@@ -272,7 +275,7 @@ def cmd_bench_prefix(args: argparse.Namespace) -> int:
     results = []
     for caching in (True, False):
         config = EngineConfig(
-            dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
+            dtype=args.dtype, device=args.device, weights=args.weights, kv_cache_memory=args.kv_cache_memory,
             enable_prefix_caching=caching,
         )  # fmt: skip
         result = run_shared_prefix(LLMEngine(config, loaded), prompts, args.max_tokens)
@@ -283,6 +286,7 @@ def cmd_bench_prefix(args: argparse.Namespace) -> int:
         "prefix",
         model=loaded.path.name,
         dtype=args.dtype,
+        weights=args.weights,
         workload={"num_requests": len(prompts), "shared_tokens": len(shared), "max_tokens": args.max_tokens},
         results=[asdict(r) for r in results],
     )

@@ -1,7 +1,8 @@
 """Single-request latency: load time, prefill time, batch-1 decode speed, kvserve vs transformers.
 
-Both engines run in this process on the same GGUF weights (dequantised), dtype and thread count,
-one after the other; the figures that matter are the ratios.
+Both engines run in this process on the same GGUF file, dtype and thread count, one after the other
+(kvserve with its ``weights`` mode: native int4 or dequantised; transformers dequantises); the
+figures that matter are the ratios.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ class Engine:
 class KVServeEngine(Engine):
     name = "kvserve"
 
-    def __init__(self, model_path: str | None, dtype: torch.dtype) -> None:
-        self.loaded = load_model(model_path, dtype)
+    def __init__(self, model_path: str | None, dtype: torch.dtype, weights: str = "native") -> None:
+        self.loaded = load_model(model_path, dtype, weights=weights)
         self.generator = Generator(self.loaded)
 
     def prefill(self, ids: Sequence[int]) -> None:

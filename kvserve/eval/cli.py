@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 
-from kvserve.engine_args import add_engine_args, engine_config_from_args
+from kvserve.engine_args import add_engine_args, describe_config, engine_config_from_args
+from kvserve.models.dtype import DTYPE_NAMES
 
 PPL_CONTEXT = 2048
 PPL_STRIDE = 512
@@ -187,19 +187,19 @@ class _Session:
         return EngineScorer(self.engine())
 
     def label(self) -> str:
-        return f"{self.backend} {self.config.dtype}"
+        return f"{self.backend} {DTYPE_NAMES[self.config.torch_dtype]}"
 
     def report_path(self, kind: str, task: str) -> Path:
         if self.args.output is not None:
             return self.args.output.with_suffix(".json")
         suffix = "-hf" if self.backend == "hf" else ""
-        return Path(f"eval-{kind}-{task}-{self.config.dtype}{suffix}.json")
+        return Path(f"eval-{kind}-{task}-{DTYPE_NAMES[self.config.torch_dtype]}{suffix}.json")
 
     def finish(self, kind: str, task: str, headline: str, results: dict, options: dict) -> int:
         from kvserve.eval.report import eval_report, write_eval_report
         from kvserve.models.fingerprint import model_fingerprint
 
-        engine = asdict(self.config)
+        engine = describe_config(self.config)
         if self.backend == "kvserve" and self._engine is not None:
             engine["max_model_len"] = self._engine.max_model_len
         backend = "transformers" if self.backend == "hf" else "kvserve"

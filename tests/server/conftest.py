@@ -30,7 +30,7 @@ from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  #
 # A context long enough to hold a request busy for a while (the queue-full test needs one).
 TINY_SPEC = TinySpec(num_heads=4, num_kv_heads=2, max_position_embeddings=1024, seed=7)
 TINY_NAME = "tiny"
-TINY_OPTIONS = dict(kv_cache_memory="16MiB", swap_space=0, block_size=16, max_num_seqs=64)
+TINY_OPTIONS = dict(dtype="float32", kv_cache_memory="16MiB", swap_space=0, block_size=16, max_num_seqs=64)
 
 
 @dataclass
