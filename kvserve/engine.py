@@ -35,7 +35,7 @@ from kvserve.stopping import find_stop, partial_stop_len
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        self.loaded = loaded or load_model(config.model, config.torch_dtype, config.device)
+        self.loaded = loaded or load_model(config.model, config.torch_dtype, config.device, weights=config.weights)
         self.tokenizer = self.loaded.tokenizer
         cfg = self.loaded.config
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

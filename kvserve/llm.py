@@ -17,7 +17,7 @@ Message = dict[str, str]
 class LLM:
     """Loads a model once and runs batches of prompts through the paged engine.
 
-    Keyword arguments are ``EngineConfig`` fields: ``model``, ``dtype``, ``device``,
+    Keyword arguments are ``EngineConfig`` fields: ``model``, ``dtype``, ``device``, ``weights``,
     ``kv_cache_memory``, ``swap_space``, ``block_size``, ``enable_prefix_caching``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``preemption_mode``, ``max_model_len``.
     """

@@ -200,6 +200,10 @@ class _Session:
         from kvserve.models.fingerprint import model_fingerprint
 
         engine = describe_config(self.config)
+        # What ran: native needs a Q4 GGUF, bfloat16 and a CPU; transformers always dequantises.
+        engine["weights"] = self.loaded.weights if self.backend == "kvserve" else "dequant"
+        if self.backend == "kvserve":
+            engine["weights_detail"] = self.loaded.weights_summary
         if self.backend == "kvserve" and self._engine is not None:
             engine["max_model_len"] = self._engine.max_model_len
         backend = "transformers" if self.backend == "hf" else "kvserve"
