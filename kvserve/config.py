@@ -8,12 +8,11 @@ import torch
 
 from kvserve.kv.sizing import parse_memory_size
 from kvserve.models.dtype import DTYPE_CHOICES, DTYPES, resolve_dtype
+from kvserve.models.loader import WEIGHT_MODES
 
 __all__ = ["DTYPES", "DTYPE_CHOICES", "WEIGHT_MODES", "PREEMPTION_MODES", "EngineConfig"]
 
 PREEMPTION_MODES = ("recompute", "swap")
-# native: run Q4_0/Q4_1 GGUF weights as int4 (bfloat16 activations); dequant: dequantise every tensor.
-WEIGHT_MODES = ("native", "dequant")
 
 
 @dataclass(frozen=True)
@@ -23,7 +22,7 @@ class EngineConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
     dtype: str = "auto"  # auto: bfloat16 where the device accelerates it, float32 otherwise
     device: str = "cpu"
-    weights: str = "native"  # GGUF weights: native int4 where the types allow it, or dequant
+    weights: str = "native"  # GGUF weights: native, int4 or dequant (see models/loader.py)
     kv_cache_memory: str | int = "1GiB"
     swap_space: str | int = "1GiB"  # host tier for preemption by swapping
     block_size: int = 16

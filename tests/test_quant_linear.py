@@ -21,7 +21,7 @@ from kvserve.models import dtype as dtype_module
 from kvserve.models import gguf_file, loader
 from kvserve.models.dtype import resolve_dtype
 from kvserve.models.loader import default_model_path, load_model
-from kvserve.models.quant_linear import Int4Weight, QuantEmbedding, QuantLinear
+from kvserve.models.quant_linear import INT4_MAX_ROWS, Int4Weight, Int8PlanesLinear, QuantEmbedding, QuantLinear
 from tests.test_gguf_loader import GQA, checkpoint, random_ids, write_gguf
 from tests.tiny_models import TinySpec, torch_single_thread  # noqa: F401 - autouse fixture
 
@@ -98,6 +98,24 @@ def test_fused_and_permuted_rows_keep_codes_and_constants_together() -> None:
 
 # ----- tiny GGUF files: the loader's native path -----
 
+@pytest.mark.parametrize("shape", [(64, 64), (100, 96), (48, 576)])
+def test_q8_0_planes_sum_to_the_ggml_weight(shape) -> None:
+    """Two int4 planes carry every 8-bit code: their dequantised rows add up to ggml's exactly."""
+    blocks, expected = blocks_of(shape, Q.Q8_0)
+    planes = Int4Weight.planes_from_q8_0(blocks)
+    assert planes.shape == (2 * shape[0], shape[1])
+    dense = planes.dequantize()
+    assert torch.equal(dense[: shape[0]] + dense[shape[0] :], expected)
+    x = torch.randn(3, shape[1])
+    assert rel_err(Int8PlanesLinear(planes, torch.float32)(x), F.linear(x, expected)) < 1e-5
+    got = Int8PlanesLinear(planes, torch.bfloat16)(x.bfloat16())
+    assert rel_err(got, F.linear(x.bfloat16(), expected.bfloat16())) < 0.02
+    # Above INT4_MAX_ROWS rows the dense copy computes, exactly as a plain bfloat16 matmul.
+    many = torch.randn(INT4_MAX_ROWS + 1, shape[1]).bfloat16()
+    with_dense = Int8PlanesLinear(planes, torch.bfloat16, dense=expected.bfloat16())
+    assert torch.equal(with_dense(many), F.linear(many, expected.bfloat16()))
+
+
 TIED = TinySpec(num_heads=4, num_kv_heads=4, tie_word_embeddings=True, seed=3)
 
 
@@ -122,10 +140,10 @@ def test_native_int4_sources_unpermute_qk_like_the_dequantised_ones(tiny_q4) -> 
         assert torch.equal(source().dequantize(), dense[name]()), name
 
 
-def test_native_model_runs_int4_and_matches_the_dequantised_model(tiny_q4, monkeypatch) -> None:
+def test_int4_model_runs_int4_and_matches_the_dequantised_model(tiny_q4, monkeypatch) -> None:
     spec, path = tiny_q4
-    native = load_model(path, torch.bfloat16, weights="native")
-    assert native.weights == "native" and "as int4" in native.weights_summary
+    native = load_model(path, torch.bfloat16, weights="int4")
+    assert native.weights == "int4" and "as int4" in native.weights_summary
     layer = native.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and isinstance(layer.mlp.gate_up_proj, QuantLinear)
     assert isinstance(native.model.embed_tokens, QuantEmbedding)
@@ -139,9 +157,39 @@ def test_native_model_runs_int4_and_matches_the_dequantised_model(tiny_q4, monke
     assert diff_native < max(3 * diff_bf16, 0.1), (diff_native, diff_bf16)
     # float32 activations through the int4 kernel (not an engine mode): the conversion alone, lossless.
     monkeypatch.setattr(loader, "NATIVE_INT4_DTYPES", (torch.float32,))
-    native32 = load_model(path, torch.float32, weights="native")
-    assert native32.weights == "native"
+    native32 = load_model(path, torch.float32, weights="int4")
+    assert native32.weights == "int4"
     assert (logits_of(native32, ids) - dequant32).abs().max().item() < 1e-4
+
+
+def test_native_model_runs_large_batches_through_the_dequantised_copy(tiny_q4) -> None:
+    """weights=native: a prefill (more than INT4_MAX_ROWS rows) computes exactly what the dequantised
+    bfloat16 model computes; a single token goes through the int4 kernel, as weights=int4 does."""
+    _, path = tiny_q4
+    native = load_model(path, torch.bfloat16, weights="native")
+    assert native.weights == "native" and f"up to {INT4_MAX_ROWS} rows" in native.weights_summary
+    assert native.model.layers[0].mlp.down_proj.dense.dtype == torch.bfloat16
+    ids = random_ids()
+    assert len(ids) > INT4_MAX_ROWS
+    assert torch.equal(logits_of(native, ids), logits_of(load_model(path, torch.bfloat16, weights="dequant"), ids))
+    one = ids[:1]
+    assert torch.equal(logits_of(native, one), logits_of(load_model(path, torch.bfloat16, weights="int4"), one))
+
+
+@pytest.mark.parametrize("rows", [1, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 64])
+def test_quant_linear_picks_its_kernel_by_row_count(rows) -> None:
+    blocks, w = blocks_of((48, 64), Q.Q4_1)
+    weight = Int4Weight.from_ggml_blocks(blocks, Q.Q4_1)
+    bias = torch.randn(48)
+    both = QuantLinear(weight, torch.bfloat16, bias, dense=w)
+    x = torch.randn(rows, 64).bfloat16()
+    if rows <= INT4_MAX_ROWS:
+        expected = QuantLinear(weight, torch.bfloat16, bias)(x)
+    else:
+        expected = F.linear(x, w.bfloat16(), bias.bfloat16())
+    assert torch.equal(both(x), expected)
+    with pytest.raises(ValueError, match="dense weight has shape"):
+        QuantLinear(weight, torch.bfloat16, dense=w[:, :32])
 
 
 def test_dequant_mode_and_float32_keep_todays_path(tiny_q4) -> None:
@@ -154,9 +202,9 @@ def test_dequant_mode_and_float32_keep_todays_path(tiny_q4) -> None:
 
 def test_bad_weights_mode_is_an_error(tiny_q4) -> None:
     with pytest.raises(ValueError, match="weights must be one of"):
-        load_model(tiny_q4[1], torch.bfloat16, weights="int4")
+        load_model(tiny_q4[1], torch.bfloat16, weights="int2")
     with pytest.raises(ValueError, match="weights must be one of"):
-        EngineConfig(weights="int4")
+        EngineConfig(weights="int2")
 
 
 # ----- dtype auto -----
@@ -219,13 +267,15 @@ def test_real_tensors_convert_losslessly(real_int4, name) -> None:
 
 
 @pytest.mark.real_model
-def test_real_model_native_matches_dequantised_bfloat16(default_model) -> None:
+def test_real_model_int4_matches_dequantised_bfloat16(default_model) -> None:
     """Measured on 5 prompts (benchmarks/weights_accuracy.py): max |logit diff| vs float32 dequant is 0.64-2.6
     for bfloat16 dequant and 0.54-1.8 for native int4 (logits up to ~40); native vs bfloat16 dequant 0.5-2.6."""
-    native = load_model(dtype=torch.bfloat16, weights="native")
-    assert native.weights == "native"
-    assert native.weights_summary == "210 Q4_1 as int4, 61 F32 + 1 Q8_0 as bfloat16"  # token_embd is Q8_0
-    assert "lm_head" not in native.model._modules  # tied Q8_0 embedding: one bfloat16 copy serves both
+    native = load_model(dtype=torch.bfloat16, weights="int4")
+    assert native.weights == "int4"
+    assert native.weights_summary.startswith("210 Q4_1 as int4, 61 F32 + 1 Q8_0 as bfloat16")  # token_embd: Q8_0
+    # The tied Q8_0 embedding: lookups read its bfloat16 copy, the head its 8-bit codes as two int4 planes.
+    assert isinstance(native.model.lm_head, Int8PlanesLinear)
+    assert native.model.lm_head.dense.data_ptr() == native.model.embed_tokens.weight.data_ptr()  # shared, no copy
     bf16 = load_model(dtype=torch.bfloat16, weights="dequant")
     ids = torch.tensor(default_model.tokenizer.encode("The quick brown fox jumps over the lazy dog because"))
     ref = logits_of(default_model, ids)

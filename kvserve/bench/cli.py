@@ -16,6 +16,7 @@ import torch
 from kvserve.bench.latency import KVServeEngine, TransformersEngine, measure
 from kvserve.bench.report import new_report, write_report
 from kvserve.bench.workload import AUSTEN
+from kvserve.models import gguf_file
 from kvserve.models.dtype import resolve_dtype
 from kvserve.models.loader import default_model_path
 from kvserve.tokenizer import Tokenizer
@@ -35,6 +36,21 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
         "--output", default=None, help="writes OUTPUT.json and OUTPUT.md (default: benchmarks/latency-DTYPE)"
     )
     lat.set_defaults(func=cmd_bench_latency)
+
+    spd = bench_sub.add_parser(
+        "speed", help="CPU speed on one GGUF: kvserve vs llama.cpp (and transformers), with roofline fractions"
+    )
+    add_model_args(spd)
+    spd.add_argument("--peers", default="llamacpp,transformers", help="comma-separated: llamacpp, transformers")
+    spd.add_argument("--llamacpp-python", default=None, help="interpreter with llama_cpp (default: this one)")
+    spd.add_argument("--prefill-lengths", default="512,2048", help="comma-separated prompt lengths")
+    spd.add_argument("--decode-tokens", type=int, default=128, help="batch-1 decode: tokens timed")
+    spd.add_argument("--batch-sizes", default="8,32", help="comma-separated numbers of concurrent sequences")
+    spd.add_argument("--batch-prompt-tokens", type=int, default=64, help="prompt length of each concurrent sequence")
+    spd.add_argument("--batch-new-tokens", type=int, default=128, help="tokens each concurrent sequence produces")
+    spd.add_argument("--repeats", type=int, default=3)
+    spd.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/speed-WEIGHTS)")
+    spd.set_defaults(func=cmd_bench_speed)
 
     thr = bench_sub.add_parser("throughput", help="replayed Azure trace: paged engine vs transformers static batches")
     add_model_args(thr)
@@ -146,6 +162,135 @@ def _markdown_table(report: dict) -> str:
             f"| **kvserve speed-up** | {peer['load_s'] / ours['load_s']:.2f}x | {ratios} | "
             f"{ours['decode_tokens_per_s'] / peer['decode_tokens_per_s']:.2f}x |"
         )
+    return "\n".join(lines) + "\n"
+
+
+def cmd_bench_speed(args: argparse.Namespace) -> int:
+    from kvserve.bench import speed
+    from kvserve.bench.plots import plot_speed_ratios
+    from kvserve.bench.workload import fixed_length_prompts
+
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    peers = [p for p in args.peers.split(",") if p]
+    unknown = set(peers) - {"llamacpp", "transformers"}
+    if unknown:
+        raise ValueError(f"--peers: unknown peer(s) {sorted(unknown)}; choose from llamacpp, transformers")
+    llamacpp_python = speed.find_llamacpp_python(args.llamacpp_python) if "llamacpp" in peers else None
+    lengths = [int(x) for x in args.prefill_lengths.split(",")]
+    batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    model_path = Path(args.model) if args.model else default_model_path()
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    if model_path.suffix != ".gguf":
+        raise ValueError(f"bench speed compares engines on one GGUF file; {model_path} is not a .gguf file")
+    dtype = resolve_dtype(args.dtype, args.device)
+    reader = gguf_file.open_gguf(model_path)
+    tokenizer, config = Tokenizer.from_gguf(reader), gguf_file.read_config(reader)
+    prompt_ids = _prompt_ids(tokenizer, Path(AUSTEN), max(lengths))
+    batch_prompts = fixed_length_prompts(tokenizer, max(batch_sizes), args.batch_prompt_tokens)
+    roofline = speed.measure_roofline()
+    log(
+        f"bench speed: {model_path.name}, {threads} threads; roofline: copy {roofline.copy_gb_per_s:.1f} GB/s, "
+        f"bfloat16 matmul {roofline.bf16_gflop_per_s:,.0f} GFLOP/s"
+    )
+    engines: list[Callable[[], speed.SpeedEngine]] = [
+        lambda: speed.KVServeSpeed(str(model_path), args.dtype, args.weights, max(batch_sizes))
+    ]
+    seq_len = max(max(lengths), args.batch_prompt_tokens + args.batch_new_tokens) + 64
+    peer_info = {}
+    if llamacpp_python:
+        engines.append(lambda: speed.LlamaCppSpeed(llamacpp_python, model_path, threads, seq_len, max(batch_sizes)))
+    if "transformers" in peers:
+        engines.append(lambda: speed.TransformersSpeed(model_path, dtype))
+    results = []
+    for make in engines:
+        engine = make()
+        try:
+            results.append(
+                speed.measure(engine, prompt_ids, lengths, args.decode_tokens, batch_prompts, batch_sizes,
+                              args.batch_new_tokens, args.repeats, log)  # fmt: skip
+            )
+        finally:
+            engine.close()
+        if isinstance(engine, speed.LlamaCppSpeed):
+            peer_info["llama.cpp"] = {"version": engine.version, "system_info": engine.system_info,
+                                      "settings": "use_extra_bufts=False, flash attention off"}  # fmt: skip
+    report = new_report(
+        "speed",
+        model=model_path.name,
+        dtype=str(dtype).removeprefix("torch."),
+        weights=args.weights,
+        threads=threads,
+        roofline=asdict(roofline),
+        prefill_gflop={n: speed.prefill_flops(config, n) / 1e9 for n in lengths},
+        workload={"decode_tokens": args.decode_tokens, "batch_prompt_tokens": args.batch_prompt_tokens,
+                  "batch_new_tokens": args.batch_new_tokens},  # fmt: skip
+        peers=peer_info,
+        results=[asdict(r) for r in results],
+    )
+    out = Path(args.output or f"benchmarks/speed-{args.weights}")
+    write_report(out, report, _speed_table(report))
+    plot_speed_ratios(report, out.with_suffix(".png"))
+    return 0
+
+
+def _speed_table(report: dict) -> str:
+    m, roof, results = report["machine"], report["roofline"], report["results"]
+    lengths = list(results[0]["prefill_s"])
+    sizes = list(results[0]["batch_tokens_per_s"])
+    w = report["workload"]
+    lines = [
+        f"# CPU speed: {report['model']}",
+        "",
+        f"`{report['command']}` on {report['date']}: {m['cpu']}, {m['nproc']} CPUs, {m['memory_gib']} GiB, "
+        f"torch {m['torch']}, {report['threads']} threads; kvserve {report['dtype']} activations, weights "
+        f"`{report['weights']}`.",
+    ]
+    for name, info in report["peers"].items():
+        lines.append(f"{name} {info['version']} ({info['settings']}).")
+    lines += [
+        "",
+        f"Roofline measured in the same run: copy {roof['copy_gb_per_s']:.1f} GB/s (read + write), bfloat16 "
+        f"matmul {roof['bf16_gflop_per_s']:,.0f} GFLOP/s. Batch columns: N prompts of "
+        f"{w['batch_prompt_tokens']} tokens in at once, {w['batch_new_tokens']} new tokens each, end to end.",
+        "",
+        "| engine | load (s) | "
+        + " | ".join(f"prefill {n} (ms)" for n in lengths)
+        + " | decode b=1 (tok/s) | "
+        + " | ".join(f"{b} seqs (tok/s)" for b in sizes)
+        + " |",
+        "| --- | ---: |" + " ---: |" * (len(lengths) + 1 + len(sizes)),
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['engine']} | {r['load_s']:.2f} | "
+            + " | ".join(f"{r['prefill_s'][n] * 1000:.0f}" for n in lengths)
+            + f" | {r['decode_tokens_per_s']:.1f} | "
+            + " | ".join(f"{r['batch_tokens_per_s'][b]:.1f}" for b in sizes)
+            + " |"
+        )
+    ours = results[0]
+    for peer in results[1:]:
+        lines.append(
+            f"| **kvserve / {peer['engine']}** | | "
+            + " | ".join(f"{peer['prefill_s'][n] / ours['prefill_s'][n]:.2f}x" for n in lengths)
+            + f" | {ours['decode_tokens_per_s'] / peer['decode_tokens_per_s']:.2f}x | "
+            + " | ".join(f"{ours['batch_tokens_per_s'][b] / peer['batch_tokens_per_s'][b]:.2f}x" for b in sizes)
+            + " |"
+        )
+    lines += ["", "Roofline fractions: decode = weight bytes per token x tokens/s / copy bandwidth; prefill = "
+              "matmul FLOPs / time / bfloat16 peak.", "",
+              "| engine | weight MB / token | decode | " + " | ".join(f"prefill {n}" for n in lengths) + " |",
+              "| --- | ---: | ---: |" + " ---: |" * len(lengths)]  # fmt: skip
+    for r in results:
+        per_token = r["decode_bytes_per_token"]
+        decode = per_token * r["decode_tokens_per_s"] / (roof["copy_gb_per_s"] * 1e9)
+        prefill = [report["prefill_gflop"][n] / r["prefill_s"][n] / roof["bf16_gflop_per_s"] for n in lengths]
+        fractions = " | ".join(f"{f:.0%}" for f in prefill)
+        lines.append(f"| {r['engine']} | {per_token / 1e6:.1f} | {decode:.0%} | {fractions} |")
     return "\n".join(lines) + "\n"
 
 

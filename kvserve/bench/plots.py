@@ -73,3 +73,35 @@ def _is_inf(rate: float | str) -> bool:
 
 def _has_inf(runs: list[dict]) -> bool:
     return any(_is_inf(r["request_rate"]) for r in runs)
+
+
+def plot_speed_ratios(report: dict, path: Path) -> None:
+    """kvserve's speed-up over each peer per measurement (higher is better; 1 = parity)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ours, peers = report["results"][0], report["results"][1:]
+    if not peers:
+        return
+    labels = [f"prefill {n}" for n in ours["prefill_s"]] + ["decode b=1"]
+    labels += [f"{b} seqs" for b in ours["batch_tokens_per_s"]]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(peers)
+    for i, peer in enumerate(peers):
+        ratios = [peer["prefill_s"][n] / ours["prefill_s"][n] for n in ours["prefill_s"]]
+        ratios.append(ours["decode_tokens_per_s"] / peer["decode_tokens_per_s"])
+        ratios += [ours["batch_tokens_per_s"][b] / peer["batch_tokens_per_s"][b] for b in ours["batch_tokens_per_s"]]
+        xs = [x + (i - (len(peers) - 1) / 2) * width for x in range(len(labels))]
+        bars = ax.bar(xs, ratios, width, label=f"vs {peer['engine']}")
+        ax.bar_label(bars, fmt="%.1fx", fontsize=8)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_yscale("log")
+    ax.set_ylabel(f"{ours['engine']} speed-up (x)")
+    ax.set_title(f"{ours['engine']} vs peers: {report['model']}, {report['threads']} threads")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

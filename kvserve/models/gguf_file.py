@@ -174,6 +174,15 @@ def int4_sources(reader: GGUFReader, config: ModelConfig) -> dict[str, Callable[
     return sources
 
 
+def embedding_int8_planes(reader: GGUFReader) -> Callable[[], Int4Weight] | None:
+    """For a Q8_0 token embedding, a function giving it as two int4 planes (``Int4Weight.planes_from_q8_0``),
+    so a tied LM head can read the 8-bit codes instead of a dequantised copy; else None."""
+    for tensor in reader.tensors:
+        if tensor.name == "token_embd.weight" and tensor.tensor_type == GGMLQuantizationType.Q8_0:
+            return lambda: Int4Weight.planes_from_q8_0(tensor.data)
+    return None
+
+
 def tensor_type_names(reader: GGUFReader) -> dict[str, str]:
     """Hugging Face name -> the GGUF tensor type's name (for reports)."""
     return {_hf_name(t.name): t.tensor_type.name for t in reader.tensors}

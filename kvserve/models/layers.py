@@ -35,9 +35,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 whatever the activation dtype, as the reference does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def rope_inverse_frequencies(
@@ -72,26 +71,27 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding in the "rotate half" layout, indexed by explicit position ids.
 
     A token's rotation depends only on its position id, never on where it sits in a batch or
-    cache, so chunks, gaps and reused modules rotate correctly.
+    cache, so chunks, gaps and reused modules rotate correctly. ``table`` looks the step's
+    positions up once; every layer then rotates its queries and keys with ``apply``.
     """
 
     def __init__(self, inv_freq: torch.Tensor, max_positions: int) -> None:
         super().__init__()
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # (P, D/2)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        # Stored as [cos | cos] and [-sin | sin], so x rotated = x * cos + roll(x, D/2) * sin.
+        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q (N, H, D) and k (N, Hkv, D) at positions (N,)."""
-        cos = self.cos[positions].unsqueeze(1)  # (N, 1, D/2)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (N, 1, D) for positions (N,), in the activation dtype (as transformers rotates)."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    @staticmethod
+    def apply(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate x (N, heads, D) by its tokens' rows of ``table``."""
+        cos, sin = table
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 class SwiGLU(nn.Module):

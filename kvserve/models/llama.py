@@ -25,22 +25,22 @@ class Attention(nn.Module):
         # q, k and v fused in one matmul: rows [q | k | v].
         self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
-        self.split_sizes = (config.q_size, config.kv_size, config.kv_size)
+        self.qk_size = config.q_size + config.kv_size
 
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)  # (N, H, D)
-        k = k.view(n, self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        qkv = self.qkv_proj(x)
+        # q and k are adjacent rows of the fused projection: rotate them in one go.
+        qk = qkv[:, : self.qk_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = RotaryEmbedding.apply(qk, rope)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)  # (N, H, D), (N, Hkv, D)
+        v = qkv[:, self.qk_size :].view(n, self.num_kv_heads, self.head_dim)
         out = backend.forward(self.layer, q, k, v, metadata)  # (N, H, D)
         return self.o_proj(out.reshape(n, -1))
 
@@ -56,12 +56,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend, metadata)
+        x = x + self.self_attn(self.input_layernorm(x), rope, backend, metadata)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -89,8 +88,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids and positions (N,) -> final hidden states (N, hidden)."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.table(positions, x.dtype)  # (cos, sin) of this step's tokens, for every layer
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, backend, metadata)
+            x = layer(x, rope, backend, metadata)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

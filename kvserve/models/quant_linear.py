@@ -29,6 +29,11 @@ GROUP_SIZE = 32  # ggml's block size for Q4_0 / Q4_1, and the kernel's group siz
 _BLOCK_HEADER = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}
 INT4_TYPES = frozenset(_BLOCK_HEADER)
 _ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu wants the output size divisible by 16
+# torch's CPU int4 kernel has no AMX path: its cost grows with the row count, while a bfloat16 matmul
+# reading 4x the bytes is flat up to dozens of rows. Measured on SmolLM2's four projections (2 threads,
+# AMX Xeon): int4 135 / 164 / 196 / 241 / 436 us for 1 / 2 / 3 / 4 / 6 rows, bfloat16 about 380 us.
+# With a dense copy at hand, more rows than this go through it.
+INT4_MAX_ROWS = 4
 
 
 @dataclass
@@ -66,6 +71,22 @@ class Int4Weight:
             zero = m + 8 * scale
         return cls(codes, scale, zero)
 
+    @classmethod
+    def planes_from_q8_0(cls, blocks: np.ndarray) -> Int4Weight:
+        """A Q8_0 tensor (``w = d * q``, q in -128..127) as two stacked int4 weights, rows [high; low].
+
+        ``q + 128 = 16 * hi + lo`` with hi, lo in 0..15, so ``w = 16d * (hi - 8) + d * lo``: the high
+        plane has codes hi, scale 16d, zero 0; the low plane codes lo, scale d, zero 8d. The sum of the
+        two planes' rows is the weight, every code kept (see ``Int8PlanesLinear``).
+        """
+        rows = blocks.shape[0]
+        raw = np.ascontiguousarray(blocks).reshape(rows, -1, 2 + GROUP_SIZE)  # (N, groups, f16 d + 32 int8)
+        d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+        q = torch.from_numpy(raw[..., 2:].copy().view(np.int8)).reshape(rows, -1).to(torch.int16) + 128
+        high = cls((q >> 4).to(torch.uint8), 16 * d, torch.zeros_like(d))
+        low = cls((q & 0x0F).to(torch.uint8), d.clone(), 8 * d)
+        return cls.cat([high, low])
+
     def dequantize(self) -> torch.Tensor:
         """float32 (N, K)."""
         n, k = self.shape
@@ -92,11 +113,21 @@ class QuantLinear(nn.Module):
 
     ``dtype`` is the activation dtype; the group constants are stored in it. The kernel takes
     bfloat16, float16 or float32 activations (measured on torch 2.13) and a 2-D input.
+    ``dense``, the same weight dequantised to ``dtype``, optionally rides along for batches of more
+    than ``INT4_MAX_ROWS`` rows (prefill, many sequences), where the dense matmul is faster.
     """
 
-    def __init__(self, weight: Int4Weight, dtype: torch.dtype, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        weight: Int4Weight,
+        dtype: torch.dtype,
+        bias: torch.Tensor | None = None,
+        dense: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        if dense is not None and tuple(dense.shape) != weight.shape:
+            raise ValueError(f"dense weight has shape {tuple(dense.shape)}, the int4 weight {weight.shape}")
         if self.in_features % GROUP_SIZE:
             raise ValueError(f"int4 weights need an input size divisible by {GROUP_SIZE}, got {self.in_features}")
         pad = -self.out_features % _ROW_MULTIPLE  # the packing needs N divisible by 16: zero rows, sliced off
@@ -107,6 +138,7 @@ class QuantLinear(nn.Module):
         scales_and_zeros = torch.stack((weight.scale, weight.zero), dim=-1).transpose(0, 1)  # (K / 32, N, 2)
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype).contiguous())
         self.bias = nn.Parameter(bias.to(dtype)) if bias is not None else None
+        self.dense = nn.Parameter(dense.to(dtype)) if dense is not None else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -114,7 +146,10 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).contiguous()
+        x2 = x.reshape(-1, self.in_features)
+        if self.dense is not None and x2.shape[0] > INT4_MAX_ROWS:
+            return F.linear(x, self.dense, self.bias)
+        x2 = x2.contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed_weight, GROUP_SIZE, self.scales_and_zeros)
         if y.shape[-1] != self.out_features:
             y = y[:, : self.out_features]
@@ -123,7 +158,31 @@ class QuantLinear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, int4 groups of {GROUP_SIZE}, {self.dtype}"
+        dense = f", dense copy above {INT4_MAX_ROWS} rows" if self.dense is not None else ""
+        return f"in={self.in_features}, out={self.out_features}, int4 groups of {GROUP_SIZE}, {self.dtype}{dense}"
+
+
+class Int8PlanesLinear(nn.Module):
+    """y = x W^T for a GGUF Q8_0 weight, read as its 8-bit codes: two int4 planes in one int4 matmul.
+
+    ``planes`` comes from ``Int4Weight.planes_from_q8_0`` (rows [high; low]); the kernel computes both
+    halves of the output in one call and they are added. A byte and a quarter per weight is read
+    instead of bfloat16's two. ``dense`` (the same weight in ``dtype``, e.g. the tied embedding matrix)
+    serves batches of more than ``INT4_MAX_ROWS`` rows.
+    """
+
+    def __init__(self, planes: Int4Weight, dtype: torch.dtype, dense: torch.Tensor | None = None) -> None:
+        super().__init__()
+        rows, self.in_features = planes.shape
+        self.out_features = rows // 2
+        self.planes = QuantLinear(planes, dtype)
+        self.dense = dense
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.reshape(-1, self.in_features).shape[0] > INT4_MAX_ROWS:
+            return F.linear(x, self.dense)
+        y = self.planes(x)
+        return y[..., : self.out_features] + y[..., self.out_features :]
 
 
 class QuantEmbedding(nn.Module):

@@ -1,7 +1,8 @@
 """Turn a Hugging Face-named state dict into a ready ``LlamaForCausalLM`` (fusing q/k/v and gate/up).
 
 Weights given as 4-bit codes (``int4``: GGUF Q4_0 / Q4_1) become ``QuantLinear`` projections (and a
-``QuantEmbedding`` for the token embedding) instead of dequantised matrices.
+``QuantEmbedding`` for the token embedding) instead of dequantised matrices; with ``int4_dense`` each
+also keeps a dequantised copy for large batches.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.models.config import ModelConfig
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.quant_linear import Int4Weight, QuantEmbedding, QuantLinear
+from kvserve.models.quant_linear import Int4Weight, Int8PlanesLinear, QuantEmbedding, QuantLinear
 
 TensorSource = Callable[[str], torch.Tensor]
 Int4Source = Callable[[], Int4Weight]
@@ -26,6 +27,8 @@ def build_model(
     rope_freq_factors: torch.Tensor | None = None,
     progress: Callable[[int, int], None] | None = None,
     int4: Mapping[str, Int4Source] | None = None,
+    int4_dense: bool = False,
+    head_planes: Int4Source | None = None,
 ) -> LlamaForCausalLM:
     """Create the model from lazily loaded tensors keyed by their Hugging Face names.
 
@@ -33,6 +36,10 @@ def build_model(
     ``model.layers.0.self_attn.q_proj.weight``; each is materialised once, cast, and dropped.
     ``int4[name]()``, where given, returns the same weight as 4-bit codes: a projection whose parts
     are all there runs as ``QuantLinear`` in ``dtype`` activations; the others are dequantised.
+    ``int4_dense`` gives each ``QuantLinear`` the dequantised weight too (``names[name]()``, the same
+    values the dequantised path runs), used for batches too large for the int4 kernel to win.
+    ``head_planes()``, for a tied 8-bit embedding, gives its codes as two int4 planes: the LM head
+    reads those (``Int8PlanesLinear``) and the dequantised embedding only above ``INT4_MAX_ROWS`` rows.
     """
     used: set[str] = set()
     total = len(names)
@@ -63,7 +70,8 @@ def build_model(
         """The projection ``ours`` from the rows of ``parts`` (fused when several), quantised if all are."""
         bias_tensor = torch.cat([get(b) for b in bias]) if bias else None
         if all(p in int4 for p in parts):
-            modules[ours] = QuantLinear(Int4Weight.cat([get_int4(p) for p in parts]), dtype, bias_tensor)
+            dense = torch.cat([get(p) for p in parts]) if int4_dense else None
+            modules[ours] = QuantLinear(Int4Weight.cat([get_int4(p) for p in parts]), dtype, bias_tensor, dense)
             return
         state[ours + ".weight"] = torch.cat([get(p) for p in parts]) if len(parts) > 1 else get(parts[0])
         if bias_tensor is not None:
@@ -75,9 +83,11 @@ def build_model(
         weight = get_int4(embed)
         modules["embed_tokens"] = QuantEmbedding(weight, dtype)
         if config.tie_word_embeddings:  # the head reads the same codes, packed for the int4 matmul
-            modules["lm_head"] = QuantLinear(weight, dtype)
+            modules["lm_head"] = QuantLinear(weight, dtype, dense=get(embed) if int4_dense else None)
     else:
         state["embed_tokens.weight"] = get(embed)
+        if config.tie_word_embeddings and head_planes is not None:
+            modules["lm_head"] = Int8PlanesLinear(head_planes(), dtype, dense=state["embed_tokens.weight"])
     if not config.tie_word_embeddings:
         linear("lm_head", ["lm_head.weight"])
     for i in range(config.num_layers):

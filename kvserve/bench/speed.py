@@ -1,0 +1,289 @@
+"""CPU speed: kvserve against llama.cpp (and transformers) on the same GGUF file and thread count, in one run.
+
+Per engine: load time, prefill time per prompt length (prompt in, first token out), batch-1 decode
+tokens/s, and end-to-end output tokens/s for N concurrent sequences (N prompts in at once, each
+producing ``new_tokens`` greedy tokens with EOS ignored, so every engine does identical work).
+kvserve runs its paged engine with prefix caching off (a repeated prompt must be recomputed);
+llama.cpp runs in a worker process (``llamacpp_worker.py``, llama-cpp-python's low-level batched API)
+under whatever interpreter has ``llama_cpp`` installed.
+
+Each figure is also placed against this machine's roofline, measured in the same run: decode against
+copy bandwidth (the bytes of weights one token reads), prefill against bfloat16 matmul FLOP/s.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from kvserve.models.config import ModelConfig
+from kvserve.models.layers import Linear, RMSNorm
+from kvserve.models.quant_linear import QuantLinear
+
+WORKER = Path(__file__).with_name("llamacpp_worker.py")
+
+
+@dataclass
+class SpeedResult:
+    engine: str
+    load_s: float
+    prefill_s: dict[int, float] = field(default_factory=dict)  # prompt length -> seconds
+    decode_tokens_per_s: float = 0.0  # batch 1
+    batch_tokens_per_s: dict[int, float] = field(default_factory=dict)  # concurrent sequences -> output tok/s
+    decode_bytes_per_token: int | None = None  # weight bytes one batch-1 decode step reads
+
+
+class SpeedEngine(Protocol):
+    name: str
+    load_s: float
+    decode_bytes_per_token: int | None
+
+    def generate(self, ids: Sequence[int], new_tokens: int) -> float:
+        """Seconds to prefill ``ids`` and produce ``new_tokens`` greedy tokens."""
+
+    def batch(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
+        """Seconds to run all ``prompts`` concurrently, ``new_tokens`` greedy tokens each."""
+
+    def close(self) -> None: ...
+
+
+class KVServeSpeed:
+    name = "kvserve"
+
+    def __init__(self, model: str, dtype: str, weights: str, max_seqs: int) -> None:
+        from kvserve.llm import LLM
+
+        start = time.perf_counter()
+        self.llm = LLM(model=model, dtype=dtype, weights=weights, enable_prefix_caching=False, max_num_seqs=max_seqs)
+        self.load_s = time.perf_counter() - start
+        self.decode_bytes_per_token = decode_weight_bytes(self.llm.engine.loaded.model)
+        self.name = f"kvserve ({self.llm.engine.loaded.weights})"
+
+    def generate(self, ids: Sequence[int], new_tokens: int) -> float:
+        return self.batch([ids], new_tokens)
+
+    def batch(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
+        from kvserve.sampling_params import SamplingParams
+
+        params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+        start = time.perf_counter()
+        outputs = self.llm.generate([list(p) for p in prompts], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        _check_lengths(self.name, [o.outputs[0].token_ids for o in outputs], new_tokens)
+        return seconds
+
+    def close(self) -> None:
+        del self.llm
+
+
+class LlamaCppSpeed:
+    """llama.cpp in a worker process speaking JSON lines (see ``llamacpp_worker.py``)."""
+
+    name = "llama.cpp"
+
+    def __init__(self, python: str, model: Path, threads: int, seq_len: int, max_seqs: int) -> None:
+        # One KV stream per sequence (--split-kv): each attends over its own cells only, llama.cpp's
+        # faster setting for independent sequences; n_ctx is divided among the streams.
+        command = [python, str(WORKER), str(model), "--threads", str(threads), "--n-ctx", str(seq_len * max_seqs)]
+        command += ["--max-seqs", str(max_seqs), "--split-kv"]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = self._read()
+        self.load_s = ready["load_s"]
+        self.version = ready.get("llama_cpp", "?")
+        self.system_info = ready.get("system_info", "")
+        self.decode_bytes_per_token = gguf_decode_bytes(model)
+
+    def generate(self, ids: Sequence[int], new_tokens: int) -> float:
+        answer = self._ask({"op": "generate", "ids": list(ids), "new_tokens": new_tokens})
+        _check_lengths(self.name, [answer["tokens"]], new_tokens)
+        return answer["seconds"]
+
+    def batch(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
+        answer = self._ask({"op": "batch", "prompts": [list(p) for p in prompts], "new_tokens": new_tokens})
+        _check_lengths(self.name, answer["tokens"], new_tokens)
+        return answer["seconds"]
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+    def _ask(self, command: dict) -> dict:
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def _read(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the llama.cpp worker exited (status {self.process.wait()}); see its messages above")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(f"llama.cpp worker: {answer['error']}")
+        return answer
+
+
+class TransformersSpeed:
+    """Hugging Face transformers on the same GGUF (dequantised), equal-length prompts so no padding."""
+
+    name = "transformers"
+
+    def __init__(self, model: Path, dtype: torch.dtype) -> None:
+        from transformers import AutoModelForCausalLM  # bench-only dependency
+
+        start = time.perf_counter()
+        self.model = AutoModelForCausalLM.from_pretrained(model.parent, gguf_file=model.name, dtype=dtype).eval()
+        self.load_s = time.perf_counter() - start
+        embed = self.model.get_input_embeddings().weight
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        tied = self.model.get_output_embeddings().weight is embed
+        self.decode_bytes_per_token = params if tied else params - embed.numel() * embed.element_size()
+
+    def generate(self, ids: Sequence[int], new_tokens: int) -> float:
+        return self.batch([ids], new_tokens)
+
+    @torch.inference_mode()
+    def batch(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
+        if len({len(p) for p in prompts}) != 1:
+            raise ValueError("transformers is measured on equal-length prompts (no padding)")
+        ids = torch.tensor([list(p) for p in prompts])
+        start = time.perf_counter()
+        out = self.model.generate(
+            input_ids=ids, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0
+        )
+        seconds = time.perf_counter() - start
+        _check_lengths(self.name, out[:, ids.shape[1] :].tolist(), new_tokens)
+        return seconds
+
+    def close(self) -> None:
+        del self.model
+
+
+def _check_lengths(engine: str, outputs: Sequence[Sequence[int]], expected: int) -> None:
+    """A short run would inflate the measured speed."""
+    for tokens in outputs:
+        if len(tokens) != expected:
+            raise RuntimeError(f"{engine} produced {len(tokens)} tokens, expected {expected}")
+
+
+def measure(
+    engine: SpeedEngine,
+    prompt_ids: Sequence[int],
+    prefill_lengths: Sequence[int],
+    decode_tokens: int,
+    batch_prompts: Sequence[Sequence[int]],
+    batch_sizes: Sequence[int],
+    batch_new_tokens: int,
+    repeats: int,
+    log: Callable[[str], None],
+) -> SpeedResult:
+    result = SpeedResult(engine.name, engine.load_s, decode_bytes_per_token=engine.decode_bytes_per_token)
+    log(f"  {engine.name}: loaded in {engine.load_s:.2f} s")
+    engine.generate(prompt_ids[:16], 4)  # warm-up
+
+    def median(run: Callable[[], float], times: int = repeats) -> float:
+        return statistics.median(run() for _ in range(times))
+
+    for n in prefill_lengths:
+        result.prefill_s[n] = median(lambda n=n: engine.generate(prompt_ids[:n], 1))
+        log(f"  {engine.name}: prefill {n} tokens {result.prefill_s[n] * 1000:.0f} ms")
+    # Decode speed = (time for 1 + N tokens - time for 1 token) / N, after a short prompt.
+    short = prompt_ids[:32]
+    first = median(lambda: engine.generate(short, 1))
+    full = median(lambda: engine.generate(short, decode_tokens + 1))
+    result.decode_tokens_per_s = decode_tokens / (full - first)
+    log(f"  {engine.name}: batch-1 decode {result.decode_tokens_per_s:.1f} tokens/s")
+    for b in batch_sizes:
+        seconds = median(lambda b=b: engine.batch(batch_prompts[:b], batch_new_tokens), max(1, repeats // 2))
+        result.batch_tokens_per_s[b] = b * batch_new_tokens / seconds
+        log(f"  {engine.name}: {b} sequences, {result.batch_tokens_per_s[b]:.1f} output tokens/s end to end")
+    return result
+
+
+# ----- roofline -----
+
+
+@dataclass
+class Roofline:
+    copy_gb_per_s: float  # read + write bytes per second of a large tensor copy
+    bf16_gflop_per_s: float  # a 2048 x 2048 x 2048 bfloat16 matmul
+
+
+def measure_roofline(repeats: int = 5) -> Roofline:
+    src = torch.ones(64 * 2**20)  # 256 MiB, far beyond the caches
+    dst = torch.empty_like(src)
+
+    def best(fn: Callable[[], object]) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    copy_s = best(lambda: dst.copy_(src))
+    a = torch.randn(2048, 2048).bfloat16()
+    b = torch.randn(2048, 2048).bfloat16()
+    mm_s = best(lambda: a @ b)
+    return Roofline(2 * src.numel() * 4 / copy_s / 1e9, 2 * 2048**3 / mm_s / 1e9)
+
+
+def prefill_flops(config: ModelConfig, n: int) -> float:
+    """Matmul FLOPs of a causal prefill of n tokens, logits for the last token only."""
+    h, layers = config.hidden_size, config.num_layers
+    per_token = h * (config.q_size + 2 * config.kv_size) + config.q_size * h + 3 * h * config.intermediate_size
+    attention = 2 * 2 * (n * (n + 1) / 2) * config.num_heads * config.head_dim  # QK^T and PV, causal half
+    return 2 * n * per_token * layers + attention * layers + 2 * config.vocab_size * h
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a batch-1 decode step reads: int4 projections in their packed form, dense ones
+    whole, norms, and the LM head (a tied head reads the whole embedding matrix); one embedding row only."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            tensors = [module.packed_weight, module.scales_and_zeros, module.bias]
+        elif isinstance(module, (Linear, RMSNorm)):
+            tensors = [module.weight, getattr(module, "bias", None)]
+        else:
+            continue
+        total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    if "lm_head" not in model._modules:  # tied: the head is the embedding matrix
+        total += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total
+
+
+def gguf_decode_bytes(path: Path) -> int:
+    """Bytes of a GGUF file's tensors that llama.cpp reads per decoded token (a tied embedding is the head)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    embed = tensors.get("token_embd.weight", 0)
+    return sum(tensors.values()) - (embed if "output.weight" in tensors else 0)
+
+
+def find_llamacpp_python(explicit: str | None) -> str:
+    """An interpreter that can import ``llama_cpp``: ``explicit``, else this one, else a clear error."""
+    candidates = [explicit] if explicit else [sys.executable]
+    for python in candidates:
+        probe = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True)
+        if probe.returncode == 0:
+            return python
+    raise RuntimeError(
+        f"no llama_cpp module for {candidates[0]}: install llama-cpp-python (pip install llama-cpp-python), "
+        "pass --llamacpp-python PATH to an interpreter that has it, or --peers without llamacpp"
+    )
