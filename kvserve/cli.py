@@ -27,7 +27,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--weights", choices=WEIGHT_MODES, default="native",
-        help="GGUF weights: native runs Q4_0/Q4_1 as int4 for batches of up to 4 rows and a dequantised copy "
+        help="GGUF weights: native runs Q4_0/Q4_1 as int4 for batches of up to 3 rows and a dequantised copy "
         "above (bfloat16 on CPU only), int4 keeps only the int4 form, dequant dequantises all",
     )  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

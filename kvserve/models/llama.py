@@ -13,6 +13,7 @@ from torch import nn
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.models.config import ModelConfig
 from kvserve.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, rope_inverse_frequencies
+from kvserve.models.packed_linear import packed_linear, prepack
 
 
 class Attention(nn.Module):
@@ -78,6 +79,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(inv_freq, config.max_position_embeddings)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tied_head_packed: torch.Tensor | None = None  # see prepack()
 
     def forward(
         self,
@@ -93,8 +95,18 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope, backend, metadata)
         return self.norm(x)
 
+    def prepack(self) -> None:
+        """Reorder dense bfloat16 weights once for oneDNN on CPU (``packed_linear``); call after loading."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "prepack"):
+                module.prepack()
+        if "lm_head" not in self._modules and isinstance(self.embed_tokens, nn.Embedding):
+            self.tied_head_packed = prepack(self.embed_tokens.weight)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (M, hidden) -> float32 logits (M, vocab). Call it on the rows you sample from only."""
-        if "lm_head" in self._modules:  # untied, or a tied embedding whose head runs as int4
+        if "lm_head" in self._modules:  # untied, or a tied embedding whose head runs quantised
             return self.lm_head(hidden).float()
+        if self.tied_head_packed is not None:
+            return packed_linear(hidden, self.tied_head_packed).float()
         return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()

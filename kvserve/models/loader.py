@@ -85,7 +85,9 @@ def load_model(
     quantised = any(isinstance(m, (QuantLinear, QuantEmbedding, Int8PlanesLinear)) for m in model.modules())
     mode = weights if quantised else "dequant"
     get_logger().info("loaded %s: %s, weights %s (%s)", path.name, _dtype_name(dtype), mode, summary)
-    return LoadedModel(model.to(device), tokenizer, model.config, path, dtype, mode, summary)
+    model = model.to(device)
+    model.prepack()
+    return LoadedModel(model, tokenizer, model.config, path, dtype, mode, summary)
 
 
 def _int4_refusal(weights: str, dtype: torch.dtype, device: torch.device | str) -> str | None:

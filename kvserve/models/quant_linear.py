@@ -24,16 +24,19 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from kvserve.models.packed_linear import packed_linear, prepack
+
 GROUP_SIZE = 32  # ggml's block size for Q4_0 / Q4_1, and the kernel's group size
 # ggml block layout: bytes of the float16 constants, then 16 bytes of codes (two per byte).
 _BLOCK_HEADER = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}
 INT4_TYPES = frozenset(_BLOCK_HEADER)
 _ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu wants the output size divisible by 16
 # torch's CPU int4 kernel has no AMX path: its cost grows with the row count, while a bfloat16 matmul
-# reading 4x the bytes is flat up to dozens of rows. Measured on SmolLM2's four projections (2 threads,
-# AMX Xeon): int4 135 / 164 / 196 / 241 / 436 us for 1 / 2 / 3 / 4 / 6 rows, bfloat16 about 380 us.
+# (weight prepacked for oneDNN, see packed_linear.py) reading 4x the bytes is flat up to dozens of rows.
+# Measured on SmolLM2's four projections of a layer (2 threads, AMX Xeon, torch 2.13, cache-warm):
+# int4 133 / 169 / 202 / 238 / 437 us for 1 / 2 / 3 / 4 / 6 rows, packed bfloat16 208-218 us.
 # With a dense copy at hand, more rows than this go through it.
-INT4_MAX_ROWS = 4
+INT4_MAX_ROWS = 3
 
 
 @dataclass
@@ -139,6 +142,11 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype).contiguous())
         self.bias = nn.Parameter(bias.to(dtype)) if bias is not None else None
         self.dense = nn.Parameter(dense.to(dtype)) if dense is not None else None
+        self.dense_packed: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        """Reorder the dense copy once for oneDNN (see ``packed_linear``); call after loading."""
+        self.dense_packed = prepack(self.dense) if self.dense is not None else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -148,6 +156,8 @@ class QuantLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.dense is not None and x2.shape[0] > INT4_MAX_ROWS:
+            if self.dense_packed is not None:
+                return packed_linear(x, self.dense_packed, self.bias)
             return F.linear(x, self.dense, self.bias)
         x2 = x2.contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed_weight, GROUP_SIZE, self.scales_and_zeros)
@@ -177,9 +187,15 @@ class Int8PlanesLinear(nn.Module):
         self.out_features = rows // 2
         self.planes = QuantLinear(planes, dtype)
         self.dense = dense
+        self.dense_packed: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        self.dense_packed = prepack(self.dense) if self.dense is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.reshape(-1, self.in_features).shape[0] > INT4_MAX_ROWS:
+            if self.dense_packed is not None:
+                return packed_linear(x, self.dense_packed)
             return F.linear(x, self.dense)
         y = self.planes(x)
         return y[..., : self.out_features] + y[..., self.out_features :]
