@@ -51,18 +51,32 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 def sample_batch(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[SampledToken]:
     """logits (B, vocab) float32, one row per sequence -> one sampled token per row."""
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
     processed = apply_penalties(logits, rows)
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]
-    chosen = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-    if greedy:
-        chosen[greedy] = processed[greedy].argmax(dim=-1)
-    random = [i for i, row in enumerate(rows) if not row.params.greedy]
-    if random:
+    if len(greedy) == len(rows):
+        chosen = processed.argmax(dim=-1)
+    else:
+        chosen = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        if greedy:
+            chosen[greedy] = processed[greedy].argmax(dim=-1)
+        random = [i for i, row in enumerate(rows) if not row.params.greedy]
         probs = filtered_probs(processed[random], [rows[i].params for i in random])
         for j, i in enumerate(random):
             chosen[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
-    return [_result(raw_logprobs[i], int(chosen[i]), row.params.logprobs) for i, row in enumerate(rows)]
+    # The chosen tokens' raw log-probabilities need one logsumexp per row, not a (B, V) log-softmax;
+    # that is computed only when a row asks for its top logprobs.
+    token_logprobs = (logits.gather(1, chosen.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=-1)).tolist()
+    tokens = chosen.tolist()
+    raw_logprobs = None
+    results = []
+    for i, row in enumerate(rows):
+        if row.params.logprobs is None:
+            results.append(SampledToken(tokens[i], token_logprobs[i]))
+            continue
+        if raw_logprobs is None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        results.append(_result(raw_logprobs[i], tokens[i], row.params.logprobs))
+    return results
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
