@@ -33,7 +33,10 @@ HEADS = {"mha_4_4": (4, 4), "gqa_6_2": (6, 2), "mqa_4_1": (4, 1)}
 class Pair:
     """A paged cache and a contiguous reference run on the same steps; block tables grow on demand."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, block_size: int, num_seqs: int, max_len: int, seed: int = 0):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, block_size: int, num_seqs: int, max_len: int, seed: int = 0,
+        consecutive: bool = False,
+    ):  # fmt: skip
         self.num_heads, self.num_kv_heads, self.block_size = num_heads, num_kv_heads, block_size
         num_blocks = num_seqs * math.ceil(max_len / block_size) + 3
         self.paged = PagedKVCache(NUM_LAYERS, num_blocks, block_size, num_kv_heads, HEAD_DIM, torch.float32)
@@ -41,7 +44,11 @@ class Pair:
         self.paged.v.normal_(generator=torch.Generator().manual_seed(seed + 1))
         self.ref = ContiguousKVCache(NUM_LAYERS, num_seqs, num_kv_heads, HEAD_DIM, max_len, torch.float32)
         self.free = list(range(num_blocks))
-        random.Random(seed).shuffle(self.free)
+        if consecutive:  # handed out in order: each sequence's blocks are consecutive ids (from block 1 on)
+            self.free.reverse()
+            self.free.pop()
+        else:
+            random.Random(seed).shuffle(self.free)
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
         self.gen = torch.Generator().manual_seed(seed + 2)
@@ -57,6 +64,7 @@ class Pair:
                 table.append(self.free.pop())
             self.lens[s] = c + n
         meta = PagedAttentionMetadata.build(seqs, q_lens, ctx, [self.tables[s] for s in seqs], self.block_size, "cpu")
+        self.last_plan = meta.plan
         ref_meta = AttentionMetadata(seq_ids=tuple(seqs), query_lens=tuple(q_lens), context_lens=tuple(ctx))
         worst = 0.0
         n = sum(q_lens)
@@ -69,6 +77,18 @@ class Pair:
             assert got.shape == want.shape == (n, self.num_heads, HEAD_DIM)
             worst = max(worst, (got - want).abs().max().item())
         return worst
+
+
+@pytest.mark.parametrize("consecutive", [True, False], ids=["consecutive-blocks", "shuffled-blocks"])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_single_sequence_decode_reads_consecutive_blocks_as_a_view(block_size: int, consecutive: bool) -> None:
+    """One decoding sequence in consecutive blocks is read by slicing the cache, not gathering; same result."""
+    pair = Pair(*HEADS["gqa_6_2"], block_size=block_size, num_seqs=1, max_len=40, consecutive=consecutive)
+    assert pair.step([(0, 21)]) < ATOL
+    for _ in range(6):
+        assert pair.step([(0, 1)]) < ATOL
+        run = pair.last_plan.decode_runs[0]
+        assert run == (pair.tables[0][0] if consecutive else None)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])

@@ -60,6 +60,9 @@ class _StepPlan:
     decode_len: int  # longest decode sequence (context + 1); keys are padded to this length
     decode_mask: torch.Tensor | None  # (Bd, 1, 1, decode_len) bool, True = attend; None if no padding
     decode_tables: tuple[torch.Tensor, ...]  # per group: (Bd * blocks,) long, the decode rows' tables
+    # Per group: for a single decode sequence whose blocks are consecutive ids (the usual case for one
+    # user), the first block id, so its keys are read as a slice of the cache instead of a gather.
+    decode_runs: tuple[int | None, ...]
     prefills: tuple[_Prefill, ...]
     prefill_tables: tuple[tuple[torch.Tensor, ...], ...]  # per group, per prefill: (blocks,) long
 
@@ -211,6 +214,7 @@ def _make_plan(meta: PagedAttentionMetadata) -> _StepPlan:
     decode_tables = tuple(
         t.index_select(0, decode_idx)[:, :decode_blocks].reshape(-1).long() for t in meta.block_tables
     )
+    decode_runs = tuple(_consecutive_start(t) if len(decodes) == 1 else None for t in decode_tables)
     decode_mask = None
     lens = [meta.seq_lens[i] for i in decodes]
     if any(n != decode_len for n in lens):
@@ -226,9 +230,18 @@ def _make_plan(meta: PagedAttentionMetadata) -> _StepPlan:
         decode_len=decode_len,
         decode_mask=decode_mask,
         decode_tables=decode_tables,
+        decode_runs=decode_runs,
         prefills=prefills,
         prefill_tables=prefill_tables,
     )
+
+
+def _consecutive_start(table: torch.Tensor) -> int | None:
+    """table[0] if the block ids are table[0], table[0] + 1, ..., else None."""
+    if not table.numel():
+        return None
+    start = int(table[0])
+    return start if bool((table == torch.arange(start, start + table.numel())).all()) else None
 
 
 class PagedKVCache(AttentionBackend):
@@ -347,9 +360,13 @@ class PagedKVCache(AttentionBackend):
         """q (B, H, D), one query per decode sequence, over their gathered blocks -> (B, H, D)."""
         batch, num_heads, head_dim = q.shape
         hkv = self.num_kv_heads
-        table, length = plan.decode_tables[group], plan.decode_len
-        keys = k_cache.index_select(0, table).view(batch, -1, hkv, head_dim)[:, :length].transpose(1, 2)
-        values = v_cache.index_select(0, table).view(batch, -1, hkv, head_dim)[:, :length].transpose(1, 2)
+        table, length, run = plan.decode_tables[group], plan.decode_len, plan.decode_runs[group]
+        if run is not None:  # one sequence in consecutive blocks: a view, no copy
+            keys, values = k_cache[run : run + table.numel()], v_cache[run : run + table.numel()]
+        else:
+            keys, values = k_cache.index_select(0, table), v_cache.index_select(0, table)
+        keys = keys.view(batch, -1, hkv, head_dim)[:, :length].transpose(1, 2)
+        values = values.view(batch, -1, hkv, head_dim)[:, :length].transpose(1, 2)
         # (B, Hkv, T, D). Query head h reads KV head h // G: fold the G heads of a group into query rows.
         qg = q.reshape(batch, hkv, num_heads // hkv, head_dim)  # (B, Hkv, G, D)
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=plan.decode_mask)  # (B, Hkv, G, D)

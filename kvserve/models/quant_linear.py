@@ -145,8 +145,11 @@ class QuantLinear(nn.Module):
         self.dense_packed: torch.Tensor | None = None
 
     def prepack(self) -> None:
-        """Reorder the dense copy once for oneDNN (see ``packed_linear``); call after loading."""
-        self.dense_packed = prepack(self.dense) if self.dense is not None else None
+        """Reorder the dense copy once for oneDNN (see ``packed_linear``); call after loading. The packed
+        copy then serves every large batch, so the plain one is dropped: one dense copy in memory."""
+        packed = prepack(self.dense) if self.dense is not None else None
+        if packed is not None:
+            self.dense_packed, self.dense = packed, None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -155,10 +158,11 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.dense is not None and x2.shape[0] > INT4_MAX_ROWS:
+        if x2.shape[0] > INT4_MAX_ROWS:
             if self.dense_packed is not None:
                 return packed_linear(x, self.dense_packed, self.bias)
-            return F.linear(x, self.dense, self.bias)
+            if self.dense is not None:
+                return F.linear(x, self.dense, self.bias)
         x2 = x2.contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed_weight, GROUP_SIZE, self.scales_and_zeros)
         if y.shape[-1] != self.out_features:
@@ -168,7 +172,8 @@ class QuantLinear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        dense = f", dense copy above {INT4_MAX_ROWS} rows" if self.dense is not None else ""
+        has_dense = self.dense is not None or self.dense_packed is not None
+        dense = f", dense copy above {INT4_MAX_ROWS} rows" if has_dense else ""
         return f"in={self.in_features}, out={self.out_features}, int4 groups of {GROUP_SIZE}, {self.dtype}{dense}"
 
 

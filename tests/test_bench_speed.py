@@ -1,0 +1,149 @@
+"""``kvserve bench speed``: the measurement arithmetic, the roofline inputs, and a real end-to-end run.
+
+llama.cpp itself is not installed with the test extras; its worker is exercised by the benchmark
+run recorded in benchmarks/speed/. Here the peer path is checked through the table and the error a
+missing ``llama_cpp`` gives.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvserve.bench import speed
+from kvserve.bench.cli import _speed_table
+from kvserve.bench.plots import plot_speed_ratios
+from kvserve.models.config import ModelConfig
+from kvserve.models.loader import default_model_path, load_model
+
+
+class FakeEngine:
+    """Takes ``a + b * tokens`` seconds for any request, so the decode rate must come out as 1 / b."""
+
+    name = "fake"
+    load_s = 0.5
+    decode_bytes_per_token = 1000
+
+    def __init__(self, a: float, b: float) -> None:
+        self.a, self.b = a, b
+
+    def generate(self, ids, new_tokens: int) -> float:
+        return self.a + len(ids) * 1e-4 + self.b * new_tokens
+
+    def batch(self, prompts, new_tokens: int) -> float:
+        return self.a + self.b * new_tokens  # all sequences in parallel
+
+    def close(self) -> None:
+        pass
+
+
+def test_measure_derives_rates_from_engine_times() -> None:
+    ids = list(range(100))
+    prompts = [ids[:10]] * 8
+    result = speed.measure(FakeEngine(0.2, 0.01), ids, [50, 100], 64, prompts, [2, 8], 16, 3, lambda _: None)
+    assert result.prefill_s == pytest.approx({50: 0.2 + 0.005 + 0.01, 100: 0.2 + 0.01 + 0.01})
+    assert result.decode_tokens_per_s == pytest.approx(100.0)  # the constant cost and the prompt cancel out
+    assert result.batch_tokens_per_s == pytest.approx({2: 2 * 16 / 0.36, 8: 8 * 16 / 0.36})
+    assert (result.load_s, result.decode_bytes_per_token) == (0.5, 1000)
+
+
+def test_short_output_is_an_error() -> None:
+    with pytest.raises(RuntimeError, match="produced 3 tokens, expected 4"):
+        speed._check_lengths("x", [[1, 2, 3, 4], [1, 2, 3]], 4)
+
+
+def test_prefill_flops_counts_projections_attention_and_one_head_row() -> None:
+    config = ModelConfig(
+        vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1,
+        head_dim=4, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+    )  # fmt: skip
+    # Per token and layer: q 8x8, k and v 8x4 each, o 8x8, gate/up/down 3 x 8x16 = 64+64+64+384 = 576 MACs.
+    n = 3
+    projections = 2 * n * 576 * 2
+    attention = 2 * 2 * (1 + 2 + 3) * 2 * 4 * 2  # QK^T and PV over 1 + 2 + 3 causal keys, 2 heads of 4, 2 layers
+    assert speed.prefill_flops(config, n) == projections + attention + 2 * 100 * 8
+
+
+def test_decode_bytes_native_reads_the_compact_weights(default_model) -> None:
+    dequant = load_model(dtype=torch.bfloat16, weights="dequant")
+    params = sum(p.numel() for p in dequant.model.parameters())  # the tied embedding counts once: it is the head
+    assert speed.decode_weight_bytes(dequant.model) == 2 * params
+    native = load_model(dtype=torch.bfloat16, weights="native")
+    native_bytes = speed.decode_weight_bytes(native.model)
+    # int4 codes (half a byte) + a bfloat16 scale and zero per 32 weights; the Q8_0 head as two such planes.
+    assert 0.3 * 2 * params < native_bytes < 0.45 * 2 * params
+    file_bytes = speed.gguf_decode_bytes(default_model_path())
+    assert 0.9 * default_model_path().stat().st_size < file_bytes < default_model_path().stat().st_size
+
+
+def test_llamacpp_interpreter_is_found_or_named_in_the_error(tmp_path) -> None:
+    if importlib.util.find_spec("llama_cpp") is not None:
+        assert speed.find_llamacpp_python(None) == sys.executable
+    else:
+        with pytest.raises(RuntimeError, match="pip install llama-cpp-python"):
+            speed.find_llamacpp_python(None)
+    python_without_it = tmp_path / "python"
+    python_without_it.write_text("#!/bin/sh\nexit 1\n")
+    python_without_it.chmod(0o755)
+    with pytest.raises(RuntimeError, match=f"no llama_cpp module for {python_without_it}"):
+        speed.find_llamacpp_python(str(python_without_it))
+
+
+def test_table_and_plot_show_ratios_against_each_peer(tmp_path) -> None:
+    def result(engine: str, scale: float) -> dict:
+        return {
+            "engine": engine, "load_s": 1.0, "prefill_s": {512: 0.2 * scale, 2048: 1.0 * scale},
+            "decode_tokens_per_s": 50 / scale, "batch_tokens_per_s": {8: 100 / scale, 32: 300 / scale},
+            "decode_bytes_per_token": 100e6,
+        }  # fmt: skip
+
+    report = {
+        "model": "m.gguf", "command": "kvserve bench speed", "date": "2026-11-22", "threads": 2, "dtype": "bfloat16",
+        "weights": "native", "machine": {"cpu": "cpu", "nproc": 2, "memory_gib": 1, "torch": "2.13"},
+        "peers": {"llama.cpp": {"version": "0.3", "settings": "use_extra_bufts=False, flash attention off"}},
+        "roofline": {"copy_gb_per_s": 20.0, "bf16_gflop_per_s": 2000.0},
+        "prefill_gflop": {512: 100.0, 2048: 500.0},
+        "workload": {"decode_tokens": 128, "batch_prompt_tokens": 64, "batch_new_tokens": 128},
+        "results": [result("kvserve", 1.0), result("llama.cpp", 4.0)],
+    }  # fmt: skip
+    table = _speed_table(report)
+    assert "| **kvserve / llama.cpp** | | 4.00x | 4.00x | 4.00x | 4.00x | 4.00x |" in table
+    # decode: 100 MB x 50 tok/s / 20 GB/s; prefill 512: 100 GFLOP / 0.2 s / 2 TFLOP/s (2048: 500 / 1.0 / 2)
+    assert "| kvserve | 100.0 | 25% | 25% | 25% |" in table
+    plot_speed_ratios(report, tmp_path / "ratios.png")
+    assert (tmp_path / "ratios.png").stat().st_size > 1000
+
+
+@pytest.mark.real_model
+def test_bench_speed_runs_kvserve_end_to_end(tmp_path) -> None:
+    out = tmp_path / "speed"
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "kvserve.cli", "bench", "speed", "--peers", "", "--threads", "2",
+            "--prefill-lengths", "32,64", "--decode-tokens", "4", "--batch-sizes", "2,3", "--batch-prompt-tokens", "16",
+            "--batch-new-tokens", "4", "--repeats", "1", "--output", str(out),
+        ],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.with_suffix(".json").read_text())
+    (kvserve,) = report["results"]
+    assert kvserve["engine"] == "kvserve (native)"
+    assert set(kvserve["prefill_s"]) == {"32", "64"} and set(kvserve["batch_tokens_per_s"]) == {"2", "3"}
+    assert kvserve["decode_tokens_per_s"] > 0 and kvserve["prefill_s"]["64"] > 0
+    assert report["roofline"]["copy_gb_per_s"] > 0 and report["roofline"]["bf16_gflop_per_s"] > 0
+    assert "| kvserve (native) |" in out.with_suffix(".md").read_text()
+
+
+def test_bench_speed_rejects_unknown_peers_and_non_gguf_models(tmp_path, capsys) -> None:
+    from kvserve.cli import main
+
+    assert main(["bench", "speed", "--peers", "vllm"]) == 2
+    assert "unknown peer(s) ['vllm']" in capsys.readouterr().err
+    assert main(["bench", "speed", "--peers", "", "--model", str(tmp_path)]) == 2
+    assert "not a .gguf file" in capsys.readouterr().err
