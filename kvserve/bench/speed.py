@@ -222,11 +222,12 @@ class Roofline:
     bf16_gflop_per_s: float  # a 2048 x 2048 x 2048 bfloat16 matmul
 
 
-def measure_roofline(repeats: int = 5) -> Roofline:
+def measure_roofline(repeats: int = 10) -> Roofline:
     src = torch.ones(64 * 2**20)  # 256 MiB, far beyond the caches
     dst = torch.empty_like(src)
 
     def best(fn: Callable[[], object]) -> float:
+        """The fastest of ``repeats`` runs: a peak, robust to a busy moment on a shared host."""
         fn()
         times = []
         for _ in range(repeats):
