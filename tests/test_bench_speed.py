@@ -59,7 +59,7 @@ def test_short_output_is_an_error() -> None:
 
 def test_prefill_flops_counts_projections_attention_and_one_head_row() -> None:
     config = ModelConfig(
-        vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1,
+        architecture="llama", vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1,
         head_dim=4, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
     )  # fmt: skip
     # Per token and layer: q 8x8, k and v 8x4 each, o 8x8, gate/up/down 3 x 8x16 = 64+64+64+384 = 576 MACs.
