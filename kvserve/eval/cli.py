@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 
-from kvserve.engine_args import add_engine_args, engine_config_from_args
+from kvserve.engine_args import add_engine_args, describe_config, engine_config_from_args
 
 PPL_CONTEXT = 2048
 PPL_STRIDE = 512
@@ -199,7 +198,7 @@ class _Session:
         from kvserve.eval.report import eval_report, write_eval_report
         from kvserve.models.fingerprint import model_fingerprint
 
-        engine = asdict(self.config)
+        engine = describe_config(self.config)
         if self.backend == "kvserve" and self._engine is not None:
             engine["max_model_len"] = self._engine.max_model_len
         backend = "transformers" if self.backend == "hf" else "kvserve"
