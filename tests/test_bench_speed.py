@@ -59,8 +59,8 @@ def test_short_output_is_an_error() -> None:
 
 def test_prefill_flops_counts_projections_attention_and_one_head_row() -> None:
     config = ModelConfig(
-        architecture="llama", vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1,
-        head_dim=4, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+        architecture="llama", vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
+        num_kv_heads=1, head_dim=4, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
     )  # fmt: skip
     # Per token and layer: q 8x8, k and v 8x4 each, o 8x8, gate/up/down 3 x 8x16 = 64+64+64+384 = 576 MACs.
     n = 3
@@ -112,7 +112,7 @@ def test_table_and_plot_show_ratios_against_each_peer(tmp_path) -> None:
         "results": [result("kvserve", 1.0), result("llama.cpp", 4.0)],
     }  # fmt: skip
     table = _speed_table(report)
-    assert "| **kvserve / llama.cpp** | | 4.00x | 4.00x | 4.00x | 4.00x | 4.00x |" in table
+    assert "| **kvserve / llama.cpp** |  | 4.00x | 4.00x | 4.00x | 4.00x | 4.00x |" in table
     # decode: 100 MB x 50 tok/s / 20 GB/s; prefill 512: 100 GFLOP / 0.2 s / 2 TFLOP/s (2048: 500 / 1.0 / 2)
     assert "| kvserve | 100.0 | 25% | 25% | 25% |" in table
     plot_speed_ratios(report, tmp_path / "ratios.png")

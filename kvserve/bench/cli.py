@@ -264,23 +264,23 @@ def _speed_table(report: dict) -> str:
         + " |",
         "| --- | ---: |" + " ---: |" * (len(lengths) + 1 + len(sizes)),
     ]
+
+    def row(label: str, load: str, prefill: list[str], decode: str, batch: list[str]) -> str:
+        return f"| {label} | {load} | " + " | ".join([*prefill, decode, *batch]) + " |"
+
     for r in results:
-        lines.append(
-            f"| {r['engine']} | {r['load_s']:.2f} | "
-            + " | ".join(f"{r['prefill_s'][n] * 1000:.0f}" for n in lengths)
-            + f" | {r['decode_tokens_per_s']:.1f} | "
-            + " | ".join(f"{r['batch_tokens_per_s'][b]:.1f}" for b in sizes)
-            + " |"
-        )
+        lines.append(row(
+            r["engine"], f"{r['load_s']:.2f}", [f"{r['prefill_s'][n] * 1000:.0f}" for n in lengths],
+            f"{r['decode_tokens_per_s']:.1f}", [f"{r['batch_tokens_per_s'][b]:.1f}" for b in sizes],
+        ))  # fmt: skip
     ours = results[0]
     for peer in results[1:]:
-        lines.append(
-            f"| **kvserve / {peer['engine']}** | | "
-            + " | ".join(f"{peer['prefill_s'][n] / ours['prefill_s'][n]:.2f}x" for n in lengths)
-            + f" | {ours['decode_tokens_per_s'] / peer['decode_tokens_per_s']:.2f}x | "
-            + " | ".join(f"{ours['batch_tokens_per_s'][b] / peer['batch_tokens_per_s'][b]:.2f}x" for b in sizes)
-            + " |"
-        )
+        lines.append(row(
+            f"**kvserve / {peer['engine']}**", "",
+            [f"{peer['prefill_s'][n] / ours['prefill_s'][n]:.2f}x" for n in lengths],
+            f"{ours['decode_tokens_per_s'] / peer['decode_tokens_per_s']:.2f}x",
+            [f"{ours['batch_tokens_per_s'][b] / peer['batch_tokens_per_s'][b]:.2f}x" for b in sizes],
+        ))  # fmt: skip
     lines += ["", "Roofline fractions: decode = weight bytes per token x tokens/s / copy bandwidth; prefill = "
               "matmul FLOPs / time / bfloat16 peak.", "",
               "| engine | weight MB / token | decode | " + " | ".join(f"prefill {n}" for n in lengths) + " |",

@@ -219,7 +219,7 @@ def evaluate_needle(
 
     start = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    outputs = LLM.from_engine(engine).generate([c.prompt_ids for c in cells], params, use_tqdm=False)
+    outputs = LLM.from_engine(engine).generate([c.prompt_ids for c in cells], params, use_tqdm=True)
     seconds = time.perf_counter() - start
 
     records = []
