@@ -11,3 +11,7 @@ class ModelLoadError(KVServeError):
 
 class UnsupportedModelError(ModelLoadError):
     """The model uses an architecture, tensor type or tokenizer kvserve does not implement."""
+
+
+class ParallelPrefillError(KVServeError):
+    """A parallel prefill worker died, hung past the timeout, or reported an error."""

@@ -351,7 +351,7 @@ class PagedKVCache(AttentionBackend):
                 seq_len = p.context_len + p.query_len
                 keys = k_cache.index_select(0, table).flatten(0, 1)[:seq_len]  # (seq_len, Hkv, D)
                 values = v_cache.index_select(0, table).flatten(0, 1)[:seq_len]
-            out[rows] = _attend_prefill(q[rows], keys, values, p.context_len)
+            out[rows] = attend_prefill(q[rows], keys, values, p.context_len)
         return out
 
     def _decode(
@@ -373,7 +373,7 @@ class PagedKVCache(AttentionBackend):
         return out.reshape(batch, num_heads, head_dim)
 
 
-def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int) -> torch.Tensor:
+def attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int) -> torch.Tensor:
     """q (T, H, D) at cache positions ctx_len.. over k, v (ctx_len + T, Hkv, D) -> (T, H, D)."""
     q_len = q.shape[0]
     qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, T, D)

@@ -1,0 +1,95 @@
+"""One rank's share of a parallel prefill: its chunk of the prompt through the model, with an attention
+backend that brings in the keys and values of the earlier tokens (KV-Runahead or the TSP baseline).
+
+Every rank runs the whole model over its own tokens only, at their absolute positions; the backends
+differ in how a layer obtains the KV of tokens [0, start): passed along the chain point-to-point
+(``runahead.py``) or all-gathered from every rank (``tsp.py``). The last rank's backend also hands the
+full KV of each layer to a ``sink`` (the engine writes it into its paged cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.errors import ParallelPrefillError
+from kvserve.models.llama import LlamaForCausalLM
+
+KVSink = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, keys (C, Hkv, D), values (C, Hkv, D))
+SCHEMES = ("runahead", "tsp")
+
+
+@dataclass(frozen=True)
+class ChunkJob:
+    """What every rank of one parallel prefill needs to know."""
+
+    scheme: str  # "runahead" or "tsp"
+    token_ids: tuple[int, ...]
+    boundaries: tuple[int, ...]  # b_0 = 0 < b_1 < ... < b_p = len(token_ids); rank r computes [b_r, b_r+1)
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"scheme must be one of {SCHEMES}, got {self.scheme!r}")
+        b = self.boundaries
+        if b[0] != 0 or b[-1] != len(self.token_ids) or any(x >= y for x, y in zip(b, b[1:], strict=False)):
+            raise ValueError(f"boundaries {b} do not split {len(self.token_ids)} tokens into non-empty chunks")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.boundaries) - 1
+
+
+class ChunkBackend(AttentionBackend):
+    """Shared by both schemes: where this rank's chunk starts, the timeout, and the sink."""
+
+    def __init__(self, job: ChunkJob, rank: int, model: LlamaForCausalLM, timeout_s: float, sink: KVSink | None):
+        self.job, self.rank = job, rank
+        self.start, self.end = job.boundaries[rank], job.boundaries[rank + 1]
+        config = model.config
+        self.kv_shape = (config.num_kv_heads, config.head_dim)
+        self.num_layers = config.num_layers
+        self.dtype = model.norm.weight.dtype
+        self.timeout = timedelta(seconds=timeout_s)
+        self.sink = sink
+
+    def wait(self, work: object, what: str) -> None:
+        """Wait for a torch.distributed request; a dead or hung peer becomes a ParallelPrefillError."""
+        try:
+            completed = work.wait(timeout=self.timeout)
+        except RuntimeError as exc:  # gloo: connection closed by a dead peer, or its own timeout
+            raise ParallelPrefillError(f"rank {self.rank}: {what} failed: {exc}") from exc
+        if completed is False:
+            raise ParallelPrefillError(f"rank {self.rank}: {what} timed out after {self.timeout.total_seconds():g} s")
+
+    def finish(self) -> None:
+        """Called after the forward pass: wait for whatever this rank still has in flight."""
+
+
+def run_chunk(
+    model: LlamaForCausalLM, job: ChunkJob, rank: int, timeout_s: float, sink: KVSink | None = None
+) -> torch.Tensor:
+    """This rank's final hidden states (chunk length, hidden), computed in cooperation with the other ranks."""
+    from kvserve.parallel.runahead import RunaheadBackend
+    from kvserve.parallel.tsp import TSPBackend
+
+    backend_type = RunaheadBackend if job.scheme == "runahead" else TSPBackend
+    backend = backend_type(job, rank, model, timeout_s, sink)
+    start, end = backend.start, backend.end
+    device = model.norm.weight.device
+    ids = torch.tensor(job.token_ids[start:end], dtype=torch.long, device=device)
+    positions = torch.arange(start, end, device=device)
+    metadata = AttentionMetadata(seq_ids=(0,), query_lens=(end - start,), context_lens=(start,))
+    with torch.inference_mode():
+        hidden = model(ids, positions, backend, metadata)
+        backend.finish()
+    return hidden
+
+
+def stacked(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Keys and values as one contiguous (2, T, Hkv, D) tensor: one message instead of two."""
+    return torch.stack((k, v))
+
