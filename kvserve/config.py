@@ -10,9 +10,10 @@ from kvserve.kv.sizing import parse_memory_size
 from kvserve.models.dtype import DTYPE_CHOICES, DTYPES, resolve_dtype
 from kvserve.models.loader import WEIGHT_MODES
 
-__all__ = ["DTYPES", "DTYPE_CHOICES", "WEIGHT_MODES", "PREEMPTION_MODES", "EngineConfig"]
+__all__ = ["DTYPES", "DTYPE_CHOICES", "WEIGHT_MODES", "PREEMPTION_MODES", "PREFILL_PARTITIONS", "EngineConfig"]
 
 PREEMPTION_MODES = ("recompute", "swap")
+PREFILL_PARTITIONS = ("even", "searched", "predicted", "tsp")
 
 
 @dataclass(frozen=True)
@@ -31,12 +32,20 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     preemption_mode: str = "recompute"
     max_model_len: int | None = None  # default: the model's context length
+    prefill_parallel: int = 1  # processes for a long prompt's prefill (KV-Runahead); 1: this process alone
+    prefill_partition: str | None = None  # even | searched | predicted | tsp; None: predicted if a table exists
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
+        if not isinstance(self.prefill_parallel, int) or self.prefill_parallel < 1:
+            raise ValueError(f"prefill_parallel must be a positive integer, got {self.prefill_parallel!r}")
+        if self.prefill_partition not in (None, *PREFILL_PARTITIONS):
+            raise ValueError(f"prefill_partition must be one of {PREFILL_PARTITIONS}, got {self.prefill_partition!r}")
+        if self.prefill_parallel > 1 and self.device != "cpu":
+            raise ValueError(f"prefill_parallel > 1 runs on CPU (gloo) for now, not on device {self.device!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

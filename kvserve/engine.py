@@ -57,7 +57,10 @@ class LLMEngine:
             config.device,
         )  # fmt: skip
         host = cache.make_host_cache(num_host_blocks) if num_host_blocks else None
-        self.runner = ModelRunner(self.loaded.model, cache, host, num_groups=1, device=config.device)
+        self.parallel_prefill = self._start_parallel_prefill() if config.prefill_parallel > 1 else None
+        self.runner = ModelRunner(
+            self.loaded.model, cache, host, num_groups=1, device=config.device, parallel_prefill=self.parallel_prefill
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode), self.kv
         )
@@ -72,6 +75,23 @@ class LLMEngine:
             f"{num_host_blocks} blocks"
         )
         get_logger().info(self.kv_summary)
+
+    def _start_parallel_prefill(self):  # noqa: ANN202 - kvserve.parallel.prefill.ParallelPrefill
+        from kvserve.models.dtype import DTYPE_NAMES
+        from kvserve.parallel import partition
+        from kvserve.parallel.group import WorkerModel
+        from kvserve.parallel.prefill import ParallelPrefill
+
+        choice = self.config.prefill_partition
+        if choice is None:
+            choice = "predicted" if partition.default_table_path().is_file() else "even"
+        worker_model = WorkerModel(str(self.loaded.path), DTYPE_NAMES[self.loaded.dtype], self.config.weights)
+        return ParallelPrefill(self.loaded.model, worker_model, self.config.prefill_parallel, choice)
+
+    def close(self) -> None:
+        """Stop the parallel prefill workers, if any (they would also stop when this process exits)."""
+        if self.parallel_prefill is not None:
+            self.parallel_prefill.close()
 
     # ----- requests -----
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
-from kvserve.config import PREEMPTION_MODES, EngineConfig
+from kvserve.config import PREEMPTION_MODES, PREFILL_PARTITIONS, EngineConfig
 from kvserve.models.dtype import DTYPE_NAMES
 
 
@@ -20,6 +20,15 @@ def add_engine_args(parser: argparse.ArgumentParser, kv_cache_memory: str = "1Gi
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     group.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
+    group.add_argument(
+        "--prefill-parallel", type=int, default=1,
+        help="processes for a prompt's prefill (KV-Runahead); the prompt must fit --max-num-batched-tokens",
+    )  # fmt: skip
+    group.add_argument(
+        "--prefill-partition", choices=PREFILL_PARTITIONS, default=None,
+        help="context split: even, searched (measured once per length), predicted (the table of "
+        "`kvserve tune-runahead`; the default when it exists, else even) or tsp (the all-gather baseline)",
+    )  # fmt: skip
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -29,6 +38,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         swap_space=args.swap_space, block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         preemption_mode=args.preemption_mode, max_model_len=args.max_model_len,
+        prefill_parallel=args.prefill_parallel, prefill_partition=args.prefill_partition,
     )  # fmt: skip
 
 

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Set
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve.attention.paged import PagedAttentionMetadata, PagedKVCache
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:  # parallel/ (torch.distributed) is imported only when an engine uses it
+    from kvserve.parallel.prefill import ParallelPrefill
 
 
 @dataclass
@@ -30,8 +34,10 @@ class ModelRunner:
         host_cache: PagedKVCache | None,
         num_groups: int = 1,
         device: torch.device | str = "cpu",
+        parallel_prefill: ParallelPrefill | None = None,
     ) -> None:
         self.model = model
+        self.parallel_prefill = parallel_prefill
         self.cache = cache
         self.host_cache = host_cache
         self.num_groups = num_groups
@@ -57,6 +63,16 @@ class ModelRunner:
             block_size=self.cache.block_size,
             device=self.device,
         )
+        if self._parallel_prefill_qualifies(out, all_rows):
+            (seq,) = scheduled
+            cache = self.cache
+            hidden = self.parallel_prefill.run(
+                seq.token_ids, metadata.slot_mappings[0],
+                cache.k.view(cache.k.shape[0], -1, *cache.k.shape[3:]),
+                cache.v.view(cache.v.shape[0], -1, *cache.v.shape[3:]),
+            )  # fmt: skip
+            if hidden is not None:  # the last chunk's rows: its last one is the prompt's last token
+                return RunnerOutput(self.model.compute_logits(hidden[-1:]).cpu(), {seq.seq_id: slice(0, 1)})
         hidden = self.model(input_ids.to(self.device), positions.to(self.device), self.cache, metadata)  # (N, hidden)
         wanted, rows, start = [], {}, 0
         for s in scheduled:
@@ -74,6 +90,16 @@ class ModelRunner:
             return RunnerOutput(rows=rows)
         index = torch.tensor(wanted, dtype=torch.long, device=self.device)
         return RunnerOutput(self.model.compute_logits(hidden.index_select(0, index)).cpu(), rows)
+
+    def _parallel_prefill_qualifies(self, out: SchedulerOutput, all_rows: Set[int]) -> bool:
+        """One sequence's whole prompt in this step, nothing cached, logits for its last token only."""
+        if self.parallel_prefill is None or len(out.scheduled) != 1:
+            return False
+        seq = out.scheduled[0]
+        return (
+            seq.num_computed_tokens == 0 and seq.samples and seq.seq_id not in all_rows
+            and self.parallel_prefill.qualifies(len(seq.token_ids))
+        )  # fmt: skip
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         # Swap-outs first: the blocks they vacate may be handed out again in this very step.
