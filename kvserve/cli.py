@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -66,6 +67,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune_runahead(args: argparse.Namespace) -> int:
+    from kvserve.parallel.partition import default_table_path
+    from kvserve.parallel.tune import default_lengths, tune_runahead
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else default_lengths(args.max_context)
+    output = Path(args.output).expanduser() if args.output else default_table_path()
+    loaded = load_from_args(args)
+    print(f"tune-runahead: {loaded.path.name}, p={args.prefill_parallel}, lengths {lengths}", file=sys.stderr)
+    tune_runahead(loaded, args.weights, args.prefill_parallel, lengths, output, args.step,
+                  log=lambda line: print(line, file=sys.stderr))  # fmt: skip
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="KV-cache-centred LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,6 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.set_defaults(func=cmd_generate)
+
+    tune = sub.add_parser("tune-runahead", help="search KV-Runahead partitions on this machine and save the table")
+    add_model_args(tune)
+    tune.add_argument("--max-context", type=int, required=True, help="longest prompt to tune for (tokens)")
+    tune.add_argument("--prefill-parallel", type=int, default=2, help="processes (this one + workers)")
+    tune.add_argument("--lengths", default=None, help="comma-separated context lengths (default: 512, 1024, ... "
+                      "up to --max-context)")  # fmt: skip
+    tune.add_argument("--step", type=int, default=64, help="partition boundaries are multiples of this")
+    tune.add_argument("--output", default=None, help="table file (default: $KVSERVE_RUNAHEAD_TABLE or "
+                      "~/.cache/kvserve/runahead-table.json, which engines load)")  # fmt: skip
+    tune.set_defaults(func=cmd_tune_runahead)
 
     from kvserve.bench.cli import add_bench_parser
     from kvserve.eval.cli import add_eval_parser

@@ -18,6 +18,14 @@ from kvserve.log import get_logger
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.parallel.chunks import ChunkJob
 from kvserve.parallel.group import PrefillGroup, WorkerModel
+from kvserve.parallel.partition import (
+    Partition,
+    PartitionTable,
+    SearchResult,
+    default_table_path,
+    even_partition,
+    search_partition,
+)
 
 MIN_TOKENS_PER_PROC = 16
 
@@ -31,18 +39,22 @@ class ParallelPrefill:
         partition: str,
         timeout_s: float = 60.0,
     ) -> None:
-        from kvserve.parallel import partition as partitioning
-
-        if partition not in PREFILL_PARTITIONS:
-            raise ValueError(f"prefill_partition must be one of {PREFILL_PARTITIONS}, got {partition!r}")
-        self.partitioning = partitioning
         self.num_procs = num_procs
-        self.partition = partition
-        self.table = None
-        if partition == "predicted":
-            self.table = partitioning.PartitionTable.load(partitioning.default_table_path())
+        self.table: PartitionTable | None = None
+        self.set_partition(partition)
         self.searched: dict[int, tuple[int, ...]] = {}  # context length -> boundaries found by measuring
         self.group: PrefillGroup | None = PrefillGroup(model, worker_model, num_procs, timeout_s=timeout_s)
+
+    def set_partition(self, partition: str) -> None:
+        """even | searched | predicted (loads the table of ``kvserve tune-runahead``) | tsp."""
+        if partition not in PREFILL_PARTITIONS:
+            raise ValueError(f"prefill_partition must be one of {PREFILL_PARTITIONS}, got {partition!r}")
+        if partition == "predicted" and self.table is None:
+            path = default_table_path()
+            if not path.is_file():
+                raise ValueError(f"prefill_partition=predicted needs a table at {path}: run `kvserve tune-runahead`")
+            self.table = PartitionTable.load(path)
+        self.partition = partition
 
     @property
     def available(self) -> bool:
@@ -54,11 +66,11 @@ class ParallelPrefill:
     def boundaries(self, context_len: int) -> tuple[int, ...]:
         p = self.num_procs
         if self.partition in ("even", "tsp"):
-            return self.partitioning.even_partition(context_len, p).boundaries
+            return even_partition(context_len, p).boundaries
         if self.partition == "predicted":
             return self.table.predict(context_len, p).boundaries
         if context_len not in self.searched:  # KVR-S: measure real prefills once per length
-            self.searched[context_len] = self._search(context_len)
+            self.searched[context_len] = self.search(context_len).partition.boundaries
         return self.searched[context_len]
 
     def run(
@@ -85,17 +97,20 @@ class ParallelPrefill:
             self.group.close()
             self.group = None
 
-    def _search(self, context_len: int) -> tuple[int, ...]:
+    def search(self, context_len: int, step: int = 16) -> SearchResult:
+        """KVR-S: the partition of ``context_len`` tokens with the lowest measured prefill time."""
+        if self.group is None:
+            raise ParallelPrefillError("the prefill group is closed")
         ids = tuple(3 + i % 97 for i in range(context_len))  # timing depends on the length, not on the tokens
 
-        def measure(partition) -> float:  # noqa: ANN001 - a partition.Partition
+        def measure(partition: Partition) -> float:
             start = time.perf_counter()
             self.group.prefill(ChunkJob("runahead", ids, partition.boundaries))
             return time.perf_counter() - start
 
-        result = self.partitioning.search_partition(context_len, self.num_procs, measure)
+        result = search_partition(context_len, self.num_procs, measure, step=step, min_chunk=step)
         get_logger().info(
             "KV-Runahead partition for %d tokens: %s (%d prefills measured)",
             context_len, result.partition.boundaries, result.measurements,
         )  # fmt: skip
-        return result.partition.boundaries
+        return result
