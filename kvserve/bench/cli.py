@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from kvserve.bench.latency import KVServeEngine, TransformersEngine, measure
+from kvserve.bench.prefill import METHODS as PREFILL_METHODS
 from kvserve.bench.report import new_report, write_report
 from kvserve.bench.workload import AUSTEN
 from kvserve.models import gguf_file
@@ -51,6 +52,18 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     spd.add_argument("--repeats", type=int, default=3)
     spd.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/speed-WEIGHTS)")
     spd.set_defaults(func=cmd_bench_speed)
+
+    pfl = bench_sub.add_parser(
+        "prefill", help="TTFT of long prompts: single process vs KV-Runahead (even/searched/predicted) vs TSP"
+    )
+    add_model_args(pfl)
+    pfl.add_argument("--prefill-parallel", type=int, default=2, help="processes for the parallel methods")
+    pfl.add_argument("--lengths", default="1000,2000,4000,8000", help="comma-separated prompt lengths (tokens)")
+    pfl.add_argument("--methods", default=",".join(PREFILL_METHODS), help=f"comma-separated: {PREFILL_METHODS}")
+    pfl.add_argument("--repeats", type=int, default=3)
+    pfl.add_argument("--table", default=None, help="KVR-P table (default: the engine's; built first if missing)")
+    pfl.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/prefill-pP)")
+    pfl.set_defaults(func=cmd_bench_prefill)
 
     thr = bench_sub.add_parser("throughput", help="replayed Azure trace: paged engine vs transformers static batches")
     add_model_args(thr)
@@ -162,6 +175,84 @@ def _markdown_table(report: dict) -> str:
             f"| **kvserve speed-up** | {peer['load_s'] / ours['load_s']:.2f}x | {ratios} | "
             f"{ours['decode_tokens_per_s'] / peer['decode_tokens_per_s']:.2f}x |"
         )
+    return "\n".join(lines) + "\n"
+
+
+def cmd_bench_prefill(args: argparse.Namespace) -> int:
+    import os
+
+    from kvserve.bench import prefill
+    from kvserve.bench.plots import plot_prefill_parallel
+    from kvserve.llm import LLM
+    from kvserve.parallel.partition import TABLE_PATH_ENV, default_table_path
+    from kvserve.parallel.tune import default_lengths, tune_runahead
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = set(methods) - set(PREFILL_METHODS)
+    if unknown:
+        raise ValueError(f"--methods: unknown {sorted(unknown)}; choose from {PREFILL_METHODS}")
+    lengths = [int(n) for n in args.lengths.split(",")]
+    p = args.prefill_parallel
+    if args.table:
+        os.environ[TABLE_PATH_ENV] = args.table  # the engine reads the table from there
+    common = dict(model=args.model, dtype=args.dtype, weights=args.weights, enable_prefix_caching=False,
+                  max_num_batched_tokens=max(lengths))  # fmt: skip
+    single = LLM(**common)
+    tokenizer = single.get_tokenizer()
+    ids = _prompt_ids(tokenizer, Path(AUSTEN), max(lengths))
+    prompts = {n: ids[:n] for n in lengths}
+    table_path = default_table_path()
+    if "KVR-P" in methods and not table_path.is_file():
+        log(f"no KVR-P table at {table_path}: building it (kvserve tune-runahead)")
+        tune_runahead(single.engine.loaded, args.weights, p, default_lengths(max(lengths)), table_path, log=log)
+    log(f"bench prefill: {single.engine.loaded.path.name}, {args.dtype}, p={p}, {torch.get_num_threads()} threads")
+    parallel = LLM(**common, prefill_parallel=p, prefill_partition="even")
+    try:
+        result = prefill.run(single, parallel, prompts, methods, args.repeats, log)
+    finally:
+        parallel.engine.close()
+    report = new_report(
+        "prefill", model=single.engine.loaded.path.name, dtype=args.dtype, weights=args.weights, prefill_parallel=p,
+        threads=torch.get_num_threads(), table=str(table_path) if "KVR-P" in methods else None,
+        results=asdict(result),
+    )  # fmt: skip
+    out = Path(args.output or f"benchmarks/prefill-p{p}")
+    write_report(out, report, _prefill_table(report))
+    plot_prefill_parallel(report, out.with_suffix(".png"))
+    return 0
+
+
+def _prefill_table(report: dict) -> str:
+    m, r = report["machine"], report["results"]
+    methods = list(r["ttft_s"])
+    lengths = list(next(iter(r["ttft_s"].values())))
+    lines = [
+        f"# Prefill over {report['prefill_parallel']} processes: {report['model']}, {report['dtype']}",
+        "",
+        f"`{report['command']}` on {report['date']}: {m['cpu']}, {m['nproc']} CPUs, torch {m['torch']}; single "
+        f"process with {report['threads']} threads, parallel methods with the cores shared among processes.",
+        "",
+        "| TTFT (ms) | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
+        "| --- |" + " ---: |" * len(lengths),
+    ]
+    for method in methods:
+        lines.append(f"| {method} | " + " | ".join(f"{r['ttft_s'][method][n] * 1000:.0f}" for n in lengths) + " |")
+    if r["bound_s"]:
+        lines.append("| bound TTFT*(p) | " + " | ".join(f"{r['bound_s'][n] * 1000:.0f}" for n in lengths) + " |")
+    if "KVR-S" in r["ttft_s"] and "TSP" in r["ttft_s"]:
+        ratios = " | ".join(f"{r['ttft_s']['TSP'][n] / r['ttft_s']['KVR-S'][n]:.2f}x" for n in lengths)
+        lines.append(f"| **KVR-S speed-up over TSP** | {ratios} |")
+    if "KVR-S" in r["ttft_s"] and "single" in r["ttft_s"]:
+        ratios = " | ".join(f"{r['ttft_s']['single'][n] / r['ttft_s']['KVR-S'][n]:.2f}x" for n in lengths)
+        lines.append(f"| **KVR-S speed-up over single** | {ratios} |")
+    lines += ["", "Chunk sizes (tokens per process, first to last):", ""]
+    for method, by_length in r["partitions"].items():
+        lines.append(f"- {method}: " + "; ".join(f"{n}: {sizes}" for n, sizes in by_length.items()))
     return "\n".join(lines) + "\n"
 
 

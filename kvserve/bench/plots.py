@@ -105,3 +105,39 @@ def plot_speed_ratios(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_prefill_parallel(report: dict, path: Path) -> None:
+    """TTFT against context length per method (with the paper's bound), and the searched first chunk's share."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r = report["results"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for method, by_length in r["ttft_s"].items():
+        lengths = sorted(by_length, key=int)
+        left.plot([int(n) for n in lengths], [by_length[n] for n in lengths], marker="o", label=method)
+    if r["bound_s"]:
+        lengths = sorted(r["bound_s"], key=int)
+        left.plot([int(n) for n in lengths], [r["bound_s"][n] for n in lengths], "k--", label="bound TTFT*(p)")
+    left.set_xlabel("prompt tokens")
+    left.set_ylabel("time to first token (s)")
+    left.set_title(f"TTFT, p = {report['prefill_parallel']}: {report['model']}")
+    left.grid(True, alpha=0.3)
+    left.legend()
+    for method in ("KVR-S", "KVR-P", "KVR-E"):
+        by_length = r["partitions"].get(method)
+        if by_length:
+            lengths = sorted(by_length, key=int)
+            shares = [by_length[n][0] / sum(by_length[n]) for n in lengths]
+            right.plot([int(n) for n in lengths], shares, marker="o", label=method)
+    right.set_xlabel("prompt tokens")
+    right.set_ylabel("first process's share of the prompt")
+    right.set_title("Partitions (the rest goes to later processes)")
+    right.grid(True, alpha=0.3)
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
