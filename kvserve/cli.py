@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.config import WEIGHT_MODES
+from kvserve.config import PREFILL_PARTITIONS, WEIGHT_MODES
 from kvserve.errors import KVServeError
 from kvserve.generation import Generator
 from kvserve.models.dtype import DTYPE_CHOICES, DTYPES, resolve_dtype_name
@@ -57,7 +57,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if args.chat:
         prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-    stream = Generator(loaded, args.device).stream(prompt, params)
+    if args.prefill_parallel > 1:
+        stream = _engine_stream(loaded, args, prompt, params)
+    else:
+        stream = Generator(loaded, args.device).stream(prompt, params)
     if not args.chat:
         sys.stdout.write(args.prompt)
     for delta in stream:
@@ -65,6 +68,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
+
+
+def _engine_stream(loaded: LoadedModel, args: argparse.Namespace, prompt: str | list[int], params: SamplingParams):  # noqa: ANN202
+    """Text deltas of one request through the paged engine (used when the prefill runs over processes)."""
+    from kvserve.config import EngineConfig
+    from kvserve.engine import LLMEngine
+
+    config = EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, weights=args.weights,
+        max_num_batched_tokens=loaded.config.max_position_embeddings,  # the whole prompt in one parallel step
+        prefill_parallel=args.prefill_parallel, prefill_partition=args.prefill_partition,
+    )  # fmt: skip
+    engine = LLMEngine(config, loaded)
+    try:
+        engine.add_request(prompt, params, add_special_tokens=isinstance(prompt, str))
+        shown = 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                text = output.outputs[0].text
+                yield text[shown:]
+                shown = len(text)
+    finally:
+        engine.close()
 
 
 def cmd_tune_runahead(args: argparse.Namespace) -> int:
@@ -96,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--prefill-parallel", type=int, default=1, help="processes for the prompt's prefill (KV-Runahead)")
+    gen.add_argument("--prefill-partition", choices=PREFILL_PARTITIONS, default=None,
+                     help="even, searched, predicted (default when a table exists) or tsp")  # fmt: skip
     gen.set_defaults(func=cmd_generate)
 
     tune = sub.add_parser("tune-runahead", help="search KV-Runahead partitions on this machine and save the table")
