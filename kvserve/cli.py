@@ -93,6 +93,12 @@ def _engine_stream(loaded: LoadedModel, args: argparse.Namespace, prompt: str | 
         engine.close()
 
 
+def cmd_prefill_worker(args: argparse.Namespace) -> int:
+    from kvserve.parallel.remote import serve_worker
+
+    return serve_worker(load_from_args(args).model, args.timeout)
+
+
 def cmd_tune_runahead(args: argparse.Namespace) -> int:
     from kvserve.parallel.partition import default_table_path
     from kvserve.parallel.tune import default_lengths, tune_runahead
@@ -137,6 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--output", default=None, help="table file (default: $KVSERVE_RUNAHEAD_TABLE or "
                       "~/.cache/kvserve/runahead-table.json, which engines load)")  # fmt: skip
     tune.set_defaults(func=cmd_tune_runahead)
+
+    worker = sub.add_parser(
+        "prefill-worker", help="a parallel prefill worker joining a group torchrun-style (RANK, WORLD_SIZE, "
+        "MASTER_ADDR, MASTER_PORT); the engine is the last rank",
+    )  # fmt: skip
+    add_model_args(worker)
+    worker.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a KV message mid-prefill")
+    worker.set_defaults(func=cmd_prefill_worker)
 
     from kvserve.bench.cli import add_bench_parser
     from kvserve.eval.cli import add_eval_parser

@@ -26,6 +26,7 @@ from kvserve.parallel.partition import (
     even_partition,
     search_partition,
 )
+from kvserve.parallel.remote import RemotePrefillGroup, joined_from_env
 
 MIN_TOKENS_PER_PROC = 16
 
@@ -43,7 +44,11 @@ class ParallelPrefill:
         self.table: PartitionTable | None = None
         self.set_partition(partition)
         self.searched: dict[int, tuple[int, ...]] = {}  # context length -> boundaries found by measuring
-        self.group: PrefillGroup | None = PrefillGroup(model, worker_model, num_procs, timeout_s=timeout_s)
+        self.group: PrefillGroup | RemotePrefillGroup | None
+        if joined_from_env():  # started torchrun-style: the workers run `kvserve prefill-worker` elsewhere
+            self.group = RemotePrefillGroup(model, num_procs, timeout_s=timeout_s)
+        else:
+            self.group = PrefillGroup(model, worker_model, num_procs, timeout_s=timeout_s)
 
     def set_partition(self, partition: str) -> None:
         """even | searched | predicted (loads the table of ``kvserve tune-runahead``) | tsp."""
@@ -97,16 +102,22 @@ class ParallelPrefill:
             self.group.close()
             self.group = None
 
-    def search(self, context_len: int, step: int = 16) -> SearchResult:
-        """KVR-S: the partition of ``context_len`` tokens with the lowest measured prefill time."""
+    def search(self, context_len: int, step: int = 16, repeats: int = 2) -> SearchResult:
+        """KVR-S: the partition of ``context_len`` tokens with the lowest measured prefill time. Each candidate
+        is timed ``repeats`` times and keeps its fastest run: on a shared host a single run can be off by 30%,
+        enough to send the search down the wrong side."""
         if self.group is None:
             raise ParallelPrefillError("the prefill group is closed")
         ids = tuple(3 + i % 97 for i in range(context_len))  # timing depends on the length, not on the tokens
+        step = max(1, min(step, context_len // (2 * self.num_procs)))  # a short context still has room to search
 
         def measure(partition: Partition) -> float:
-            start = time.perf_counter()
-            self.group.prefill(ChunkJob("runahead", ids, partition.boundaries))
-            return time.perf_counter() - start
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                self.group.prefill(ChunkJob("runahead", ids, partition.boundaries))
+                times.append(time.perf_counter() - start)
+            return min(times)
 
         result = search_partition(context_len, self.num_procs, measure, step=step, min_chunk=step)
         get_logger().info(
