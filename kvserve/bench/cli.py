@@ -211,11 +211,12 @@ def cmd_bench_prefill(args: argparse.Namespace) -> int:
         log(f"no KVR-P table at {table_path}: building it (kvserve tune-runahead)")
         tune_runahead(single.engine.loaded, args.weights, p, default_lengths(max(lengths)), table_path, log=log)
     log(f"bench prefill: {single.engine.loaded.path.name}, {args.dtype}, p={p}, {torch.get_num_threads()} threads")
-    parallel = LLM(**common, prefill_parallel=p, prefill_partition="even")
+    parallel = LLM(**common, prefill_parallel=p, prefill_partition="even") if methods != ["single"] else None
     try:
         result = prefill.run(single, parallel, prompts, methods, args.repeats, log)
     finally:
-        parallel.engine.close()
+        if parallel is not None:
+            parallel.engine.close()
     report = new_report(
         "prefill", model=single.engine.loaded.path.name, dtype=args.dtype, weights=args.weights, prefill_parallel=p,
         threads=torch.get_num_threads(), table=str(table_path) if "KVR-P" in methods else None,

@@ -46,15 +46,15 @@ def bound(single_s: float, p: int) -> float:
 
 def run(
     single: LLM,
-    parallel: LLM,
+    parallel: LLM | None,
     prompts: dict[int, list[int]],
     methods: Sequence[str],
     repeats: int,
     log: Callable[[str], None],
 ) -> PrefillBenchResult:
     result = PrefillBenchResult()
-    p = parallel.engine.config.prefill_parallel
-    prefill = parallel.engine.parallel_prefill
+    p = parallel.engine.config.prefill_parallel if parallel is not None else 1
+    prefill = parallel.engine.parallel_prefill if parallel is not None else None
     for method in methods:
         result.ttft_s[method] = {}
         if method != "single":
@@ -69,8 +69,8 @@ def run(
             result.ttft_s[method][n] = ttft(llm, ids, repeats)
             chunks = f", chunks {result.partitions[method][n]}" if method != "single" else ""
             log(f"  {method}: {n} tokens, TTFT {result.ttft_s[method][n] * 1000:.0f} ms{chunks}")
-            if not prefill.available:
+            if prefill is not None and not prefill.available:
                 raise RuntimeError("the parallel prefill group failed during the benchmark; see the log")
-    if "single" in result.ttft_s:
+    if "single" in result.ttft_s and parallel is not None:
         result.bound_s = {n: bound(s, p) for n, s in result.ttft_s["single"].items()}
     return result

@@ -20,12 +20,13 @@ def continuation(llm: LLM, ids: list[int]) -> list[int]:
     return llm.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
+@pytest.mark.parametrize("procs", [2, 3])
 @pytest.mark.parametrize("partition", ["even", "tsp"])
-def test_parallel_prefill_continues_like_single_process(tiny, partition) -> None:
+def test_parallel_prefill_continues_like_single_process(tiny, partition, procs) -> None:
     folder, _ = tiny
-    ids = prompt(90)
+    ids = prompt(91)  # not divisible by 2 or 3
     expected = continuation(LLM(model=str(folder), dtype="float32"), ids)
-    llm = LLM(model=str(folder), dtype="float32", prefill_parallel=2, prefill_partition=partition)
+    llm = LLM(model=str(folder), dtype="float32", prefill_parallel=procs, prefill_partition=partition)
     group = llm.engine.parallel_prefill.group
     try:
         assert continuation(llm, ids) == expected
