@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.models.config import RopeScaling
-from kvserve.models.packed_linear import packed_linear, prepack
+from kvserve.models.packed_linear import dense_linear, prepack
 
 
 class Linear(nn.Module):
@@ -30,9 +30,7 @@ class Linear(nn.Module):
         self.packed = prepack(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return dense_linear(x, self.weight, self.packed, self.bias)
 
 
 class RMSNorm(nn.Module):

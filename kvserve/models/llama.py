@@ -13,7 +13,7 @@ from torch import nn
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.models.config import ModelConfig
 from kvserve.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, rope_inverse_frequencies
-from kvserve.models.packed_linear import packed_linear, prepack
+from kvserve.models.packed_linear import dense_linear, prepack
 
 
 class Attention(nn.Module):
@@ -107,6 +107,4 @@ class LlamaForCausalLM(nn.Module):
         """hidden (M, hidden) -> float32 logits (M, vocab). Call it on the rows you sample from only."""
         if "lm_head" in self._modules:  # untied, or a tied embedding whose head runs quantised
             return self.lm_head(hidden).float()
-        if self.tied_head_packed is not None:
-            return packed_linear(hidden, self.tied_head_packed).float()
-        return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
+        return dense_linear(hidden, self.embed_tokens.weight, self.tied_head_packed).float()

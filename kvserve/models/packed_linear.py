@@ -14,6 +14,7 @@ state dicts, tests and other code paths read. It costs a second copy of the dens
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -28,3 +29,12 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ b) for a weight from ``prepack``; x of any leading shape."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def dense_linear(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """y = x W^T (+ b) through ``packed`` (``prepack(weight)``) when there is one, else ``F.linear``."""
+    if packed is not None:
+        return packed_linear(x, packed, bias)
+    return F.linear(x, weight, bias)

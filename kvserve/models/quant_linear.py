@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from kvserve.models.packed_linear import packed_linear, prepack
+from kvserve.models.packed_linear import dense_linear, prepack
 
 GROUP_SIZE = 32  # ggml's block size for Q4_0 / Q4_1, and the kernel's group size
 # ggml block layout: bytes of the float16 constants, then 16 bytes of codes (two per byte).
@@ -158,11 +158,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] > INT4_MAX_ROWS:
-            if self.dense_packed is not None:
-                return packed_linear(x, self.dense_packed, self.bias)
-            if self.dense is not None:
-                return F.linear(x, self.dense, self.bias)
+        if x2.shape[0] > INT4_MAX_ROWS and (self.dense is not None or self.dense_packed is not None):
+            return dense_linear(x, self.dense, self.dense_packed, self.bias)
         x2 = x2.contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed_weight, GROUP_SIZE, self.scales_and_zeros)
         if y.shape[-1] != self.out_features:
@@ -199,9 +196,7 @@ class Int8PlanesLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.reshape(-1, self.in_features).shape[0] > INT4_MAX_ROWS:
-            if self.dense_packed is not None:
-                return packed_linear(x, self.dense_packed)
-            return F.linear(x, self.dense)
+            return dense_linear(x, self.dense, self.dense_packed)
         y = self.planes(x)
         return y[..., : self.out_features] + y[..., self.out_features :]
 
