@@ -9,6 +9,7 @@ import torch
 from kvserve.kv.sizing import parse_memory_size
 from kvserve.models.dtype import DTYPE_CHOICES, DTYPES, resolve_dtype
 from kvserve.models.loader import WEIGHT_MODES
+from kvserve.policies import KV_POLICY_NAMES, make_policy
 
 __all__ = ["DTYPES", "DTYPE_CHOICES", "WEIGHT_MODES", "PREEMPTION_MODES", "PREFILL_PARTITIONS", "EngineConfig"]
 
@@ -34,6 +35,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     prefill_parallel: int = 1  # processes for a long prompt's prefill (KV-Runahead); 1: this process alone
     prefill_partition: str | None = None  # even | searched | predicted | tsp; None: predicted if a table exists
+    kv_policy: str = "full"  # full | pyramid | local | h2o (see kvserve/policies)
+    kv_budget: float | None = None  # fraction of the full cache kept; None: 1 for full, 0.5 otherwise
+    recent_ratio: float | None = None  # pyramid: |S_r| share of a layer's budget (0.4); h2o: recent share (0.5)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -54,8 +58,18 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.kv_policy not in KV_POLICY_NAMES:
+            raise ValueError(f"kv_policy must be one of {list(KV_POLICY_NAMES)}, got {self.kv_policy!r}")
+        policy = make_policy(self.kv_policy, self.kv_budget, **self.kv_policy_knobs)  # raises on a bad knob
+        if not policy.lossless and self.prefill_parallel > 1:
+            raise ValueError(f"kv_policy={self.kv_policy!r} runs prefill in this process; prefill_parallel must be 1")
         parse_memory_size(self.kv_cache_memory)  # raises on a bad size, naming it
         parse_memory_size(self.swap_space)
+
+    @property
+    def kv_policy_knobs(self) -> dict[str, float]:
+        """Policy options set on the engine (each policy takes the ones it knows)."""
+        return {} if self.recent_ratio is None else {"recent_ratio": self.recent_ratio}
 
     @property
     def torch_dtype(self) -> torch.dtype:

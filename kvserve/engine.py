@@ -16,19 +16,21 @@ from collections.abc import Sequence as Seq
 import torch
 
 from kvserve import beam_search
+from kvserve.attention.compressed import CompressedKVCache
 from kvserve.attention.paged import PagedKVCache
 from kvserve.config import EngineConfig
 from kvserve.detokenizer import IncrementalDetokenizer
-from kvserve.kv.manager import KVCacheManager, KVUsage
+from kvserve.kv.manager import KVCacheManager, KVGroupSpec, KVUsage
 from kvserve.kv.sizing import kv_block_bytes
 from kvserve.log import get_logger
 from kvserve.models.loader import LoadedModel, load_model
 from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.policies import KVPolicy, make_policy
 from kvserve.request import Request, Sequence
 from kvserve.runner import ModelRunner
 from kvserve.sampler import SampledToken, SampleRow, make_generator, sample_batch
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler import Scheduler, SchedulerConfig
+from kvserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.stopping import find_stop, partial_stop_len
 
 
@@ -40,7 +42,12 @@ class LLMEngine:
         cfg = self.loaded.config
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         dtype_size = torch.empty((), dtype=self.loaded.dtype).element_size()
-        block_bytes = kv_block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype_size, config.block_size)
+        self.kv_policy = make_policy(config.kv_policy, config.kv_budget, **config.kv_policy_knobs)
+        self.kv_policy.retention(cfg.num_layers)  # raises now if explicit per-layer fractions do not fit
+        # A compressing policy keeps different slots per layer: one KV group (block table) per layer.
+        self.per_layer_groups = not self.kv_policy.lossless
+        block_layers = 1 if self.per_layer_groups else cfg.num_layers
+        block_bytes = kv_block_bytes(block_layers, cfg.num_kv_heads, cfg.head_dim, dtype_size, config.block_size)
         num_blocks = config.kv_cache_bytes // block_bytes
         if num_blocks < 1:
             raise ValueError(
@@ -48,31 +55,39 @@ class LLMEngine:
                 f"tokens needs {block_bytes} bytes"
             )
         num_host_blocks = config.swap_space_bytes // block_bytes
+        groups = [KVGroupSpec((layer,)) for layer in range(cfg.num_layers)] if self.per_layer_groups else None
         self.kv = KVCacheManager(
-            num_blocks, config.block_size, num_host_blocks=num_host_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
+            num_blocks, config.block_size, groups=groups, num_host_blocks=num_host_blocks,
+            enable_prefix_caching=config.enable_prefix_caching and not self.per_layer_groups,
         )  # fmt: skip
-        cache = PagedKVCache(
+        cache_type = CompressedKVCache if self.per_layer_groups else PagedKVCache
+        cache = cache_type(
             cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, self.loaded.dtype,
             config.device,
         )  # fmt: skip
         host = cache.make_host_cache(num_host_blocks) if num_host_blocks else None
         self.parallel_prefill = self._start_parallel_prefill() if config.prefill_parallel > 1 else None
         self.runner = ModelRunner(
-            self.loaded.model, cache, host, num_groups=1, device=config.device, parallel_prefill=self.parallel_prefill
-        )
+            self.loaded.model, cache, host, num_groups=len(self.kv.groups), device=config.device,
+            parallel_prefill=self.parallel_prefill,
+        )  # fmt: skip
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode), self.kv
+            SchedulerConfig(
+                config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, self.per_layer_groups
+            ),
+            self.kv,
         )
         self.requests: dict[str, Request] = {}
         self._seqs: dict[int, tuple[Request, Sequence]] = {}
         self._pending_beams: dict[str, dict[int, torch.Tensor]] = {}  # request -> beam -> logits row
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
+        tokens = num_blocks * config.block_size // block_layers * block_layers // cfg.num_layers
         self.kv_summary = (
-            f"KV cache: {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size:,} tokens "
-            f"({num_blocks * block_bytes / 2**30:.2f} GiB, {self.loaded.dtype}); host tier for swapping: "
-            f"{num_host_blocks} blocks"
+            f"KV cache: {num_blocks} blocks x {config.block_size} tokens"
+            f"{' (one layer each)' if self.per_layer_groups else ''} = {tokens:,} full-cache tokens "
+            f"({num_blocks * block_bytes / 2**30:.2f} GiB, {self.loaded.dtype}); policy {self.kv_policy.name} "
+            f"(budget {self.kv_policy.budget:g}); host tier for swapping: {num_host_blocks} blocks"
         )
         get_logger().info(self.kv_summary)
 
@@ -101,8 +116,13 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         add_special_tokens: bool = True,
+        score_from: int = 0,
     ) -> str:
-        """Queue a request (text or token ids); returns its id. Raises ValueError for a bad request."""
+        """Queue a request (text or token ids); returns its id. Raises ValueError for a bad request.
+
+        ``score_from``: with ``prompt_logprobs``, only positions from there on are needed; the tokens
+        before it run in steps of their own, so a compressing KV policy compresses that context first
+        (how the eval tools score a continuation under compression)."""
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -114,8 +134,11 @@ class LLMEngine:
                 f"best_of={params.best_of} sequences can never run side by side with max_num_seqs="
                 f"{self.config.max_num_seqs}"
             )
+        policy = self.policy_for(params)
+        if not 0 <= score_from < len(ids):
+            raise ValueError(f"score_from={score_from} must be in [0, {len(ids)}) for a prompt of {len(ids)} tokens")
         seq = self._new_sequence(ids, len(ids), params, seed_offset=0)
-        request = Request(request_id, text, ids, params, [seq])
+        request = Request(request_id, text, ids, params, [seq], kv_policy=policy, score_from=score_from)
         eos = () if params.ignore_eos else self.tokenizer.eos_token_ids
         request.stop_token_ids = frozenset((*params.stop_token_ids, *eos))
         if params.prompt_logprobs is not None:
@@ -126,6 +149,31 @@ class LLMEngine:
         self._seqs[seq.seq_id] = (request, seq)
         self.scheduler.add(request)
         return request_id
+
+    def policy_for(self, params: SamplingParams) -> KVPolicy:
+        """The request's KV policy: the engine's, unless ``params`` names another policy or budget."""
+        if params.kv_policy is None and params.kv_budget is None:
+            policy = self.kv_policy
+        else:
+            name = params.kv_policy or self.kv_policy.name
+            budget = params.kv_budget if params.kv_budget is not None else (
+                self.kv_policy.budget if name == self.kv_policy.name else None
+            )  # fmt: skip
+            policy = make_policy(name, budget, **self.config.kv_policy_knobs)
+            policy.retention(self.loaded.config.num_layers)
+        if policy.lossless:
+            return policy
+        if not self.per_layer_groups:
+            raise ValueError(
+                f"kv_policy={policy.name!r} needs per-layer KV groups; this engine was started with kv_policy="
+                f"{self.kv_policy.name!r} (start it with a compressing kv_policy to choose policies per request)"
+            )
+        if params.best_of > 1:
+            raise ValueError(
+                f"kv_policy={policy.name!r} compacts each sequence's own blocks, so samples cannot share them: "
+                f"n and best_of must be 1, got best_of={params.best_of}"
+            )
+        return policy
 
     def validate_prompt(self, ids: list[int]) -> None:
         """Raise ValueError for a prompt that can never run. Reads only fixed sizes, so any thread may call it."""
@@ -181,23 +229,41 @@ class LLMEngine:
                 if request.params.use_beam_search:
                     request.finished_beams.append(seq)
             touched[request_id] = request
-        wants_all_rows = {
-            s.seq_id for s in out.scheduled if self._seqs[s.seq_id][0].prompt_logprobs is not None
-            and s.num_computed_tokens < self._seqs[s.seq_id][1].num_prompt_tokens
-        }  # fmt: skip
-        result = self.runner.execute(out, wants_all_rows)
+        rows_from = self._prompt_logprob_rows(out)
+        result = self.runner.execute(out, rows_from)
         sampled: dict[str, list[tuple[Sequence, torch.Tensor]]] = {}
         for s in out.scheduled:
             request, seq = self._seqs[s.seq_id]
             touched[request.request_id] = request
+            start = seq.num_computed_tokens
             seq.num_computed_tokens += len(s.token_ids)
+            if s.seq_id in result.group_slots:  # what the KV policy kept: the rest of the blocks go back
+                self._keep_group_slots(seq, result.group_slots[s.seq_id])
             logits = result.logits[result.rows[s.seq_id]] if result.logits is not None else None
-            if s.seq_id in wants_all_rows:
-                self._record_prompt_logprobs(request, s.num_computed_tokens, s.token_ids, logits)
+            if s.seq_id in rows_from:
+                first = rows_from[s.seq_id]
+                self._record_prompt_logprobs(request, start + first, s.token_ids[first:], logits)
             if s.samples:
                 sampled.setdefault(request.request_id, []).append((seq, logits[-1]))
         self._sample(sampled)
         return [self._finish_or_report(request) for request in touched.values()]
+
+    def _prompt_logprob_rows(self, out: SchedulerOutput) -> dict[int, int]:
+        """seq_id -> the first row of its chunk whose logits prompt logprobs need (from there on)."""
+        rows = {}
+        for s in out.scheduled:
+            request, seq = self._seqs[s.seq_id]
+            if request.prompt_logprobs is None or s.num_computed_tokens >= seq.num_prompt_tokens:
+                continue
+            first = max(0, request.score_from - 1 - s.num_computed_tokens)  # row p predicts token p + 1
+            if first < len(s.token_ids):
+                rows[s.seq_id] = first
+        return rows
+
+    def _keep_group_slots(self, seq: Sequence, held: list[int]) -> None:
+        for group, num_slots in enumerate(held):
+            self.kv.shrink(seq.seq_id, group, num_slots)
+        seq.group_slots = list(held)
 
     def _record_prompt_logprobs(self, request: Request, start: int, chunk: Seq[int], logits: torch.Tensor) -> None:
         """Row i of the chunk (position start + i) predicts the prompt token at start + i + 1."""
@@ -234,9 +300,7 @@ class LLMEngine:
                     logits.append(row)
         if not rows:
             return
-        sample_rows = [
-            SampleRow(r.params, s.generator, r.prompt_token_ids, s.output_token_ids) for r, s in rows
-        ]
+        sample_rows = [SampleRow(r.params, s.generator, r.prompt_token_ids, s.output_token_ids) for r, s in rows]
         for (request, seq), token in zip(rows, sample_batch(torch.stack(logits), sample_rows), strict=True):
             self._append_token(request, seq, token)
 
@@ -407,4 +471,3 @@ def _copy_progress(parent: Sequence, child: Sequence) -> None:
     child.logprobs = list(parent.logprobs)
     child.text = parent.text
     child.emitted_chars = parent.emitted_chars
-

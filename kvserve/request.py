@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.detokenizer import IncrementalDetokenizer
+from kvserve.policies import FullCache, KVPolicy
 from kvserve.sampling_params import SamplingParams
 
 
@@ -31,6 +32,8 @@ class Sequence:
     generator: torch.Generator | None
     detokenizer: IncrementalDetokenizer | None
     num_computed_tokens: int = 0  # tokens whose keys/values are in the cache
+    # Per-layer KV groups only: slots each group holds (what the KV policy kept); empty = none yet.
+    group_slots: list[int] = field(default_factory=list)
     text: str = ""
     emitted_chars: int = 0  # characters of text already streamed
     cumulative_logprob: float = 0.0
@@ -71,6 +74,10 @@ class Request:
     cache_salt: tuple = ()  # salts prefix-cache hashes; unique when cached blocks must not be reused
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     finished_beams: list[Sequence] = field(default_factory=list)  # beam search hypotheses
+    kv_policy: KVPolicy = field(default_factory=FullCache)  # which KV slots each layer keeps
+    # Prompt tokens before this one are computed in steps of their own (their logits are not needed), so a
+    # compressing policy compresses that context before the scored tokens attend to it.
+    score_from: int = 0
 
     @property
     def live_seqs(self) -> list[Sequence]:

@@ -6,12 +6,13 @@ explicit positions and attention metadata, and computes logits only for the rows
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from kvserve.attention.compressed import CompressedAttentionMetadata, CompressedKVCache
 from kvserve.attention.paged import PagedAttentionMetadata, PagedKVCache
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.scheduler import SchedulerOutput
@@ -24,6 +25,7 @@ if TYPE_CHECKING:  # parallel/ (torch.distributed) is imported only when an engi
 class RunnerOutput:
     logits: torch.Tensor | None = None  # (M, vocab) float32
     rows: dict[int, slice] = field(default_factory=dict)  # seq_id -> its rows in ``logits``
+    group_slots: dict[int, list[int]] = field(default_factory=dict)  # per-layer groups: seq_id -> slots kept
 
 
 class ModelRunner:
@@ -44,9 +46,10 @@ class ModelRunner:
         self.device = torch.device(device)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, all_rows: Set[int] = frozenset()) -> RunnerOutput:
-        """Run one step. Sequences in ``all_rows`` get logits for every token of their chunk (prompt
-        logprobs); the others only for their last token, and only when they sample."""
+    def execute(self, out: SchedulerOutput, rows_from: Mapping[int, int] | None = None) -> RunnerOutput:
+        """Run one step. A sequence in ``rows_from`` gets logits for every row of its chunk from that index
+        on (prompt logprobs); the others only for their last token, and only when they sample."""
+        rows_from = rows_from or {}
         self._move_blocks(out)
         if not out.scheduled:
             return RunnerOutput()
@@ -55,6 +58,8 @@ class ModelRunner:
         positions = torch.cat(
             [torch.arange(s.num_computed_tokens, s.num_computed_tokens + len(s.token_ids)) for s in scheduled]
         )
+        if isinstance(self.cache, CompressedKVCache):
+            return self._execute_compressed(out, input_ids, positions, rows_from)
         metadata = PagedAttentionMetadata.build_grouped(
             seq_ids=[s.seq_id for s in scheduled],
             query_lens=[len(s.token_ids) for s in scheduled],
@@ -63,7 +68,7 @@ class ModelRunner:
             block_size=self.cache.block_size,
             device=self.device,
         )
-        if self._parallel_prefill_qualifies(out, all_rows):
+        if self._parallel_prefill_qualifies(out, rows_from):
             (seq,) = scheduled
             cache = self.cache
             hidden = self.parallel_prefill.run(
@@ -74,11 +79,38 @@ class ModelRunner:
             if hidden is not None:  # the last chunk's rows: its last one is the prompt's last token
                 return RunnerOutput(self.model.compute_logits(hidden[-1:]).cpu(), {seq.seq_id: slice(0, 1)})
         hidden = self.model(input_ids.to(self.device), positions.to(self.device), self.cache, metadata)  # (N, hidden)
+        return self._logits(hidden, [len(s.token_ids) for s in scheduled], scheduled, rows_from)
+
+    def _execute_compressed(
+        self, out: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor, rows_from: Mapping[int, int]
+    ) -> RunnerOutput:
+        """A step over per-layer KV groups: the policies may drop rows, so logits rows follow what is left."""
+        scheduled = out.scheduled
+        metadata = CompressedAttentionMetadata(
+            seq_ids=tuple(s.seq_id for s in scheduled),
+            query_lens=tuple(len(s.token_ids) for s in scheduled),
+            context_lens=tuple(s.num_computed_tokens for s in scheduled),
+            policies=tuple(s.kv_policy for s in scheduled),
+            group_slots=tuple(s.group_slots for s in scheduled),
+            group_targets=tuple(s.group_targets for s in scheduled),
+            block_tables=tuple(s.block_tables for s in scheduled),
+            keep_all_rows=tuple(rows_from.get(s.seq_id, len(s.token_ids)) < len(s.token_ids) - 1 for s in scheduled),
+            block_size=self.cache.block_size,
+        )
+        hidden = self.model(input_ids.to(self.device), positions.to(self.device), self.cache, metadata)  # (N', hidden)
+        result = self._logits(hidden, metadata.final_rows, scheduled, rows_from)
+        result.group_slots = {s.seq_id: held for s, held in zip(scheduled, metadata.state.held_after, strict=True)}
+        return result
+
+    def _logits(
+        self, hidden: torch.Tensor, num_rows: list[int], scheduled: tuple, rows_from: Mapping[int, int]
+    ) -> RunnerOutput:
+        """Logits of the rows each sequence needs; ``num_rows`` are its rows in ``hidden`` (in order)."""
         wanted, rows, start = [], {}, 0
-        for s in scheduled:
-            end = start + len(s.token_ids)
-            if s.seq_id in all_rows:
-                chosen = range(start, end)
+        for s, n in zip(scheduled, num_rows, strict=True):
+            end = start + n
+            if s.seq_id in rows_from:  # from that row of the chunk on (all kept: see keep_all_rows)
+                chosen = range(max(start, end - (len(s.token_ids) - rows_from[s.seq_id])), end)
             elif s.samples:
                 chosen = range(end - 1, end)
             else:
@@ -91,13 +123,13 @@ class ModelRunner:
         index = torch.tensor(wanted, dtype=torch.long, device=self.device)
         return RunnerOutput(self.model.compute_logits(hidden.index_select(0, index)).cpu(), rows)
 
-    def _parallel_prefill_qualifies(self, out: SchedulerOutput, all_rows: Set[int]) -> bool:
+    def _parallel_prefill_qualifies(self, out: SchedulerOutput, rows_from: Mapping[int, int]) -> bool:
         """One sequence's whole prompt in this step, nothing cached, logits for its last token only."""
         if self.parallel_prefill is None or len(out.scheduled) != 1:
             return False
         seq = out.scheduled[0]
         return (
-            seq.num_computed_tokens == 0 and seq.samples and seq.seq_id not in all_rows
+            seq.num_computed_tokens == 0 and seq.samples and seq.seq_id not in rows_from
             and self.parallel_prefill.qualifies(len(seq.token_ids))
         )  # fmt: skip
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvserve.policies import make_policy
+
 MAX_LOGPROBS = 20
 MAX_N = 64
 
@@ -39,6 +41,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    kv_policy: str | None = None  # override the engine's KV policy for this request (full, pyramid, local, h2o)
+    kv_budget: float | None = None  # and/or its budget (fraction of the full cache kept)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +74,10 @@ class SamplingParams:
             raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
         if self.use_beam_search:
             self._check_beam_search()
+        if self.kv_budget is not None and not 0 < self.kv_budget <= 1:
+            raise ValueError(f"kv_budget must be in (0, 1], got {self.kv_budget!r}")
+        if self.kv_policy is not None:
+            make_policy(self.kv_policy, self.kv_budget)  # names the valid policies, checks the pair
 
     def _check_beam_search(self) -> None:
         if self.best_of < 2:

@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvserve.kv.manager import AllocationStatus, KVCacheManager
+from kvserve.policies import KVPolicy
 from kvserve.request import Request, RequestStatus, Sequence
 
 
@@ -24,6 +25,8 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     preemption_mode: str = "recompute"  # or "swap" (falls back to recompute when the host tier is full)
+    # Per-layer KV groups (a compressing policy may run): each group holds what the request's policy keeps.
+    per_layer_groups: bool = False
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,10 @@ class ScheduledSequence:
     num_computed_tokens: int  # tokens already in the cache before this step
     block_tables: tuple[tuple[int, ...], ...]  # one per KV group
     samples: bool  # this chunk reaches the sequence's last token, so its logits are sampled
+    # Per-layer groups only: the policy, the slots each group holds before the step and keeps after it.
+    kv_policy: KVPolicy | None = None
+    group_slots: tuple[int, ...] = ()
+    group_targets: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,7 @@ class SchedulerOutput:
     blocks_to_copy: tuple[tuple[int, int], ...] = ()  # copy-on-write (src, dst) device blocks
     preempted: tuple[str, ...] = ()  # request ids preempted this step
     rejected: tuple[str, ...] = ()  # request ids that can never fit in the KV cache
+    freed_seq_ids: tuple[int, ...] = ()  # sequences whose blocks were freed since the last step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -113,6 +121,7 @@ class Scheduler:
             blocks_to_copy=tuple(step.copies + self.kv.take_pending_copies()),
             preempted=tuple(step.preempted),
             rejected=tuple(step.rejected),
+            freed_seq_ids=tuple(self.kv.take_freed()),
         )
 
     def _schedule_running(self, step: _Step) -> None:
@@ -158,7 +167,11 @@ class Scheduler:
                 return  # FCFS: the head waits for blocks, nobody overtakes it
             self.waiting.popleft()
             for seq in seqs:
-                seq.num_computed_tokens = self.kv.allocate(seq.seq_id, seq.token_ids, request.cache_salt)
+                if self.config.per_layer_groups:  # _reserve gives each group what the policy keeps
+                    self.kv.allocate_empty(seq.seq_id)
+                    seq.num_computed_tokens = 0
+                else:
+                    seq.num_computed_tokens = self.kv.allocate(seq.seq_id, seq.token_ids, request.cache_salt)
             if request.prefilling:
                 request.num_cached_prompt_tokens = seqs[0].num_computed_tokens
             self._start(request, step)
@@ -176,6 +189,10 @@ class Scheduler:
         if _num_seqs(request) > self.config.max_num_seqs:
             return AllocationStatus.NEVER  # best_of sequences can never run side by side
         seqs = request.live_seqs
+        if self.config.per_layer_groups:  # one sequence (compressing policies take no forks)
+            n = seqs[0].num_tokens
+            slots = self._group_targets(request.kv_policy, [0] * len(self.kv.groups), n, n)
+            return self.kv.can_allocate(n, group_slots=slots)
         if len(seqs) == 1:
             return self.kv.can_allocate(seqs[0].num_tokens, seqs[0].token_ids, request.cache_salt)
         # Forked sequences back after recompute are allocated one by one, each needing its own blocks
@@ -191,23 +208,41 @@ class Scheduler:
         swap-in (a swap copies shared blocks once per sequence)."""
         return len(self.kv.groups) * sum(self.kv.blocks_for(s.num_tokens) for s in request.live_seqs)
 
-    def _tokens_this_step(self, seq: Sequence, tokens_left: int) -> int:
-        return min(seq.num_uncomputed_tokens, tokens_left)
+    def _tokens_this_step(self, request: Request, seq: Sequence, tokens_left: int) -> int:
+        n = min(seq.num_uncomputed_tokens, tokens_left)
+        if seq.num_computed_tokens < request.score_from:  # the unscored context runs in steps of its own
+            n = min(n, request.score_from - seq.num_computed_tokens)
+        return n
 
     def _reserve(self, request: Request, tokens_left: int) -> bool:
         """Slots for what each live sequence computes this step; False if the cache is full.
         Idempotent: a retry after a preemption only appends what is still missing."""
         for seq in request.live_seqs:
-            n = self._tokens_this_step(seq, tokens_left)
-            missing = seq.num_computed_tokens + n - self.kv.num_slots(seq.seq_id)
-            if missing > 0 and not self.kv.append_slots(seq.seq_id, missing):
-                return False
+            n = self._tokens_this_step(request, seq, tokens_left)
+            if self.config.per_layer_groups:
+                held = self._group_slots(seq)
+                targets = self._group_targets(request.kv_policy, held, n, seq.num_computed_tokens + n)
+                if not self.kv.reserve(seq.seq_id, [max(h, t) for h, t in zip(held, targets, strict=True)]):
+                    return False
+            else:
+                missing = seq.num_computed_tokens + n - self.kv.num_slots(seq.seq_id)
+                if missing > 0 and not self.kv.append_slots(seq.seq_id, missing):
+                    return False
             tokens_left -= n
         return True
 
+    def _group_slots(self, seq: Sequence) -> list[int]:
+        """Slots each group holds with keys in them (the manager's count may include this step's reservation)."""
+        return list(seq.group_slots) or [0] * len(self.kv.groups)
+
+    def _group_targets(self, policy: KVPolicy, held: list[int], new: int, num_tokens: int) -> list[int]:
+        """Slots each layer group keeps after a step adding ``new`` tokens (one group per layer)."""
+        layers, slack = len(held), self.kv.block_size
+        return [policy.slots_after(g, layers, h, new, num_tokens, slack) for g, h in enumerate(held)]
+
     def _emit(self, request: Request, step: _Step) -> None:
         for seq in request.live_seqs:
-            n = self._tokens_this_step(seq, step.tokens_left)
+            n = self._tokens_this_step(request, seq, step.tokens_left)
             if n == 0:
                 continue
             start = seq.num_computed_tokens
@@ -221,13 +256,19 @@ class Scheduler:
                     seq_id=seq.seq_id,
                     token_ids=tuple(seq.token_ids[start : start + n]),
                     num_computed_tokens=start,
-                    block_tables=tuple(
-                        tuple(self.kv.block_table(seq.seq_id, g)) for g in range(len(self.kv.groups))
-                    ),
+                    block_tables=tuple(tuple(self.kv.block_table(seq.seq_id, g)) for g in range(len(self.kv.groups))),
                     samples=start + n == seq.num_tokens,
+                    **self._policy_fields(request, seq, n),
                 )
             )
             step.tokens_left -= n
+
+    def _policy_fields(self, request: Request, seq: Sequence, n: int) -> dict:
+        if not self.config.per_layer_groups:
+            return {}
+        held = self._group_slots(seq)
+        targets = self._group_targets(request.kv_policy, held, n, seq.num_computed_tokens + n)
+        return {"kv_policy": request.kv_policy, "group_slots": tuple(held), "group_targets": tuple(targets)}
 
     def _preempt(self, request: Request, step: _Step) -> None:
         seqs = [s for s in request.live_seqs if s.seq_id in self.kv]
@@ -240,6 +281,7 @@ class Scheduler:
                 self._drop_copies_into(self._device_blocks(seq), step)
                 self.kv.free(seq.seq_id)
                 seq.num_computed_tokens = 0
+                seq.group_slots = []
         if swap:
             request.status = RequestStatus.SWAPPED
             self.swapped.appendleft(request)

@@ -45,3 +45,9 @@ class AttentionBackend(ABC):
         q (N, H, D), k and v (N, Hkv, D), already rotated; returns (N, H, D). N is
         ``metadata.num_tokens``; the keys/values are written to the cache before attending.
         """
+
+    def surviving_rows(self, layer: int, metadata: AttentionMetadata) -> torch.Tensor | None:
+        """Rows of ``layer``'s input that go on to the next layer, (N',) long ascending, after its
+        ``forward``; None (the default) means every row. A cache that drops tokens during prefill
+        (PyramidInfer) drops them from the hidden states too, so deeper layers compute fewer rows."""
+        return None

@@ -116,17 +116,26 @@ class KVCacheManager:
         self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None
         self._seqs: dict[int, _Sequence] = {}
         self._pending_copies: list[tuple[int, int]] = []
+        self._freed: list[int] = []  # sequences freed since the last take_freed()
         self._query_tokens = 0
         self._hit_tokens = 0
 
     # ----- new sequences -----
 
     def can_allocate(
-        self, num_tokens: int, token_ids: Sequence[int] | None = None, extra: tuple = ()
+        self,
+        num_tokens: int,
+        token_ids: Sequence[int] | None = None,
+        extra: tuple = (),
+        group_slots: Sequence[int] | None = None,
     ) -> AllocationStatus:
-        """Whether a new sequence of ``num_tokens`` fits; pass its ``token_ids`` to count cached prefix blocks."""
+        """Whether a new sequence of ``num_tokens`` fits; pass its ``token_ids`` to count cached prefix blocks.
+        ``group_slots``: the slots each group will hold, when a compressing policy keeps fewer than
+        ``num_tokens`` (no prefix lookup then)."""
         if not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
+        if group_slots is not None:
+            return self._status(sum(self.blocks_for(n) for n in self._check_group_slots(group_slots)), self.pool)
         total = len(self.groups) * self.blocks_for(num_tokens)
         if total > self.pool.num_blocks:
             return AllocationStatus.NEVER
@@ -181,7 +190,44 @@ class KVCacheManager:
         num_hit = min(len(blocks) for blocks in hits)
         return hashes, [blocks[:num_hit] for blocks in hits]
 
-    # ----- growing, caching, sharing -----
+    def allocate_empty(self, seq_id: int) -> None:
+        """A new sequence holding no slot yet in any group: a compressing policy then reserves per group."""
+        if seq_id in self._seqs:
+            raise KVCacheError(f"sequence {seq_id} already has KV blocks; free it before allocating again")
+        self._seqs[seq_id] = _Sequence([_GroupTable([], 0) for _ in self.groups], ())
+
+    # ----- growing, shrinking, caching, sharing -----
+
+    def reserve(self, seq_id: int, group_slots: Sequence[int]) -> bool:
+        """Grow each group to at least ``group_slots[g]`` slots; False, changing nothing, if the free
+        blocks do not suffice. Groups already holding more keep what they hold (see ``shrink``)."""
+        tables = self._resident(seq_id).tables
+        grow = [max(0, n - t.num_slots) for t, n in zip(tables, self._check_group_slots(group_slots), strict=True)]
+        if sum(self._blocks_needed(t, n) for t, n in zip(tables, grow, strict=True)) > self.pool.num_free:
+            return False
+        for table, n in zip(tables, grow, strict=True):
+            self._grow(table, n)
+        return True
+
+    def shrink(self, seq_id: int, group: int, num_slots: int) -> None:
+        """Keep only the first ``num_slots`` slots of a group (a policy compacted the ones it keeps there)
+        and return the blocks past them to the pool."""
+        table = self._resident(seq_id).tables[self._group_index(group)]
+        if not isinstance(num_slots, int) or not 0 <= num_slots <= table.num_slots:
+            raise ValueError(
+                f"sequence {seq_id} group {group} holds {table.num_slots} slots; cannot shrink to {num_slots!r}"
+            )
+        keep = self.blocks_for(num_slots)
+        self.pool.free(reversed(table.blocks[keep:]))
+        del table.blocks[keep:]
+        table.num_slots = num_slots
+        table.hashes, table.num_cached = table.hashes[:0], 0  # slots no longer match token blocks
+
+    def _check_group_slots(self, group_slots: Sequence[int]) -> list[int]:
+        slots = list(group_slots)
+        if len(slots) != len(self.groups) or any(not isinstance(n, int) or n < 0 for n in slots):
+            raise ValueError(f"need one slot count >= 0 per KV group ({len(self.groups)}), got {slots!r}")
+        return slots
 
     def append_slots(self, seq_id: int, num_new_tokens: int, group: int | None = None) -> bool:
         """Room for ``num_new_tokens`` more slots in every group (or one ``group``); False, changing
@@ -258,6 +304,12 @@ class KVCacheManager:
         for table in seq.tables:
             pool.free(reversed(table.blocks))
         del self._seqs[seq_id]
+        self._freed.append(seq_id)
+
+    def take_freed(self) -> list[int]:
+        """Sequences freed since the last call, for whoever keeps per-sequence state beside the blocks."""
+        freed, self._freed = self._freed, []
+        return freed
 
     # ----- swapping (preemption) -----
 

@@ -62,6 +62,9 @@ class DecoderLayer(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, backend, metadata)
+        rows = backend.surviving_rows(self.self_attn.layer, metadata)
+        if rows is not None:  # the cache dropped these tokens: the MLP and deeper layers skip them
+            x = x.index_select(0, rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -88,11 +91,15 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """input_ids and positions (N,) -> final hidden states (N, hidden)."""
+        """input_ids and positions (N,) -> final hidden states (N', hidden); N' < N only when the backend
+        drops rows (``AttentionBackend.surviving_rows``)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.table(positions, x.dtype)  # (cos, sin) of this step's tokens, for every layer
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = layer(x, rope, backend, metadata)
+            if x.shape[0] != rope[0].shape[0]:
+                rows = backend.surviving_rows(i, metadata)
+                rope = (rope[0].index_select(0, rows), rope[1].index_select(0, rows))
         return self.norm(x)
 
     def prepack(self) -> None:

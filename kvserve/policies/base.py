@@ -1,0 +1,86 @@
+"""The KV policy interface: how many slots each layer keeps, and which ones.
+
+A policy is a small frozen dataclass fed by kvserve's own metadata: the layer, the sequence's token
+count, the attention weights the step computed (when the policy asks for them). It never sees
+blocks; the runner compacts the slots a policy keeps and the KV manager frees the blocks left over.
+
+Slots of a layer are kept in position order (compaction preserves order and new tokens append), so
+"the most recent w tokens" are the last w slots and attention sinks are the first ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# What attention weights a policy scores slots by (see ``KVPolicy.scores``).
+SCORES_NONE = "none"  # positional policies (full cache, local window)
+SCORES_RECENT = "recent"  # the attention the most recent tokens pay (PyramidInfer)
+SCORES_ACCUMULATED = "accumulated"  # attention summed over every query so far (H2O)
+
+
+@dataclass(frozen=True)
+class KVPolicy:
+    """Lossless full cache; lossy policies subclass it.
+
+    ``budget`` is the fraction of the full cache kept (averaged over layers); a layer never keeps fewer
+    than ``min_tokens`` slots (or the whole sequence, if shorter). ``slack`` is how far a layer may grow
+    past its capacity while decoding before it is compressed again (one block: compaction then frees a
+    block at a time instead of running every step).
+    """
+
+    budget: float = 1.0
+    min_tokens: int = 8
+
+    name = "full"
+    scores = SCORES_NONE
+    drops_rows = False  # deeper layers compute only the tokens shallower ones kept (PyramidInfer)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.budget <= 1:
+            raise ValueError(f"kv_budget must be in (0, 1], got {self.budget!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 1:
+            raise ValueError(f"min_tokens must be an integer >= 1, got {self.min_tokens!r}")
+
+    @property
+    def lossless(self) -> bool:
+        return self.name == "full"
+
+    def retention(self, num_layers: int) -> tuple[float, ...]:
+        """Fraction of the sequence each layer keeps; uniform unless a policy says otherwise."""
+        return (self.budget,) * num_layers
+
+    def capacity(self, layer: int, num_layers: int, num_tokens: int) -> int:
+        """Slots ``layer`` keeps for a sequence of ``num_tokens`` tokens."""
+        if self.lossless:
+            return num_tokens
+        keep = math.ceil(self.retention(num_layers)[layer] * num_tokens)
+        return min(num_tokens, max(keep, self.min_tokens))
+
+    def slots_after(self, layer: int, num_layers: int, held: int, new: int, num_tokens: int, slack: int) -> int:
+        """Slots ``layer`` holds after a step that adds ``new`` tokens to ``held`` slots, the sequence then
+        being ``num_tokens`` long: everything, unless that passes capacity + slack; then capacity."""
+        cap = self.capacity(layer, num_layers, num_tokens)
+        return held + new if held + new <= cap + slack else cap
+
+    def select(self, scores: torch.Tensor | None, num_candidates: int, keep: int) -> torch.Tensor:
+        """Which of ``num_candidates`` slots (in position order) to keep: (keep,) long, ascending.
+
+        ``scores`` (num_candidates,) float32 are the policy's scores of every candidate, or None for a
+        positional policy. The base keeps the most recent ``keep`` (a lossless policy never asks).
+        """
+        return torch.arange(num_candidates - keep, num_candidates)
+
+    def update(self, scores: torch.Tensor, step_weights: torch.Tensor) -> torch.Tensor:
+        """Fold one decode step's attention weights (n,) into the running scores (n,)."""
+        return scores + step_weights
+
+
+def recent_and_top(scores: torch.Tensor, num_candidates: int, keep: int, recent: int) -> torch.Tensor:
+    """The last ``recent`` candidates, plus the ``keep - recent`` best-scored of the others (ascending)."""
+    recent = min(recent, keep)
+    older = num_candidates - recent
+    top = torch.topk(scores[:older], keep - recent).indices if keep > recent else scores.new_empty(0, dtype=torch.long)
+    return torch.cat((top.sort().values, torch.arange(older, num_candidates)))
