@@ -363,3 +363,19 @@ def test_caller_errors_name_the_value():
         KVCacheManager(10, num_host_blocks=-1)
     with pytest.raises(ValueError, match="at least one KV group"):
         KVCacheManager(10, groups=[])
+
+
+def test_per_group_reserve_and_shrink_return_blocks() -> None:
+    kv = KVCacheManager(
+        num_blocks=20, block_size=4, groups=[KVGroupSpec((0,)), KVGroupSpec((1,))], enable_prefix_caching=False
+    )
+    kv.allocate_empty(7)
+    assert kv.reserve(7, [10, 6])
+    assert [len(kv.block_table(7, g)) for g in (0, 1)] == [3, 2] and kv.pool.num_free == 15
+    assert not kv.reserve(7, [10, 200]) and kv.pool.num_free == 15  # all or nothing
+    kv.shrink(7, 0, 4)
+    assert len(kv.block_table(7, 0)) == 1 and kv.num_slots(7, 0) == 4 and kv.pool.num_free == 17
+    with pytest.raises(ValueError, match="cannot shrink to 5"):
+        kv.shrink(7, 0, 5)
+    kv.free(7)
+    assert kv.pool.num_free == 20 and kv.take_freed() == [7] and kv.take_freed() == []

@@ -1,0 +1,78 @@
+"""Policy arithmetic: retention schedules, capacities, the step rule, and which slots each policy keeps."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvserve.policies import KV_POLICY_NAMES, make_policy
+from kvserve.policies.pyramid import PyramidInfer, ensemble_weights, pyramid_schedule
+
+
+@pytest.mark.parametrize("budget", [0.25, 0.5, 0.6, 0.75])
+def test_pyramid_schedule_meets_the_budget_and_decays(budget) -> None:
+    r = pyramid_schedule(30, budget, 2.5, 0.05)
+    assert len(r) == 30 and math.isclose(sum(r) / 30, budget, rel_tol=1e-6)
+    assert r[0] == 1.0 and all(a >= b for a, b in zip(r, r[1:], strict=False)) and min(r) >= 0.05
+
+
+def test_pyramid_reduces_less_in_the_first_half() -> None:
+    """The paper's shape: about 7% cut in the first half of the layers at a 60% overall budget."""
+    r = pyramid_schedule(30, 0.6, 2.5, 0.05)
+    first_half_cut = 1 - sum(r[:15]) / 15
+    assert 0.05 < first_half_cut < 0.10
+    assert sum(r[15:]) / 15 < 0.35
+
+
+def test_explicit_layer_retention() -> None:
+    policy = PyramidInfer(layer_retention=(1.0, 0.5, 0.25))
+    assert policy.retention(3) == (1.0, 0.5, 0.25)
+    assert [policy.capacity(layer, 3, 100) for layer in range(3)] == [100, 50, 25]
+    with pytest.raises(ValueError, match="3 entries; the model has 4"):
+        policy.retention(4)
+    with pytest.raises(ValueError, match="must not grow with depth"):
+        PyramidInfer(layer_retention=(0.5, 0.8))
+    with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+        PyramidInfer(layer_retention=(1.0, 0.0))
+
+
+def test_capacity_floor_and_step_rule() -> None:
+    local = make_policy("local", 0.25, min_tokens=8)
+    assert local.capacity(0, 4, 100) == 25
+    assert local.capacity(0, 4, 20) == 8  # the floor
+    assert local.capacity(0, 4, 5) == 5  # never more than the sequence
+    # Nothing dropped while within capacity + slack; compressed to capacity beyond it.
+    assert local.slots_after(0, 4, held=25, new=1, num_tokens=101, slack=4) == 26
+    assert local.slots_after(0, 4, held=30, new=1, num_tokens=101, slack=4) == 26
+    assert local.slots_after(0, 4, held=0, new=100, num_tokens=100, slack=4) == 25
+    full = make_policy("full")
+    assert full.lossless and full.slots_after(0, 4, 100, 7, 107, 0) == 107
+
+
+def test_selection_per_policy() -> None:
+    scores = torch.tensor([5.0, 0.0, 9.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    assert make_policy("local", 0.5, num_sinks=2).select(None, 10, 5).tolist() == [0, 1, 7, 8, 9]
+    # H2O: half recent (3 of 6), the rest the highest accumulated scores among the older ones.
+    assert make_policy("h2o", 0.5).select(scores, 10, 6).tolist() == [0, 2, 4, 7, 8, 9]
+    # PyramidInfer: |S_r| = ceil(0.4 * 5) = 2 recent, then the top-3 PvCs.
+    assert make_policy("pyramid", 0.5).select(scores, 10, 5).tolist() == [0, 2, 4, 8, 9]
+
+
+def test_ensemble_weights_favour_recent_queries() -> None:
+    w = ensemble_weights(4)
+    assert torch.allclose(w.sum(), torch.tensor(1.0)) and w.tolist() == sorted(w.tolist()) and w[-1] == 4 * w[0]
+
+
+def test_bad_policy_options_name_the_value() -> None:
+    with pytest.raises(ValueError, match="kv_policy must be one of"):
+        make_policy("snap")
+    with pytest.raises(ValueError, match="kv_budget must be in"):
+        make_policy("pyramid", 0.0)
+    with pytest.raises(ValueError, match="recent_ratio"):
+        make_policy("h2o", 0.5, recent_ratio=2.0)
+    with pytest.raises(ValueError, match="kv_budget must be 1"):
+        make_policy("full", 0.5)
+    assert set(KV_POLICY_NAMES) == {"full", "pyramid", "local", "h2o"}
+    assert make_policy("local", 0.5, recent_ratio=0.3) == make_policy("local", 0.5)  # knobs of others ignored
