@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from kvserve.config import PREFILL_PARTITIONS, WEIGHT_MODES
+from kvserve.engine_args import add_kv_policy_args
 from kvserve.errors import KVServeError
 from kvserve.generation import Generator
 from kvserve.models.dtype import DTYPE_CHOICES, DTYPES, resolve_dtype_name
@@ -57,7 +58,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if args.chat:
         prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-    if args.prefill_parallel > 1:
+    if args.prefill_parallel > 1 or args.kv_policy != "full":
         stream = _engine_stream(loaded, args, prompt, params)
     else:
         stream = Generator(loaded, args.device).stream(prompt, params)
@@ -71,14 +72,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _engine_stream(loaded: LoadedModel, args: argparse.Namespace, prompt: str | list[int], params: SamplingParams):  # noqa: ANN202
-    """Text deltas of one request through the paged engine (used when the prefill runs over processes)."""
+    """Text deltas of one request through the paged engine (used for a parallel prefill or a KV policy)."""
     from kvserve.config import EngineConfig
     from kvserve.engine import LLMEngine
+    from kvserve.engine_args import kv_policy_options
 
     config = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, weights=args.weights,
         max_num_batched_tokens=loaded.config.max_position_embeddings,  # the whole prompt in one parallel step
         prefill_parallel=args.prefill_parallel, prefill_partition=args.prefill_partition,
+        **kv_policy_options(args),
     )  # fmt: skip
     engine = LLMEngine(config, loaded)
     try:
@@ -131,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-parallel", type=int, default=1, help="processes for the prompt's prefill (KV-Runahead)")
     gen.add_argument("--prefill-partition", choices=PREFILL_PARTITIONS, default=None,
                      help="even, searched, predicted (default when a table exists) or tsp")  # fmt: skip
+    add_kv_policy_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     tune = sub.add_parser("tune-runahead", help="search KV-Runahead partitions on this machine and save the table")

@@ -48,6 +48,7 @@ class LLMEngine:
         self.per_layer_groups = not self.kv_policy.lossless
         block_layers = 1 if self.per_layer_groups else cfg.num_layers
         block_bytes = kv_block_bytes(block_layers, cfg.num_kv_heads, cfg.head_dim, dtype_size, config.block_size)
+        self.kv_block_bytes = block_bytes  # one block of the pool (of one layer, with per-layer groups)
         num_blocks = config.kv_cache_bytes // block_bytes
         if num_blocks < 1:
             raise ValueError(

@@ -7,6 +7,7 @@ from dataclasses import asdict
 
 from kvserve.config import PREEMPTION_MODES, PREFILL_PARTITIONS, EngineConfig
 from kvserve.models.dtype import DTYPE_NAMES
+from kvserve.policies import KV_POLICY_NAMES
 
 
 def add_engine_args(parser: argparse.ArgumentParser, kv_cache_memory: str = "1GiB") -> None:
@@ -29,6 +30,28 @@ def add_engine_args(parser: argparse.ArgumentParser, kv_cache_memory: str = "1Gi
         help="context split: even, searched (measured once per length), predicted (the table of "
         "`kvserve tune-runahead`; the default when it exists, else even) or tsp (the all-gather baseline)",
     )  # fmt: skip
+    add_kv_policy_args(parser)
+
+
+def add_kv_policy_args(parser: argparse.ArgumentParser) -> None:
+    """Which KV slots each layer keeps (kvserve/policies); every command that builds an engine takes these."""
+    group = parser.add_argument_group("KV policy")
+    group.add_argument(
+        "--kv-policy", choices=KV_POLICY_NAMES, default="full",
+        help="full (lossless, default), pyramid (PyramidInfer), local (sinks + recent window), h2o (heavy hitters); "
+        "any but full gives each layer its own KV blocks, and requests may then pick their own policy",
+    )  # fmt: skip
+    group.add_argument(
+        "--kv-budget", type=float, default=None, help="fraction of the full KV cache kept (default 0.5; full: 1)"
+    )
+    group.add_argument(
+        "--recent-ratio", type=float, default=None,
+        help="pyramid: recent-token share of a layer's budget (0.4); h2o: recent share (0.5)",
+    )  # fmt: skip
+
+
+def kv_policy_options(args: argparse.Namespace) -> dict[str, object]:
+    return {"kv_policy": args.kv_policy, "kv_budget": args.kv_budget, "recent_ratio": args.recent_ratio}
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -39,6 +62,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         preemption_mode=args.preemption_mode, max_model_len=args.max_model_len,
         prefill_parallel=args.prefill_parallel, prefill_partition=args.prefill_partition,
+        **kv_policy_options(args),
     )  # fmt: skip
 
 

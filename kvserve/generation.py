@@ -113,4 +113,3 @@ class GenerationStream:
                 return
             position = len(out.prompt_token_ids) + len(out.token_ids) - 1
             logits = gen.forward_last(cache, [token], position)
-

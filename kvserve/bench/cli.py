@@ -88,6 +88,20 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     pre.add_argument("--output", default=None, help="OUTPUT.json/.md (default: benchmarks/prefix-DTYPE)")
     pre.set_defaults(func=cmd_bench_prefix)
 
+    cmp = bench_sub.add_parser(
+        "compression", help="KV policies at a fixed KV memory: KV per sequence, peak batch, throughput"
+    )
+    add_model_args(cmp)
+    cmp.add_argument("--policies", default="full,pyramid,h2o", help="comma-separated, full first (the baseline)")
+    cmp.add_argument("--kv-budget", type=float, default=0.5, help="budget of every compressing policy")
+    cmp.add_argument("--kv-cache-memory", default="400MiB", help="the same KV memory for every policy")
+    cmp.add_argument("--num-requests", type=int, default=32)
+    cmp.add_argument("--prompt-tokens", default="1024,2048", help="prompt lengths drawn uniformly from MIN,MAX")
+    cmp.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    cmp.add_argument("--max-num-seqs", type=int, default=128)
+    cmp.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/policies/efficiency)")
+    cmp.set_defaults(func=cmd_bench_compression)
+
     srv = bench_sub.add_parser("serve", help="load generator against any OpenAI-compatible server (streaming)")
     srv.add_argument("--base-url", required=True, help="the server's API root, e.g. http://127.0.0.1:8000/v1")
     srv.add_argument("--model", default=None, help="model name to request (default: the first in GET /models)")
@@ -302,8 +316,17 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
         engine = make()
         try:
             results.append(
-                speed.measure(engine, prompt_ids, lengths, args.decode_tokens, batch_prompts, batch_sizes,
-                              args.batch_new_tokens, args.repeats, log)  # fmt: skip
+                speed.measure(
+                    engine,
+                    prompt_ids,
+                    lengths,
+                    args.decode_tokens,
+                    batch_prompts,
+                    batch_sizes,
+                    args.batch_new_tokens,
+                    args.repeats,
+                    log,
+                )  # fmt: skip
             )
         finally:
             engine.close()
@@ -318,8 +341,11 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
         threads=threads,
         roofline=asdict(roofline),
         prefill_gflop={n: speed.prefill_flops(config, n) / 1e9 for n in lengths},
-        workload={"decode_tokens": args.decode_tokens, "batch_prompt_tokens": args.batch_prompt_tokens,
-                  "batch_new_tokens": args.batch_new_tokens},  # fmt: skip
+        workload={
+            "decode_tokens": args.decode_tokens,
+            "batch_prompt_tokens": args.batch_prompt_tokens,
+            "batch_new_tokens": args.batch_new_tokens,
+        },  # fmt: skip
         peers=peer_info,
         results=[asdict(r) for r in results],
     )
@@ -384,6 +410,54 @@ def _speed_table(report: dict) -> str:
         fractions = " | ".join(f"{f:.0%}" for f in prefill)
         lines.append(f"| {r['engine']} | {per_token / 1e6:.1f} | {decode:.0%} | {fractions} |")
     return "\n".join(lines) + "\n"
+
+
+def cmd_bench_compression(args: argparse.Namespace) -> int:
+    import random
+
+    from kvserve.bench.compression import markdown, run_policy
+    from kvserve.bench.plots import plot_compression
+    from kvserve.cli import load_from_args
+    from kvserve.config import EngineConfig
+    from kvserve.engine import LLMEngine
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    loaded = load_from_args(args)
+    low, high = (int(n) for n in args.prompt_tokens.split(","))
+    text = loaded.tokenizer.encode(AUSTEN.read_text(errors="replace"), add_special_tokens=False)
+    rng = random.Random(0)
+    prompts = []
+    for _ in range(args.num_requests):
+        n = rng.randint(low, high)
+        begin = rng.randrange(0, len(text) - n)
+        prompts.append(text[begin : begin + n])
+    results = []
+    for policy in args.policies.split(","):
+        config = EngineConfig(
+            dtype=args.dtype, device=args.device, weights=args.weights, kv_cache_memory=args.kv_cache_memory,
+            max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, kv_policy=policy,
+            kv_budget=None if policy == "full" else args.kv_budget,
+        )  # fmt: skip
+        engine = LLMEngine(config, loaded)
+        log(f"bench compression: {engine.kv_summary}")
+        result = run_policy(engine, prompts, args.max_tokens, log)
+        log(
+            f"  {policy}: peak batch {result.peak_running}, {result.output_tokens_per_s:.1f} output tok/s, "
+            f"{result.decode_tokens_per_s:.1f} decode tok/s, KV/seq {result.kv_bytes_per_seq / 1e6:.1f} MB"
+        )
+        results.append(result.as_dict())
+    report = new_report(
+        "compression", model=loaded.path.name, dtype=args.dtype, weights=args.weights,
+        threads=torch.get_num_threads(), kv_cache_memory=args.kv_cache_memory,
+        workload=f"{len(prompts)} requests, prompts {low}-{high} tokens (Austen), {args.max_tokens} output tokens",
+        results=results,
+    )  # fmt: skip
+    out = Path(args.output or "benchmarks/policies/efficiency")
+    write_report(out, report, markdown(report))
+    plot_compression(report, out.with_suffix(".png"))
+    return 0
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:

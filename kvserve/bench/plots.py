@@ -141,3 +141,31 @@ def plot_prefill_parallel(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_compression(report: dict, path: Path) -> None:
+    """KV per sequence, peak batch and throughput per policy, at one KV memory."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    names = [f"{r['policy']}" + ("" if r["policy"] == "full" else f" {r['budget']:g}") for r in results]
+    panels = [
+        ("KV per sequence after prefill (MB)", [r["kv_bytes_per_seq"] / 1e6 for r in results]),
+        ("peak sequences running at once", [r["peak_running"] for r in results]),
+        ("output tokens/s (end to end)", [r["output_tokens_per_s"] for r in results]),
+        ("decode tokens/s (decode-only steps)", [r["decode_tokens_per_s"] for r in results]),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
+    for ax, (title, values) in zip(axes, panels, strict=True):
+        ax.bar(names, values, color=["#888888"] + ["#3b7dd8"] * (len(values) - 1))
+        ax.set_title(title, fontsize=10)
+        for i, v in enumerate(values):
+            ax.annotate(f"{v:.3g}", (i, v), ha="center", va="bottom", fontsize=8)
+    fig.suptitle(f"{report['model']}, {report['dtype']}, KV memory {report['kv_cache_memory']}: {report['workload']}",
+                 fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

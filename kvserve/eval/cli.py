@@ -187,12 +187,19 @@ class _Session:
         return EngineScorer(self.engine())
 
     def label(self) -> str:
-        return f"{self.backend} {DTYPE_NAMES[self.config.torch_dtype]}"
+        return f"{self.backend} {DTYPE_NAMES[self.config.torch_dtype]}{self._policy_tag(' ')}"
+
+    def _policy_tag(self, sep: str) -> str:
+        """'' for the full cache, else e.g. ' pyramid@0.5' (label) or '-pyramid0.5' (file name)."""
+        if self.config.kv_policy == "full" or self.backend == "hf":
+            return ""
+        budget = self.config.kv_budget if self.config.kv_budget is not None else 0.5
+        return f"{sep}{self.config.kv_policy}{'@' if sep == ' ' else ''}{budget:g}"
 
     def report_path(self, kind: str, task: str) -> Path:
         if self.args.output is not None:
             return self.args.output.with_suffix(".json")
-        suffix = "-hf" if self.backend == "hf" else ""
+        suffix = "-hf" if self.backend == "hf" else self._policy_tag("-")
         return Path(f"eval-{kind}-{task}-{DTYPE_NAMES[self.config.torch_dtype]}{suffix}.json")
 
     def finish(self, kind: str, task: str, headline: str, results: dict, options: dict) -> int:

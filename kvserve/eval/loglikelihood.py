@@ -46,7 +46,9 @@ class EngineScorer:
     """Runs requests through ``LLMEngine`` with ``prompt_logprobs=1``, a window of them at a time.
 
     The window bounds the memory of the per-token logprob entries; inside it the engine batches
-    requests continuously as it would any traffic.
+    requests continuously as it would any traffic. Under a compressing KV policy the context is
+    computed (and compressed) in steps of its own before the continuation is scored against it, as a
+    question would be answered after a compressed document (``score_from``).
     """
 
     name = "kvserve"
@@ -64,7 +66,12 @@ class EngineScorer:
             for begin in range(0, len(requests), self.window):
                 chunk = requests[begin : begin + self.window]
                 ids = [
-                    self.engine.add_request(list(r.context + r.continuation), params, add_special_tokens=False)
+                    self.engine.add_request(
+                        list(r.context + r.continuation),
+                        params,
+                        add_special_tokens=False,
+                        score_from=len(r.context) if self.engine.per_layer_groups else 0,
+                    )  # fmt: skip
                     for r in chunk
                 ]
                 done = self._drain(ids, bar)

@@ -92,4 +92,3 @@ def run_chunk(
 def stacked(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Keys and values as one contiguous (2, T, Hkv, D) tensor: one message instead of two."""
     return torch.stack((k, v))
-

@@ -8,7 +8,8 @@ from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, _S
 
 _FIELDS = (
     "n", "best_of", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs", "seed", "stop",
+    "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs", "seed", "stop", "kv_policy",
+    "kv_budget",
 )  # fmt: skip
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
@@ -64,6 +65,8 @@ def _build(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
+            kv_policy=body.kv_policy,
+            kv_budget=body.kv_budget,
         )
     except ValueError as exc:
         raise _named(str(exc), body, renames) from None

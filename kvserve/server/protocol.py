@@ -57,6 +57,9 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # kvserve extras: this request's KV policy (the engine must run with per-layer KV groups)
+    kv_policy: str | None = None
+    kv_budget: float | None = None
 
     @property
     def include_usage(self) -> bool:
