@@ -222,7 +222,9 @@ class Scheduler:
             if self.config.per_layer_groups:
                 held = self._group_slots(seq)
                 targets = self._group_targets(request.kv_policy, held, n, seq.num_computed_tokens + n)
-                if not self.kv.reserve(seq.seq_id, [max(h, t) for h, t in zip(held, targets, strict=True)]):
+                # A decoded token is written before its layer compresses (see attention/compressed.py): its slot too.
+                writes = 1 if n == 1 else 0
+                if not self.kv.reserve(seq.seq_id, [max(h + writes, t) for h, t in zip(held, targets, strict=True)]):
                     return False
             else:
                 missing = seq.num_computed_tokens + n - self.kv.num_slots(seq.seq_id)

@@ -68,6 +68,10 @@ class CompressedAttentionMetadata(AttentionMetadata):
         object.__setattr__(self, "state", state)
 
     @property
+    def decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+    @property
     def final_rows(self) -> list[int]:
         """Rows per sequence in the model's output (after every layer's drops)."""
         return list(self.state.rows)
@@ -132,6 +136,8 @@ class CompressedKVCache(PagedKVCache):
         if not isinstance(metadata, CompressedAttentionMetadata):
             raise TypeError(f"CompressedKVCache needs CompressedAttentionMetadata, got {type(metadata).__name__}")
         state = metadata.state
+        if metadata.decode_only:  # rows are already one per sequence, in order
+            return self._decode(layer, q, k, v, metadata, list(range(len(state.rows))))
         starts = [0]
         for n in state.rows:
             starts.append(starts[-1] + n)
@@ -143,17 +149,18 @@ class CompressedKVCache(PagedKVCache):
         kept_rows: list[torch.Tensor] = []
         dropped = False
         for i, n in enumerate(state.rows):
-            rows = slice(starts[i], starts[i] + n)
+            everything = torch.arange(starts[i], starts[i] + n, device=q.device)
             if metadata.query_lens[i] == 1:
-                kept_rows.append(torch.arange(starts[i], starts[i] + 1, device=q.device))
+                kept_rows.append(everything)
                 continue
+            rows = slice(starts[i], starts[i] + n)
             out[rows], survivors = self._prefill(layer, q[rows], k[rows], v[rows], metadata, i)
             if survivors is not None and survivors.numel() < n:
                 dropped = True
                 state.rows[i] = survivors.numel()
                 kept_rows.append(survivors + starts[i])
             else:
-                kept_rows.append(torch.arange(starts[i], starts[i] + n, device=q.device))
+                kept_rows.append(everything)
         if dropped:
             state.survivors[layer] = torch.cat(kept_rows)
         return out
@@ -206,47 +213,42 @@ class CompressedKVCache(PagedKVCache):
         held = [meta.state.held_after[i][layer] for i in seqs]
         targets = [meta.group_targets[i][layer] for i in seqs]
         tables = [meta.block_tables[i][layer] for i in seqs]
-        width = max(math.ceil((h + 1) / bs) for h in held)
-        length = width * bs
-        padded = torch.tensor(
-            [list(t[:width]) + [0] * (width - len(t[:width])) for t in tables], dtype=torch.long, device=device
-        )  # (B, W); a block the step does not own is only read past the sequence's length, then masked
-        slots = (padded[:, :, None] * bs + torch.arange(bs, device=device)).view(batch, length)  # (B, T)
-        keys = self.k[0].index_select(0, padded.view(-1)).view(batch, length, hkv, head_dim)  # a copy
-        values = self.v[0].index_select(0, padded.view(-1)).view(batch, length, hkv, head_dim)
-        b_idx, h_idx = torch.arange(batch, device=device), torch.tensor(held, dtype=torch.long, device=device)
-        keys[b_idx, h_idx], values[b_idx, h_idx] = k, v  # the new token sits at index h
-        valid = torch.arange(length, device=device)[None, :] <= h_idx[:, None]  # (B, T)
-        qg = q.view(batch, hkv, num_heads // hkv, head_dim)  # (B, Hkv, G, D): query head h reads KV head h // G
-        kh, vh = keys.transpose(1, 2), values.transpose(1, 2)  # (B, Hkv, T, D)
         policies = [meta.policies[i] for i in seqs]
         scoring = any(p.scores != SCORES_NONE for p in policies)
-        if scoring:
-            logits = torch.matmul(qg.float(), kh.float().transpose(-1, -2)) / math.sqrt(head_dim)  # (B, Hkv, G, T)
-            weights = torch.softmax(logits.masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1)
-            out = torch.matmul(weights.to(vh.dtype), vh)  # (B, Hkv, G, D)
-            step_weights = weights.mean(dim=(1, 2))  # (B, T)
-            scores = self.scores.index_select(0, slots.reshape(-1)).view(batch, length)
-            scores[b_idx, h_idx] = 0.0  # the new slot has no history (its buffer entry is stale)
-            scores = self._update_scores(policies, scores, step_weights)
-        else:
-            out = F.scaled_dot_product_attention(qg, kh, vh, attn_mask=valid[:, None, None, :])
+        # The new token goes to slot h first (the scheduler reserved it even where the layer then compresses),
+        # so one gather reads the whole candidate set.
         k_flat, v_flat = self._flat()
-        append = [b for b in range(batch) if held[b] + 1 <= targets[b]]
-        if append:
-            a = torch.tensor(append, dtype=torch.long, device=device)
-            new_slots = slots[a, h_idx[a]]
-            k_flat.index_copy_(0, new_slots, k[a])
-            v_flat.index_copy_(0, new_slots, v[a])
-            if scoring:
-                mask = valid[a]
-                self.scores.index_copy_(0, slots[a][mask], scores[a][mask])
-        for b in range(batch):
-            seq = seqs[b]
-            if held[b] + 1 <= targets[b]:
-                meta.state.held_after[seq][layer] = held[b] + 1
-                continue
+        new_slots = torch.tensor([t[h // bs] * bs + h % bs for t, h in zip(tables, held, strict=True)], device=device)
+        k_flat.index_copy_(0, new_slots, k)
+        v_flat.index_copy_(0, new_slots, v)
+        if scoring:
+            self.scores.index_fill_(0, new_slots, 0.0)  # a new slot has no history (the entry is stale)
+        width = max(h // bs + 1 for h in held)
+        length = width * bs
+        padded = torch.tensor([list(t[:width]) + [0] * (width - len(t)) for t in tables], device=device)  # (B, W)
+        # Blocks past a sequence's own (padding: block 0) are read only past its length, then masked.
+        keys = self.k[0].index_select(0, padded.view(-1)).view(batch, length, hkv, head_dim)  # a copy
+        values = self.v[0].index_select(0, padded.view(-1)).view(batch, length, hkv, head_dim)
+        lengths = torch.tensor(held, device=device) + 1
+        valid = torch.arange(length, device=device)[None, :] < lengths[:, None]  # (B, T)
+        mask = valid[:, None, None, :]  # (B, 1, 1, T)
+        qg = q.view(batch, hkv, num_heads // hkv, head_dim)  # (B, Hkv, G, D): query head h reads KV head h // G
+        kh, vh = keys.transpose(1, 2), values.transpose(1, 2)  # (B, Hkv, T, D)
+        scores = None
+        if scoring:  # two products read the keys: a head-major copy makes both 3-5x faster than strided
+            kh = kh.contiguous()
+        out = F.scaled_dot_product_attention(qg, kh, vh, attn_mask=mask)  # (B, Hkv, G, D)
+        if scoring:  # the weights again, for the scores: one more q.k product in the cache dtype
+            weights = torch.softmax(_scaled_logits(qg, kh).masked_fill_(~mask, float("-inf")), dim=-1)
+            slots = (padded[:, :, None] * bs + torch.arange(bs, device=device)).view(batch, length)  # (B, T)
+            scores = self.scores.index_select(0, slots.view(-1)).view(batch, length)
+            scores = self._update_scores(policies, scores, weights.mean(dim=(1, 2)))  # (B, T)
+            self.scores.index_copy_(0, slots.masked_select(valid), scores.masked_select(valid))
+        for b, seq in enumerate(seqs):
             n = held[b] + 1
+            if n <= targets[b]:
+                meta.state.held_after[seq][layer] = n
+                continue
             kept = policies[b].select(scores[b, :n] if scoring else None, n, targets[b]).to(device)
             self._write_kept(tables[b], keys[b, :n], values[b, :n], scores[b, :n] if scoring else None, kept)
             meta.state.held_after[seq][layer] = targets[b]
@@ -302,8 +304,9 @@ def _prefill_scores(
     added to the scores the cached slots had.
     """
     m, num_heads, head_dim = q.shape
-    n = keys.shape[0]
-    kh = keys.float().repeat_interleave(num_heads // keys.shape[1], dim=1).transpose(0, 1)  # (H, n, D)
+    n, num_kv_heads = keys.shape[:2]
+    group = num_heads // num_kv_heads
+    kh = keys.transpose(0, 1)[:, None]  # (Hkv, 1, n, D): query head h reads KV head h // group
     if policy.scores == SCORES_RECENT:
         first = m - min(policy.recent_count(keep), m)
         row_weights = ensemble_weights(m - first).to(q.device)
@@ -314,8 +317,8 @@ def _prefill_scores(
     total = torch.zeros(n, dtype=torch.float32, device=q.device)
     for begin in range(first, m, _SCORE_CHUNK):
         end = min(begin + _SCORE_CHUNK, m)
-        qh = q[begin:end].float().transpose(0, 1)  # (H, c, D)
-        logits = torch.matmul(qh, kh.transpose(1, 2)) / math.sqrt(head_dim)  # (H, c, n)
+        qh = q[begin:end].transpose(0, 1).reshape(num_kv_heads, group, end - begin, head_dim)  # (Hkv, G, c, D)
+        logits = _scaled_logits(qh, kh).view(num_heads, end - begin, n)  # (H, c, n) float32
         # Query j of the chunk sits at candidate index held + begin + j and sees keys up to there.
         visible = (
             torch.arange(n, device=q.device)[None, :] <= (held + torch.arange(begin, end, device=q.device))[:, None]
@@ -325,3 +328,9 @@ def _prefill_scores(
     if policy.scores == SCORES_ACCUMULATED and previous is not None:
         total[:held] += previous
     return total
+
+
+def _scaled_logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q k^T / sqrt(D) as float32, multiplied in the cache dtype (bfloat16 runs on AMX; the scores that
+    rank tokens need no more precision). q (..., r, D), k (..., n, D) -> (..., r, n)."""
+    return torch.matmul(q, k.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])
