@@ -83,7 +83,7 @@ class LLMEngine:
         self._pending_beams: dict[str, dict[int, torch.Tensor]] = {}  # request -> beam -> logits row
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
-        tokens = num_blocks * config.block_size // block_layers * block_layers // cfg.num_layers
+        tokens = num_blocks * config.block_size * block_layers // cfg.num_layers
         self.kv_summary = (
             f"KV cache: {num_blocks} blocks x {config.block_size} tokens"
             f"{' (one layer each)' if self.per_layer_groups else ''} = {tokens:,} full-cache tokens "

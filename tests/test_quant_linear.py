@@ -98,6 +98,7 @@ def test_fused_and_permuted_rows_keep_codes_and_constants_together() -> None:
 
 # ----- tiny GGUF files: the loader's native path -----
 
+
 @pytest.mark.parametrize("shape", [(64, 64), (100, 96), (48, 576)])
 def test_q8_0_planes_sum_to_the_ggml_weight(shape) -> None:
     """Two int4 planes carry every 8-bit code: their dequantised rows add up to ggml's exactly."""

@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from kvserve.attention.backend import AttentionMetadata
 from kvserve.attention.paged import PagedKVCache, attend_prefill
 from kvserve.policies.base import SCORES_ACCUMULATED, SCORES_NONE, SCORES_RECENT, KVPolicy
-from kvserve.policies.pyramid import ensemble_weights
 
 _SCORE_CHUNK = 256  # query rows per chunk when scoring a prefill (bounds the (H, rows, keys) weights)
 
@@ -178,11 +177,11 @@ class CompressedKVCache(PagedKVCache):
         values = torch.cat((v_flat.index_select(0, ctx), v)) if held else v
         out = attend_prefill(q, keys, values, held)
         num_candidates = held + m
-        keep = min(target, num_candidates)
+        num_tokens = meta.context_lens[i] + meta.query_lens[i]
         scores = None
         if policy.scores != SCORES_NONE:
             previous = self.scores.index_select(0, ctx) if held else None
-            scores = _prefill_scores(policy, q, keys, held, keep, previous)  # (h + m,)
+            scores = _prefill_scores(policy, q, keys, held, num_tokens, previous)  # (h + m,)
         if num_candidates <= target:
             new = self._slot_ids(table, held, num_candidates, q.device)
             k_flat.index_copy_(0, new, k)
@@ -191,7 +190,7 @@ class CompressedKVCache(PagedKVCache):
                 self.scores.index_copy_(0, self._slot_ids(table, 0, num_candidates, q.device), scores)
             meta.state.held_after[i][layer] = num_candidates
             return out, None
-        kept = policy.select(scores, num_candidates, target).to(q.device)  # (target,) ascending
+        kept = policy.select(scores, num_candidates, target, num_tokens).to(q.device)  # (target,) ascending
         self._write_kept(table, keys, values, scores, kept)
         meta.state.held_after[i][layer] = target
         if not policy.drops_rows or meta.keep_all_rows[i]:
@@ -249,7 +248,8 @@ class CompressedKVCache(PagedKVCache):
             if n <= targets[b]:
                 meta.state.held_after[seq][layer] = n
                 continue
-            kept = policies[b].select(scores[b, :n] if scoring else None, n, targets[b]).to(device)
+            num_tokens = meta.context_lens[seq] + 1
+            kept = policies[b].select(scores[b, :n] if scoring else None, n, targets[b], num_tokens).to(device)
             self._write_kept(tables[b], keys[b, :n], values[b, :n], scores[b, :n] if scoring else None, kept)
             meta.state.held_after[seq][layer] = targets[b]
         return out.reshape(batch, num_heads, head_dim)
@@ -295,7 +295,7 @@ class CompressedKVCache(PagedKVCache):
 
 
 def _prefill_scores(
-    policy: KVPolicy, q: torch.Tensor, keys: torch.Tensor, held: int, keep: int, previous: torch.Tensor | None
+    policy: KVPolicy, q: torch.Tensor, keys: torch.Tensor, held: int, num_tokens: int, previous: torch.Tensor | None
 ) -> torch.Tensor:
     """Scores (h + m,) float32 of a sequence's candidates from its m new queries q (m, H, D) over keys (h + m, Hkv, D).
 
@@ -308,8 +308,8 @@ def _prefill_scores(
     group = num_heads // num_kv_heads
     kh = keys.transpose(0, 1)[:, None]  # (Hkv, 1, n, D): query head h reads KV head h // group
     if policy.scores == SCORES_RECENT:
-        first = m - min(policy.recent_count(keep), m)
-        row_weights = ensemble_weights(m - first).to(q.device)
+        first = m - min(policy.recent_count(num_tokens), m)
+        row_weights = policy.query_weights(m - first).to(q.device)
     elif policy.scores == SCORES_ACCUMULATED:
         first, row_weights = 0, torch.ones(m, device=q.device)
     else:

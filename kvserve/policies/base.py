@@ -65,11 +65,12 @@ class KVPolicy:
         cap = self.capacity(layer, num_layers, num_tokens)
         return held + new if held + new <= cap + slack else cap
 
-    def select(self, scores: torch.Tensor | None, num_candidates: int, keep: int) -> torch.Tensor:
+    def select(self, scores: torch.Tensor | None, num_candidates: int, keep: int, num_tokens: int) -> torch.Tensor:
         """Which of ``num_candidates`` slots (in position order) to keep: (keep,) long, ascending.
 
         ``scores`` (num_candidates,) float32 are the policy's scores of every candidate, or None for a
-        positional policy. The base keeps the most recent ``keep`` (a lossless policy never asks).
+        positional policy; ``num_tokens`` is the sequence's length. The base keeps the most recent
+        ``keep`` (a lossless policy never asks).
         """
         return torch.arange(num_candidates - keep, num_candidates)
 

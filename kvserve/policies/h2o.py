@@ -26,5 +26,5 @@ class HeavyHitters(KVPolicy):
         if not 0 <= self.recent_ratio <= 1:
             raise ValueError(f"recent_ratio must be in [0, 1], got {self.recent_ratio!r}")
 
-    def select(self, scores: torch.Tensor | None, num_candidates: int, keep: int) -> torch.Tensor:
+    def select(self, scores: torch.Tensor | None, num_candidates: int, keep: int, num_tokens: int) -> torch.Tensor:
         return recent_and_top(scores, num_candidates, keep, round(self.recent_ratio * keep))

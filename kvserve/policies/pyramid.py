@@ -1,20 +1,25 @@
 """PyramidInfer (Yang et al., ACL'24 Findings, https://arxiv.org/abs/2405.12532).
 
 Deeper layers keep fewer *pivotal context* tokens (PvCs). At each layer the most recent tokens S_r
-vote: their attention over the older tokens S_c, averaged over heads and over S_r with more weight on
-more recent queries (the ensemble), ranks S_c; the layer keeps S_r and the top-ranked S_c. This runs
-during prefill, layer by layer, and the tokens a layer drops also leave the hidden states, so deeper
-layers compute fewer tokens (``drops_rows``). While decoding, scores are an exponential moving average
-of each new token's attention and a layer re-selects when it outgrows its budget by a block.
+vote: their attention over the older tokens, averaged over heads and over S_r with more weight on more
+recent queries (the ensemble), ranks the older tokens; the layer keeps S_r, the attention sinks and the
+top-ranked older tokens. This runs during prefill, layer by layer, and the tokens a layer drops also
+leave the hidden states, so deeper layers compute fewer tokens (``drops_rows``). While decoding, scores
+are an exponential moving average of each new token's attention and a layer re-selects when it
+outgrows its budget by a block.
 
-Choices where the paper leaves room (written down here so measurements can be read against them):
+The schedule follows the authors' implementation (github.com/mutonix/pyramidinfer): the older part of
+the sequence shrinks layer by layer by a factor r_l = (1 - d) (cos(pi l / L) + 1) / 2 + d, so
+shallow layers lose little and deep ones more (at a 60% budget the first half of the layers loses
+about 7%); S_r is never dropped. Layer l keeps a fraction rho + (1 - rho) prod_{j<=l} r_j of the
+sequence, rho = |S_r| / length, with d solved so that the mean over layers is ``budget``.
+``layer_retention`` sets the fractions explicitly instead.
 
-- Retention per layer r_l = max(min_retention, 1 - c * (l / (L - 1)) ** gamma), c solved so the mean is
-  ``budget``. gamma = 2.5 reproduces the paper's "reduce less" shape: at a 60% budget the first half of
-  the layers loses about 7.5% and layer 0 keeps everything. ``layer_retention`` overrides it.
-- S_r is ``recent_ratio`` (default 40%, the paper's best trade-off) of the tokens a layer *keeps*, not
-  of the prompt, so that budgets below 40% still leave room for PvCs. At budget 1 nothing is dropped.
-- Ensemble weights grow linearly with recency (query j of S_r, oldest first, weighs j + 1).
+Choices where the paper leaves room:
+- rho is ``recent_ratio`` (40% by default, the paper's best trade-off) but at most 80% of the budget,
+  so that low budgets still keep PvCs;
+- the first ``num_sinks`` tokens are always kept, as in the authors' code;
+- ensemble weights grow linearly from 1 (oldest query of S_r) to ``distance_weight`` (newest).
 """
 
 from __future__ import annotations
@@ -25,14 +30,16 @@ from functools import lru_cache
 
 import torch
 
-from kvserve.policies.base import SCORES_RECENT, KVPolicy, recent_and_top
+from kvserve.policies.base import SCORES_RECENT, KVPolicy
+
+MAX_RECENT_SHARE_OF_BUDGET = 0.8
 
 
 @dataclass(frozen=True)
 class PyramidInfer(KVPolicy):
     recent_ratio: float = 0.4
-    gamma: float = 2.5
-    min_retention: float = 0.05
+    num_sinks: int = 4
+    distance_weight: float = 1.2
     layer_retention: tuple[float, ...] | None = None  # explicit per-layer fractions (overrides budget)
     decode_decay: float = 0.9  # weight of the old scores at each decode step
 
@@ -42,10 +49,14 @@ class PyramidInfer(KVPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0 < self.recent_ratio <= 1:
-            raise ValueError(f"recent_ratio must be in (0, 1], got {self.recent_ratio!r}")
-        if not 0 <= self.min_retention <= self.budget:
-            raise ValueError(f"min_retention must be in [0, kv_budget={self.budget}], got {self.min_retention!r}")
+        if not 0 < self.recent_ratio < 1:
+            raise ValueError(f"recent_ratio must be in (0, 1), got {self.recent_ratio!r}")
+        if not isinstance(self.num_sinks, int) or not 0 <= self.num_sinks < self.min_tokens:
+            raise ValueError(
+                f"num_sinks must be an integer in [0, min_tokens={self.min_tokens}), got {self.num_sinks!r}"
+            )
+        if not self.distance_weight >= 1:
+            raise ValueError(f"distance_weight must be >= 1, got {self.distance_weight!r}")
         if not 0 <= self.decode_decay < 1:
             raise ValueError(f"decode_decay must be in [0, 1), got {self.decode_decay!r}")
         if self.layer_retention is not None:
@@ -53,14 +64,19 @@ class PyramidInfer(KVPolicy):
             bad = [r for r in self.layer_retention if not 0 < r <= 1]
             if bad:
                 raise ValueError(f"layer_retention fractions must be in (0, 1], got {bad}")
-            increasing = [
+            grows = [
                 i for i in range(1, len(self.layer_retention)) if self.layer_retention[i] > self.layer_retention[i - 1]
             ]
-            if increasing:
+            if grows:
                 raise ValueError(
                     f"layer_retention must not grow with depth (a deeper layer sees only the tokens shallower ones "
-                    f"kept); layer {increasing[0]} keeps more than layer {increasing[0] - 1}"
+                    f"kept); layer {grows[0]} keeps more than layer {grows[0] - 1}"
                 )
+
+    @property
+    def recent_share(self) -> float:
+        """rho: the share of the sequence that is S_r, always kept."""
+        return min(self.recent_ratio, MAX_RECENT_SHARE_OF_BUDGET * self.budget)
 
     def retention(self, num_layers: int) -> tuple[float, ...]:
         if self.layer_retention is not None:
@@ -69,41 +85,52 @@ class PyramidInfer(KVPolicy):
                     f"layer_retention has {len(self.layer_retention)} entries; the model has {num_layers} layers"
                 )
             return self.layer_retention
-        return pyramid_schedule(num_layers, self.budget, self.gamma, self.min_retention)
+        return pyramid_schedule(num_layers, self.budget, self.recent_share)
 
-    def recent_count(self, keep: int) -> int:
-        """|S_r| for a layer keeping ``keep`` slots."""
-        return max(1, math.ceil(self.recent_ratio * keep))
+    def recent_count(self, num_tokens: int) -> int:
+        """|S_r| for a sequence of ``num_tokens`` tokens: the queries that vote, and the tokens always kept."""
+        return max(1, math.ceil(self.recent_share * num_tokens))
 
-    def select(self, scores: torch.Tensor | None, num_candidates: int, keep: int) -> torch.Tensor:
-        return recent_and_top(scores, num_candidates, keep, self.recent_count(keep))
+    def select(self, scores: torch.Tensor | None, num_candidates: int, keep: int, num_tokens: int) -> torch.Tensor:
+        sinks = min(self.num_sinks, keep)
+        recent = min(self.recent_count(num_tokens), keep - sinks)
+        middle = num_candidates - sinks - recent  # the older tokens competing for the PvC places
+        top = torch.topk(scores[sinks : sinks + middle], keep - sinks - recent).indices.sort().values + sinks
+        return torch.cat((torch.arange(sinks), top, torch.arange(num_candidates - recent, num_candidates)))
 
     def update(self, scores: torch.Tensor, step_weights: torch.Tensor) -> torch.Tensor:
         return self.decode_decay * scores + (1 - self.decode_decay) * step_weights
 
+    def query_weights(self, num_queries: int) -> torch.Tensor:
+        return ensemble_weights(num_queries, self.distance_weight)
 
-def ensemble_weights(num_recent: int) -> torch.Tensor:
-    """(num_recent,) float32 weights of S_r's queries, oldest first, summing to 1."""
-    weights = torch.arange(1, num_recent + 1, dtype=torch.float32)
+
+def ensemble_weights(num_queries: int, distance_weight: float = 1.2) -> torch.Tensor:
+    """(num_queries,) float32 weights of S_r's queries, oldest first, rising linearly to ``distance_weight``
+    times the oldest one's, summing to 1."""
+    weights = torch.linspace(1.0, distance_weight, num_queries, dtype=torch.float32)
     return weights / weights.sum()
 
 
 @lru_cache(maxsize=64)
-def pyramid_schedule(num_layers: int, budget: float, gamma: float, min_retention: float) -> tuple[float, ...]:
-    """r_l = max(min_retention, 1 - c x_l^gamma), x_l = l / (L - 1), with c bisected so mean(r) = budget."""
-    if num_layers == 1 or budget >= 1:
-        return (budget,) * num_layers
-    x = torch.arange(num_layers, dtype=torch.float64) / (num_layers - 1)
+def pyramid_schedule(num_layers: int, budget: float, recent_share: float) -> tuple[float, ...]:
+    """Per-layer retention rho + (1 - rho) prod_{1<=j<=l} s_j^a, s_j = (cos(pi j / L) + 1) / 2, with a >= 0
+    bisected so the mean is ``budget`` (layer 0 keeps everything; a = 0.1 is the authors' default shape)."""
+    if budget >= 1 or num_layers == 1:
+        return (1.0,) * num_layers if budget >= 1 else (budget,)
+    logs = [math.log((math.cos(math.pi * layer / num_layers) + 1) / 2) for layer in range(1, num_layers)]
 
-    def schedule(c: float) -> torch.Tensor:
-        return torch.clamp(1 - c * x**gamma, min=min_retention)
+    def schedule(a: float) -> list[float]:
+        context, out = 0.0, [1.0]
+        for log in logs:
+            context += a * log
+            out.append(recent_share + (1 - recent_share) * math.exp(context))
+        return out
 
-    low, high = 0.0, 1.0
-    while schedule(high).mean() > budget:  # mean falls to min_retention as c grows, and budget >= it
+    low, high = 0.0, 1.0  # the mean falls as a grows, towards rho + (1 - rho) / L
+    while sum(schedule(high)) / num_layers > budget and high < 1e6:
         high *= 2
-        if high > 1e12:
-            break
-    for _ in range(100):
+    for _ in range(80):
         mid = (low + high) / 2
-        low, high = (mid, high) if schedule(mid).mean() > budget else (low, mid)
-    return tuple(float(r) for r in schedule(high))
+        low, high = (mid, high) if sum(schedule(mid)) / num_layers > budget else (low, mid)
+    return tuple(schedule(high))

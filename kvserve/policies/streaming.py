@@ -26,6 +26,6 @@ class LocalWindow(KVPolicy):
                 f"num_sinks must be an integer in [0, min_tokens={self.min_tokens}), got {self.num_sinks!r}"
             )
 
-    def select(self, scores: torch.Tensor | None, num_candidates: int, keep: int) -> torch.Tensor:
+    def select(self, scores: torch.Tensor | None, num_candidates: int, keep: int, num_tokens: int) -> torch.Tensor:
         sinks = min(self.num_sinks, keep)
         return torch.cat((torch.arange(sinks), torch.arange(num_candidates - (keep - sinks), num_candidates)))

@@ -17,7 +17,6 @@ from kvserve.models import LoadedModel, load_model
 from kvserve.models.layers import RotaryEmbedding
 from kvserve.policies import KVPolicy, make_policy
 from kvserve.policies.base import SCORES_ACCUMULATED, SCORES_RECENT
-from kvserve.policies.pyramid import ensemble_weights
 from kvserve.sampling_params import SamplingParams
 from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
 
@@ -101,14 +100,14 @@ def reference_prefill(loaded: LoadedModel, ids: list[int], policy: KVPolicy) -> 
         kept = torch.arange(r)
         if r > target:
             mean = attn.mean(dim=0)  # (r queries, r keys)
-            if policy.scores == SCORES_RECENT:
-                w = policy.recent_count(target)
-                scores = ensemble_weights(w) @ mean[r - w :]
+            if policy.scores == SCORES_RECENT:  # S_r: the last rows, weighted towards the newest
+                w = min(policy.recent_count(n), r)
+                scores = policy.query_weights(w) @ mean[r - w :]
             elif policy.scores == SCORES_ACCUMULATED:
                 scores = mean.sum(dim=0)
             else:
                 scores = None
-            kept = policy.select(scores, r, target)
+            kept = policy.select(scores, r, target, n)
         result.append((positions[kept], k[kept]))
         if policy.drops_rows:
             x, positions = x[kept], positions[kept]

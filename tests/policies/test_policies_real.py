@@ -48,11 +48,11 @@ def test_pyramid_at_budget_one_generates_the_full_cache_tokens(default_model, wi
 def test_pyramid_halves_the_kv_cache_at_a_small_perplexity_cost(default_model, wikitext) -> None:
     text = default_model.tokenizer.decode(wikitext)
     results = {}
-    for policy, budget in (("full", None), ("pyramid", 0.5), ("local", 0.5)):
+    for policy, budget in (("full", None), ("pyramid", 0.5), ("local", 0.1)):
         e = engine(default_model, policy, budget)
         results[policy] = evaluate_perplexity(EngineScorer(e, progress=False), wikitext, text, 2048, 512).perplexity
     assert results["pyramid"] < results["full"] * 1.10  # 1,536 tokens of context at half the KV
-    assert results["local"] > results["full"]  # compression costs something: the measure can tell
+    assert results["local"] > results["full"] * 1.02  # a 10% window costs: the measure can tell
 
     e = engine(default_model, "pyramid", 0.5)
     e.add_request(wikitext[:2000], SamplingParams(max_tokens=2, temperature=0.0))
