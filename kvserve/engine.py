@@ -169,7 +169,7 @@ class LLMEngine:
                 f"kv_policy={policy.name!r} needs per-layer KV groups; this engine was started with kv_policy="
                 f"{self.kv_policy.name!r} (start it with a compressing kv_policy to choose policies per request)"
             )
-        if params.best_of > 1:
+        if params.best_of > 1:  # the full cache forks fine over per-layer groups: it never compacts
             raise ValueError(
                 f"kv_policy={policy.name!r} compacts each sequence's own blocks, so samples cannot share them: "
                 f"n and best_of must be 1, got best_of={params.best_of}"
@@ -312,6 +312,7 @@ class LLMEngine:
         for i in range(1, request.params.best_of):
             child = self._new_sequence(seq.token_ids, seq.num_prompt_tokens, request.params, seed_offset=i)
             child.num_computed_tokens = seq.num_computed_tokens
+            child.group_slots = list(seq.group_slots)
             self.kv.fork(seq.seq_id, child.seq_id)
             request.seqs.append(child)
             self._seqs[child.seq_id] = (request, child)
@@ -468,6 +469,7 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
 def _copy_progress(parent: Sequence, child: Sequence) -> None:
     child.token_ids = list(parent.token_ids)
     child.num_computed_tokens = parent.num_computed_tokens
+    child.group_slots = list(parent.group_slots)
     child.cumulative_logprob = parent.cumulative_logprob
     child.logprobs = list(parent.logprobs)
     child.text = parent.text

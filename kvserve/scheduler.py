@@ -51,7 +51,6 @@ class SchedulerOutput:
     blocks_to_copy: tuple[tuple[int, int], ...] = ()  # copy-on-write (src, dst) device blocks
     preempted: tuple[str, ...] = ()  # request ids preempted this step
     rejected: tuple[str, ...] = ()  # request ids that can never fit in the KV cache
-    freed_seq_ids: tuple[int, ...] = ()  # sequences whose blocks were freed since the last step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -121,7 +120,6 @@ class Scheduler:
             blocks_to_copy=tuple(step.copies + self.kv.take_pending_copies()),
             preempted=tuple(step.preempted),
             rejected=tuple(step.rejected),
-            freed_seq_ids=tuple(self.kv.take_freed()),
         )
 
     def _schedule_running(self, step: _Step) -> None:
@@ -189,10 +187,10 @@ class Scheduler:
         if _num_seqs(request) > self.config.max_num_seqs:
             return AllocationStatus.NEVER  # best_of sequences can never run side by side
         seqs = request.live_seqs
-        if self.config.per_layer_groups:  # one sequence (compressing policies take no forks)
-            n = seqs[0].num_tokens
-            slots = self._group_targets(request.kv_policy, [0] * len(self.kv.groups), n, n)
-            return self.kv.can_allocate(n, group_slots=slots)
+        if self.config.per_layer_groups:  # each sequence on its own blocks (re-prefilled after a recompute)
+            zero = [0] * len(self.kv.groups)
+            targets = [self._group_targets(request.kv_policy, zero, s.num_tokens, s.num_tokens) for s in seqs]
+            return self.kv.device_status(sum(self.kv.blocks_for(n) for slots in targets for n in slots))
         if len(seqs) == 1:
             return self.kv.can_allocate(seqs[0].num_tokens, seqs[0].token_ids, request.cache_salt)
         # Forked sequences back after recompute are allocated one by one, each needing its own blocks

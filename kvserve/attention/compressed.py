@@ -234,15 +234,17 @@ class CompressedKVCache(PagedKVCache):
         qg = q.view(batch, hkv, num_heads // hkv, head_dim)  # (B, Hkv, G, D): query head h reads KV head h // G
         kh, vh = keys.transpose(1, 2), values.transpose(1, 2)  # (B, Hkv, T, D)
         scores = None
-        if scoring:  # two products read the keys: a head-major copy makes both 3-5x faster than strided
-            kh = kh.contiguous()
-        out = F.scaled_dot_product_attention(qg, kh, vh, attn_mask=mask)  # (B, Hkv, G, D)
-        if scoring:  # the weights again, for the scores: one more q.k product in the cache dtype
+        if scoring:  # the weights are needed too: attention by hand, over head-major copies (3-5x faster
+            # products than strided views; the probabilities are rounded to the cache dtype for the second)
+            kh, vh = kh.contiguous(), vh.contiguous()
             weights = torch.softmax(_scaled_logits(qg, kh).masked_fill_(~mask, float("-inf")), dim=-1)
+            out = torch.matmul(weights.to(vh.dtype), vh)  # (B, Hkv, G, D)
             slots = (padded[:, :, None] * bs + torch.arange(bs, device=device)).view(batch, length)  # (B, T)
             scores = self.scores.index_select(0, slots.view(-1)).view(batch, length)
             scores = self._update_scores(policies, scores, weights.mean(dim=(1, 2)))  # (B, T)
             self.scores.index_copy_(0, slots.masked_select(valid), scores.masked_select(valid))
+        else:
+            out = F.scaled_dot_product_attention(qg, kh, vh, attn_mask=mask)  # (B, Hkv, G, D)
         for b, seq in enumerate(seqs):
             n = held[b] + 1
             if n <= targets[b]:

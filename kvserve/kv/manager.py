@@ -116,26 +116,17 @@ class KVCacheManager:
         self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None
         self._seqs: dict[int, _Sequence] = {}
         self._pending_copies: list[tuple[int, int]] = []
-        self._freed: list[int] = []  # sequences freed since the last take_freed()
         self._query_tokens = 0
         self._hit_tokens = 0
 
     # ----- new sequences -----
 
     def can_allocate(
-        self,
-        num_tokens: int,
-        token_ids: Sequence[int] | None = None,
-        extra: tuple = (),
-        group_slots: Sequence[int] | None = None,
+        self, num_tokens: int, token_ids: Sequence[int] | None = None, extra: tuple = ()
     ) -> AllocationStatus:
-        """Whether a new sequence of ``num_tokens`` fits; pass its ``token_ids`` to count cached prefix blocks.
-        ``group_slots``: the slots each group will hold, when a compressing policy keeps fewer than
-        ``num_tokens`` (no prefix lookup then)."""
+        """Whether a new sequence of ``num_tokens`` fits; pass its ``token_ids`` to count cached prefix blocks."""
         if not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
-        if group_slots is not None:
-            return self._status(sum(self.blocks_for(n) for n in self._check_group_slots(group_slots)), self.pool)
         total = len(self.groups) * self.blocks_for(num_tokens)
         if total > self.pool.num_blocks:
             return AllocationStatus.NEVER
@@ -304,12 +295,6 @@ class KVCacheManager:
         for table in seq.tables:
             pool.free(reversed(table.blocks))
         del self._seqs[seq_id]
-        self._freed.append(seq_id)
-
-    def take_freed(self) -> list[int]:
-        """Sequences freed since the last call, for whoever keeps per-sequence state beside the blocks."""
-        freed, self._freed = self._freed, []
-        return freed
 
     # ----- swapping (preemption) -----
 

@@ -280,3 +280,23 @@ def test_chunked_prefill_and_scoring_a_continuation(folder, loaded) -> None:
 def test_policy_is_a_plain_value() -> None:
     policy = make_policy("pyramid", 0.5)
     assert policy == make_policy("pyramid", 0.5) and hash(policy) == hash(make_policy("pyramid", 0.5))
+
+
+def test_swap_preemption_keeps_compressed_sequences_exact(folder, loaded) -> None:
+    """Under memory pressure compressed sequences are swapped out and back with their scores: the tokens
+    equal an unconstrained run's."""
+    prompts = [prompt_ids(150, seed=s) for s in range(5)]
+    roomy = make_engine(folder, loaded, kv_policy="h2o", kv_budget=0.5)
+    expected = [
+        o.outputs[0].token_ids for o in drain(roomy, [roomy.add_request(p, greedy(40)) for p in prompts]).values()
+    ]
+    cfg = loaded.config
+    layer_block = kv_block_bytes(1, cfg.num_kv_heads, cfg.head_dim, 4, BLOCK)
+    config = EngineConfig(
+        model=str(folder), dtype="float32", block_size=BLOCK, kv_cache_memory=240 * layer_block,
+        swap_space=2000 * layer_block, preemption_mode="swap", kv_policy="h2o", kv_budget=0.5,
+    )  # fmt: skip
+    tight = LLMEngine(config, loaded)
+    got = [o.outputs[0].token_ids for o in drain(tight, [tight.add_request(p, greedy(40)) for p in prompts]).values()]
+    assert tight.scheduler.num_preemptions > 0
+    assert got == expected
