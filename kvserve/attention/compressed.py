@@ -8,8 +8,9 @@ decoding updates them for a whole batch in one gather and one scatter.
 
 Per step and layer, for each sequence holding ``h`` slots and receiving ``m`` rows:
 
-1. attention of the rows over the ``h`` cached slots plus their own new keys (causal); the new keys
-   are not written before this, so a step never needs more slots than it keeps;
+1. attention of the rows over the ``h`` cached slots plus their own new keys (causal). A prefill writes
+   no key before choosing, so it never needs more slots than it keeps; a decode writes its one new key
+   at slot ``h`` first (the scheduler reserves that slot) so a single gather reads every candidate;
 2. the policy scores the ``h + m`` candidates (when it scores), and if they exceed the group's target
    for the step (``ScheduledSequence.group_targets``), chooses which to keep;
 3. the kept keys, values and scores are written to the group's first slots, in position order (or,
@@ -24,6 +25,7 @@ tables to it (freeing blocks) and remembers the counts.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -101,19 +103,21 @@ class CompressedKVCache(PagedKVCache):
         )  # fmt: skip
 
     # Blocks carry their slots' scores with them.
-    def copy_blocks(self, pairs) -> None:  # noqa: ANN001 - see PagedKVCache
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         super().copy_blocks(pairs)
         self._move_scores(self, self, pairs)
 
-    def swap_out(self, pairs, host_cache) -> None:  # noqa: ANN001
+    def swap_out(self, pairs: Sequence[tuple[int, int]], host_cache: PagedKVCache) -> None:
         super().swap_out(pairs, host_cache)
         self._move_scores(self, host_cache, pairs)
 
-    def swap_in(self, pairs, host_cache) -> None:  # noqa: ANN001
+    def swap_in(self, pairs: Sequence[tuple[int, int]], host_cache: PagedKVCache) -> None:
         super().swap_in(pairs, host_cache)
         self._move_scores(host_cache, self, pairs)
 
-    def _move_scores(self, src: CompressedKVCache, dst: CompressedKVCache, pairs) -> None:  # noqa: ANN001
+    def _move_scores(self, src: PagedKVCache, dst: PagedKVCache, pairs: Sequence[tuple[int, int]]) -> None:
+        if not isinstance(src, CompressedKVCache) or not isinstance(dst, CompressedKVCache):
+            raise TypeError("per-layer KV groups swap to and from a CompressedKVCache (it holds the slot scores)")
         if not pairs:
             return
         bs = self.block_size

@@ -42,10 +42,10 @@ class PyramidInfer(KVPolicy):
     distance_weight: float = 1.2
     layer_retention: tuple[float, ...] | None = None  # explicit per-layer fractions (overrides budget)
     decode_decay: float = 0.9  # weight of the old scores at each decode step
+    drops_rows: bool = True  # False: every layer computes every token (an ablation; the KV is still compressed)
 
     name = "pyramid"
     scores = SCORES_RECENT
-    drops_rows = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
