@@ -5,8 +5,9 @@ engine per policy, every engine with the same ``kv_cache_memory``. All requests 
 the scheduler admits as many as the pool holds: the peak number running side by side is the maximum
 batch at that memory. Measured per policy:
 
-- KV memory per sequence after its prefill (bytes of the blocks it holds) and during its prefill step
-  (the blocks reserved for the step: a compressing policy never reserves the whole prompt);
+- KV memory per sequence after its prefill (bytes of the blocks it holds once the step that completes
+  its prompt ran) and during that step (the blocks reserved for it: a compressing policy never reserves
+  the whole prompt);
 - peak sequences running at once;
 - output tokens/s end to end (prefills included) and in decode-only steps.
 """
@@ -19,6 +20,7 @@ from dataclasses import asdict, dataclass
 
 from kvserve.engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
+from kvserve.scheduler import ScheduledSequence
 
 
 @dataclass
@@ -69,9 +71,9 @@ def run_policy(
     def spy():  # noqa: ANN202 - the scheduler's output, kept to classify the step
         out = schedule()
         last[:] = [out]
-        # Blocks each fresh prefill reserved for this step (before the policy frees what it drops).
+        # Blocks reserved for the step that completes a prompt (before the policy frees what it drops).
         for s in out.scheduled:
-            if s.num_computed_tokens == 0 and len(s.token_ids) > 1:
+            if _completes_prompt(s):
                 reserved.append(_blocks_of(engine, s.seq_id) * block_bytes)
         return out
 
@@ -88,7 +90,7 @@ def run_policy(
                 decode_seconds += elapsed
                 running_in_decode.append(len(out.scheduled))
             for s in out.scheduled:
-                if s.num_computed_tokens == 0 and len(s.token_ids) > 1 and s.seq_id in engine.kv:
+                if _completes_prompt(s) and s.seq_id in engine.kv:
                     after_prefill.append(_blocks_of(engine, s.seq_id) * block_bytes)
             peak = max(peak, len(engine.scheduler.running))
             for o in outputs:
@@ -115,6 +117,11 @@ def run_policy(
     )
 
 
+def _completes_prompt(s: ScheduledSequence) -> bool:
+    """A prefill chunk that reaches the prompt's end (a prompt may take several steps)."""
+    return s.samples and len(s.token_ids) > 1
+
+
 def _blocks_of(engine: LLMEngine, seq_id: int) -> int:
     return sum(len(engine.kv.block_table(seq_id, g)) for g in range(len(engine.kv.groups)))
 
@@ -127,7 +134,7 @@ def markdown(report: dict) -> str:
         "",
         f"`{report['command']}`",
         "",
-        f"Machine: {report['machine']}; threads {report['threads']}. Workload: {report['workload']}. "
+        f"Machine: {_machine(report['machine'])}; threads {report['threads']}. Workload: {report['workload']}. "
         f"KV memory {report['kv_cache_memory']} for every policy.",
         "",
         "| policy | budget | KV/seq after prefill (MB) | KV reserved in prefill (MB) | peak batch | "
@@ -143,3 +150,7 @@ def markdown(report: dict) -> str:
             f"{r['decode_tokens_per_s'] / max(full['decode_tokens_per_s'], 1e-9):.2f}x |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _machine(m: dict) -> str:
+    return f"{m.get('cpu')}, {m.get('nproc')} vCPU, {m.get('memory_gib')} GiB, torch {m.get('torch')}"
