@@ -237,8 +237,7 @@ class Scheduler:
 
     def _group_targets(self, policy: KVPolicy, held: list[int], new: int, num_tokens: int) -> list[int]:
         """Slots each layer group keeps after a step adding ``new`` tokens (one group per layer)."""
-        layers, slack = len(held), self.kv.block_size
-        return [policy.slots_after(g, layers, h, new, num_tokens, slack) for g, h in enumerate(held)]
+        return policy.slots_after_per_layer(held, new, num_tokens, self.kv.block_size)
 
     def _emit(self, request: Request, step: _Step) -> None:
         for seq in request.live_seqs:

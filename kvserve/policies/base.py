@@ -56,14 +56,23 @@ class KVPolicy:
         """Slots ``layer`` keeps for a sequence of ``num_tokens`` tokens."""
         if self.lossless:
             return num_tokens
-        keep = math.ceil(self.retention(num_layers)[layer] * num_tokens)
-        return min(num_tokens, max(keep, self.min_tokens))
+        return self._keep(self.retention(num_layers)[layer], num_tokens)
+
+    def _keep(self, fraction: float, num_tokens: int) -> int:
+        return min(num_tokens, max(math.ceil(fraction * num_tokens), self.min_tokens))
 
     def slots_after(self, layer: int, num_layers: int, held: int, new: int, num_tokens: int, slack: int) -> int:
         """Slots ``layer`` holds after a step that adds ``new`` tokens to ``held`` slots, the sequence then
         being ``num_tokens`` long: everything, unless that passes capacity + slack; then capacity."""
         cap = self.capacity(layer, num_layers, num_tokens)
         return held + new if held + new <= cap + slack else cap
+
+    def slots_after_per_layer(self, held: list[int], new: int, num_tokens: int, slack: int) -> list[int]:
+        """``slots_after`` for every layer (``held[l]`` per layer), the retention schedule looked up once."""
+        if self.lossless:
+            return [h + new for h in held]
+        caps = [self._keep(fraction, num_tokens) for fraction in self.retention(len(held))]
+        return [h + new if h + new <= cap + slack else cap for h, cap in zip(held, caps, strict=True)]
 
     def select(self, scores: torch.Tensor | None, num_candidates: int, keep: int, num_tokens: int) -> torch.Tensor:
         """Which of ``num_candidates`` slots (in position order) to keep: (keep,) long, ascending.

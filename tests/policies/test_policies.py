@@ -50,6 +50,11 @@ def test_capacity_floor_and_step_rule() -> None:
     assert local.slots_after(0, 4, held=25, new=1, num_tokens=101, slack=4) == 26
     assert local.slots_after(0, 4, held=30, new=1, num_tokens=101, slack=4) == 26
     assert local.slots_after(0, 4, held=0, new=100, num_tokens=100, slack=4) == 25
+    pyramid = make_policy("pyramid", 0.5)
+    held = [0, 40, 60, 500]
+    assert pyramid.slots_after_per_layer(held, 1, 600, 16) == [
+        pyramid.slots_after(layer, 4, h, 1, 600, 16) for layer, h in enumerate(held)
+    ]
     full = make_policy("full")
     assert full.lossless and full.slots_after(0, 4, 100, 7, 107, 0) == 107
 
