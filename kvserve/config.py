@@ -11,10 +11,15 @@ from kvserve.models.dtype import DTYPE_CHOICES, DTYPES, resolve_dtype
 from kvserve.models.loader import WEIGHT_MODES
 from kvserve.policies import KV_POLICY_NAMES, make_policy
 
-__all__ = ["DTYPES", "DTYPE_CHOICES", "WEIGHT_MODES", "PREEMPTION_MODES", "PREFILL_PARTITIONS", "EngineConfig"]
+__all__ = [
+    "DTYPES", "DTYPE_CHOICES", "WEIGHT_MODES", "PREEMPTION_MODES", "PREFILL_PARTITIONS", "PROMPT_CACHE_TIERS",
+    "PROMPT_CACHE_ENCODES", "EngineConfig",
+]  # fmt: skip
 
 PREEMPTION_MODES = ("recompute", "swap")
 PREFILL_PARTITIONS = ("even", "searched", "predicted", "tsp")
+PROMPT_CACHE_TIERS = ("device", "host")
+PROMPT_CACHE_ENCODES = ("eager", "lazy")
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,10 @@ class EngineConfig:
     kv_policy: str = "full"  # full | pyramid | local | h2o (see kvserve/policies)
     kv_budget: float | None = None  # fraction of the full cache kept; None: 1 for full, 0.5 otherwise
     recent_ratio: float | None = None  # pyramid: |S_r| share of a layer's budget (0.4); h2o: recent share (0.5)
+    # Prompt Cache (kvserve/prompt_cache): where module KV is kept, how much of it, and when it is encoded.
+    prompt_cache_tier: str = "device"  # device: blocks of the KV pool; host: CPU memory, copied in on use
+    prompt_cache_memory: str | int = "512MiB"  # LRU-evicted past this (counted out of kv_cache_memory on device)
+    prompt_cache_encode: str = "eager"  # eager: when a schema is registered; lazy: when a prompt first imports
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -65,6 +74,13 @@ class EngineConfig:
             raise ValueError(f"kv_policy={self.kv_policy!r} runs prefill in this process; prefill_parallel must be 1")
         parse_memory_size(self.kv_cache_memory)  # raises on a bad size, naming it
         parse_memory_size(self.swap_space)
+        parse_memory_size(self.prompt_cache_memory)
+        if self.prompt_cache_tier not in PROMPT_CACHE_TIERS:
+            raise ValueError(f"prompt_cache_tier must be one of {PROMPT_CACHE_TIERS}, got {self.prompt_cache_tier!r}")
+        if self.prompt_cache_encode not in PROMPT_CACHE_ENCODES:
+            raise ValueError(
+                f"prompt_cache_encode must be one of {PROMPT_CACHE_ENCODES}, got {self.prompt_cache_encode!r}"
+            )
 
     @property
     def kv_policy_knobs(self) -> dict[str, float]:
@@ -83,3 +99,7 @@ class EngineConfig:
     @property
     def swap_space_bytes(self) -> int:
         return parse_memory_size(self.swap_space)
+
+    @property
+    def prompt_cache_bytes(self) -> int:
+        return parse_memory_size(self.prompt_cache_memory)

@@ -26,6 +26,9 @@ from kvserve.log import get_logger
 from kvserve.models.loader import LoadedModel, load_model
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.policies import KVPolicy, make_policy
+from kvserve.prompt_cache.cache import PreparedPrompt, PromptCache
+from kvserve.prompt_cache.pml import is_pml_prompt
+from kvserve.prompt_cache.store import ModuleStore
 from kvserve.request import Request, Sequence
 from kvserve.runner import ModelRunner
 from kvserve.sampler import SampledToken, SampleRow, make_generator, sample_batch
@@ -78,8 +81,17 @@ class LLMEngine:
             ),
             self.kv,
         )
+        self.prompt_cache = PromptCache(
+            self.tokenizer, self.max_model_len,
+            ModuleStore(
+                self.kv, self.runner, config.prompt_cache_tier, config.prompt_cache_bytes,
+                config.max_num_batched_tokens, block_bytes // config.block_size,
+            ),
+            eager=config.prompt_cache_encode == "eager",
+        )  # fmt: skip
         self.requests: dict[str, Request] = {}
         self._seqs: dict[int, tuple[Request, Sequence]] = {}
+        self._pinned_modules: dict[str, list] = {}  # request id -> Prompt Cache modules it pins
         self._pending_beams: dict[str, dict[int, torch.Tensor]] = {}  # request -> beam -> logits row
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -109,6 +121,20 @@ class LLMEngine:
         if self.parallel_prefill is not None:
             self.parallel_prefill.close()
 
+    # ----- Prompt Cache schemas -----
+
+    def register_schema(self, pml_text: str) -> dict:
+        """Register a PML schema; its modules are encoded now (``prompt_cache_encode="eager"``) or on first use."""
+        self._check_prompt_cache()
+        return self.prompt_cache.register(pml_text).to_dict()
+
+    def _check_prompt_cache(self) -> None:
+        if self.per_layer_groups:
+            raise ValueError(
+                f"Prompt Cache shares module blocks across requests, which a compressing kv_policy "
+                f"({self.kv_policy.name!r}) rewrites per sequence; start the engine with kv_policy='full'"
+            )
+
     # ----- requests -----
 
     def add_request(
@@ -128,7 +154,28 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
+        if is_pml_prompt(prompt):
+            return self._add_pml_request(prompt, params, request_id, score_from)
         ids = self.tokenizer.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
+        return self._queue(request_id, text, ids, params, score_from)
+
+    def _add_pml_request(self, pml_text: str, params: SamplingParams, request_id: str, score_from: int) -> str:
+        """A Prompt Cache prompt: its modules' KV pinned for the request's lifetime, the rest computed."""
+        self._check_prompt_cache()
+        if params.prompt_logprobs is not None or score_from:
+            raise ValueError("prompt_logprobs need every prompt position's logits; a PML prompt computes only its "
+                             "uncached tokens (send the prompt as plain text to score it)")  # fmt: skip
+        prepared = self.prompt_cache.prepare(pml_text)
+        try:
+            return self._queue(request_id, pml_text, prepared.token_ids, params, 0, prepared)
+        except Exception:
+            self.prompt_cache.release(prepared.modules)
+            raise
+
+    def _queue(
+        self, request_id: str, text: str | None, ids: list[int], params: SamplingParams, score_from: int,
+        prepared: PreparedPrompt | None = None,
+    ) -> str:  # fmt: skip
         self.validate_prompt(ids)
         if params.best_of > self.config.max_num_seqs:
             raise ValueError(
@@ -139,7 +186,12 @@ class LLMEngine:
         if not 0 <= score_from < len(ids):
             raise ValueError(f"score_from={score_from} must be in [0, {len(ids)}) for a prompt of {len(ids)} tokens")
         seq = self._new_sequence(ids, len(ids), params, seed_offset=0)
-        request = Request(request_id, text, ids, params, [seq], kv_policy=policy, score_from=score_from)
+        cached = {} if prepared is None else {
+            "prompt_positions": tuple(prepared.positions), "prompt_cache": prepared.cached, "cache_salt": prepared.salt
+        }  # fmt: skip
+        request = Request(request_id, text, ids, params, [seq], kv_policy=policy, score_from=score_from, **cached)
+        if prepared is not None:
+            self._pinned_modules[request_id] = prepared.modules
         eos = () if params.ignore_eos else self.tokenizer.eos_token_ids
         request.stop_token_ids = frozenset((*params.stop_token_ids, *eos))
         if params.prompt_logprobs is not None:
@@ -400,7 +452,10 @@ class LLMEngine:
         if stop is not None:
             seq.text = seq.text[: stop[0]]
             seq.finish_reason, seq.stop_reason = "stop", stop[1]
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif (
+            len(seq.output_token_ids) >= params.max_tokens
+            or request.position_of(seq.num_tokens) >= self.max_model_len  # Prompt Cache: positions run ahead
+        ):
             seq.finish_reason = "length"
 
     def _finish_or_report(self, request: Request) -> RequestOutput:
@@ -417,6 +472,7 @@ class LLMEngine:
         for seq in request.seqs:
             self._seqs.pop(seq.seq_id, None)
         self._pending_beams.pop(request.request_id, None)
+        self.prompt_cache.release(self._pinned_modules.pop(request.request_id, []))
         request.finish_time = time.monotonic()
 
     def _output(self, request: Request) -> RequestOutput:

@@ -58,6 +58,18 @@ class Sequence:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class CachedPrompt:
+    """Where a Prompt Cache prompt's cached head comes from (plain data for the scheduler).
+
+    The prompt's first ``len(shared_blocks) * block_size`` tokens are imported modules' full blocks,
+    shared as they are; the next ``len(tail_slots)`` tokens are copied from those device slots (the
+    modules' partial last blocks, which cannot be shared once other tokens follow them)."""
+
+    shared_blocks: tuple[int, ...] = ()
+    tail_slots: tuple[int, ...] = ()
+
+
 @dataclass
 class Request:
     request_id: str
@@ -78,6 +90,27 @@ class Request:
     # Prompt tokens before this one are computed in steps of their own (their logits are not needed), so a
     # compressing policy compresses that context before the scored tokens attend to it.
     score_from: int = 0
+    # Prompt Cache: each prompt token's position (empty: its index), and the module KV the prompt starts from.
+    prompt_positions: tuple[int, ...] = ()
+    prompt_cache: CachedPrompt | None = None
+
+    def __post_init__(self) -> None:
+        self._next_position = max(self.prompt_positions) + 1 if self.prompt_positions else len(self.prompt_token_ids)
+
+    def positions(self, start: int, end: int) -> tuple[int, ...]:
+        """Position ids of tokens [start, end) of a sequence; empty when they are the indices themselves.
+        Generated tokens follow the prompt's last position."""
+        if not self.prompt_positions:
+            return ()
+        num_prompt = len(self.prompt_positions)
+        return tuple(
+            self.prompt_positions[i] if i < num_prompt else self._next_position + i - num_prompt
+            for i in range(start, end)
+        )
+
+    def position_of(self, index: int) -> int:
+        """The position token ``index`` of a sequence takes (the context length bounds it)."""
+        return index + self._next_position - len(self.prompt_token_ids)
 
     @property
     def live_seqs(self) -> list[Sequence]:

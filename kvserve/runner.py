@@ -15,7 +15,7 @@ import torch
 from kvserve.attention.compressed import CompressedAttentionMetadata, CompressedKVCache
 from kvserve.attention.paged import PagedAttentionMetadata, PagedKVCache
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.scheduler import SchedulerOutput
+from kvserve.scheduler import ScheduledSequence, SchedulerOutput
 
 if TYPE_CHECKING:  # parallel/ (torch.distributed) is imported only when an engine uses it
     from kvserve.parallel.prefill import ParallelPrefill
@@ -55,9 +55,7 @@ class ModelRunner:
             return RunnerOutput()
         scheduled = out.scheduled
         input_ids = torch.tensor([t for s in scheduled for t in s.token_ids], dtype=torch.long)
-        positions = torch.cat(
-            [torch.arange(s.num_computed_tokens, s.num_computed_tokens + len(s.token_ids)) for s in scheduled]
-        )
+        positions = torch.cat([_positions(s) for s in scheduled])
         if isinstance(self.cache, CompressedKVCache):
             return self._execute_compressed(out, input_ids, positions, rows_from)
         metadata = PagedAttentionMetadata.build_grouped(
@@ -141,8 +139,17 @@ class ModelRunner:
             self.cache.swap_in(out.blocks_to_swap_in, self._host())
         if out.blocks_to_copy:
             self.cache.copy_blocks(out.blocks_to_copy)
+        if out.slots_to_copy:
+            self.cache.copy_slots(out.slots_to_copy)
 
     def _host(self) -> PagedKVCache:
         if self.host_cache is None:
             raise RuntimeError("the scheduler asked for a swap but the engine has no host tier (swap_space=0)")
         return self.host_cache
+
+
+def _positions(s: ScheduledSequence) -> torch.Tensor:
+    """Explicit position ids (Prompt Cache), or the chunk's indices in its sequence."""
+    if s.positions:
+        return torch.tensor(s.positions, dtype=torch.long)
+    return torch.arange(s.num_computed_tokens, s.num_computed_tokens + len(s.token_ids))

@@ -41,6 +41,7 @@ class ScheduledSequence:
     kv_policy: KVPolicy | None = None
     group_slots: tuple[int, ...] = ()
     group_targets: tuple[int, ...] = ()
+    positions: tuple[int, ...] = ()  # position ids of token_ids; empty: num_computed_tokens onwards
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class SchedulerOutput:
     blocks_to_swap_out: tuple[tuple[int, int], ...] = ()  # (device block, host block)
     blocks_to_swap_in: tuple[tuple[int, int], ...] = ()  # (host block, device block)
     blocks_to_copy: tuple[tuple[int, int], ...] = ()  # copy-on-write (src, dst) device blocks
+    slots_to_copy: tuple[tuple[int, int], ...] = ()  # Prompt Cache module tails: (src, dst) device slots
     preempted: tuple[str, ...] = ()  # request ids preempted this step
     rejected: tuple[str, ...] = ()  # request ids that can never fit in the KV cache
 
@@ -58,7 +60,7 @@ class SchedulerOutput:
 
     @property
     def empty(self) -> bool:
-        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.slots_to_copy)
 
 
 @dataclass
@@ -70,6 +72,7 @@ class _Step:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write taken from the manager so far
+    slot_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
 
@@ -118,6 +121,7 @@ class Scheduler:
             blocks_to_swap_out=tuple(step.swap_out),
             blocks_to_swap_in=tuple(step.swap_in),
             blocks_to_copy=tuple(step.copies + self.kv.take_pending_copies()),
+            slots_to_copy=tuple(step.slot_copies),
             preempted=tuple(step.preempted),
             rejected=tuple(step.rejected),
         )
@@ -169,7 +173,7 @@ class Scheduler:
                     self.kv.allocate_empty(seq.seq_id)
                     seq.num_computed_tokens = 0
                 else:
-                    seq.num_computed_tokens = self.kv.allocate(seq.seq_id, seq.token_ids, request.cache_salt)
+                    seq.num_computed_tokens = self._allocate(request, seq, step)
             if request.prefilling:
                 request.num_cached_prompt_tokens = seqs[0].num_computed_tokens
             self._start(request, step)
@@ -182,6 +186,20 @@ class Scheduler:
 
     # ----- helpers -----
 
+    def _allocate(self, request: Request, seq: Sequence, step: _Step) -> int:
+        """Blocks for an admitted sequence; returns its tokens already computed (prefix hits, Prompt Cache modules)."""
+        cached = request.prompt_cache
+        if cached is None:
+            return self.kv.allocate(seq.seq_id, seq.token_ids, request.cache_salt)
+        computed = self.kv.allocate(seq.seq_id, seq.token_ids, request.cache_salt, cached.shared_blocks)
+        bs = self.kv.block_size
+        lead = len(cached.shared_blocks) * bs
+        table = self.kv.block_table(seq.seq_id)
+        for i, src in enumerate(cached.tail_slots, start=lead):
+            if i >= computed:  # a prefix hit past the shared blocks holds the copy already
+                step.slot_copies.append((src, table[i // bs] * bs + i % bs))
+        return max(computed, lead + len(cached.tail_slots))
+
     def _admission(self, request: Request) -> AllocationStatus:
         """Whether all of a waiting request's sequences can get blocks now, later, or never."""
         if _num_seqs(request) > self.config.max_num_seqs:
@@ -191,14 +209,15 @@ class Scheduler:
             zero = [0] * len(self.kv.groups)
             targets = [self._group_targets(request.kv_policy, zero, s.num_tokens, s.num_tokens) for s in seqs]
             return self.kv.device_status(sum(self.kv.blocks_for(n) for slots in targets for n in slots))
+        module_blocks = request.prompt_cache.shared_blocks if request.prompt_cache else ()
         if len(seqs) == 1:
-            return self.kv.can_allocate(seqs[0].num_tokens, seqs[0].token_ids, request.cache_salt)
+            return self.kv.can_allocate(seqs[0].num_tokens, seqs[0].token_ids, request.cache_salt, module_blocks)
         # Forked sequences back after recompute are allocated one by one, each needing its own blocks
         # except the cached prompt blocks the first one holds by then. Counting no other hit keeps the
         # sum an upper bound, so allocation cannot run dry half way through the request.
         cached = min(self.kv.cached_prefix_tokens(s.token_ids, request.cache_salt) for s in seqs)
         shared = min(cached, len(request.prompt_token_ids)) // self.kv.block_size
-        blocks = sum(self.kv.blocks_for(s.num_tokens) for s in seqs) - (len(seqs) - 1) * shared
+        blocks = sum(self.kv.blocks_for(s.num_tokens) - len(module_blocks) for s in seqs) - (len(seqs) - 1) * shared
         return self.kv.device_status(len(self.kv.groups) * blocks)
 
     def _blocks_unshared(self, request: Request) -> int:
@@ -257,6 +276,7 @@ class Scheduler:
                     num_computed_tokens=start,
                     block_tables=tuple(tuple(self.kv.block_table(seq.seq_id, g)) for g in range(len(self.kv.groups))),
                     samples=start + n == seq.num_tokens,
+                    positions=request.positions(start, start + n),
                     **self._policy_fields(request, seq, n),
                 )
             )

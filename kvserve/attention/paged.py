@@ -300,6 +300,35 @@ class PagedKVCache(AttentionBackend):
         for cache in (self.k, self.v):
             cache.index_copy_(1, dst_t, cache.index_select(1, src_t))  # (L, n, block_size, Hkv, D)
 
+    def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy single token slots ``(src, dst)`` (slot = block * block_size + offset) in every layer:
+        Prompt Cache modules' partial last blocks into the sequences that import them."""
+        if not pairs:
+            return
+        src, dst = _check_pairs(pairs, self.num_slots, self.num_slots)
+        src_t = torch.tensor(src, dtype=torch.long, device=self.k.device)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=self.k.device)
+        for cache in (self.k, self.v):
+            flat = cache.view(self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)
+            flat.index_copy_(1, dst_t, flat.index_select(1, src_t))
+
+    def read_slots(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``slots`` in every layer, each (L, n, Hkv, D), as new tensors."""
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.k.device)
+        shape = (self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)
+        return self.k.view(shape).index_select(1, index), self.v.view(shape).index_select(1, index)
+
+    def write_slots(self, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write (L, n, Hkv, D) keys and values into ``slots`` of every layer."""
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.k.device)
+        shape = (self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)
+        self.k.view(shape).index_copy_(1, index, k.to(self.k.device, non_blocking=True))
+        self.v.view(shape).index_copy_(1, index, v.to(self.v.device, non_blocking=True))
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
     def swap_out(self, pairs: Sequence[tuple[int, int]], host_cache: PagedKVCache) -> None:
         """Copy (this cache's block, host block) pairs to ``host_cache``.
 

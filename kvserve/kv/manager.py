@@ -122,49 +122,73 @@ class KVCacheManager:
     # ----- new sequences -----
 
     def can_allocate(
-        self, num_tokens: int, token_ids: Sequence[int] | None = None, extra: tuple = ()
+        self, num_tokens: int, token_ids: Sequence[int] | None = None, extra: tuple = (), shared: Sequence[int] = ()
     ) -> AllocationStatus:
-        """Whether a new sequence of ``num_tokens`` fits; pass its ``token_ids`` to count cached prefix blocks."""
+        """Whether a new sequence of ``num_tokens`` fits; pass its ``token_ids`` to count cached prefix blocks
+        (and its ``shared`` leading blocks, see ``allocate``)."""
         if not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
         total = len(self.groups) * self.blocks_for(num_tokens)
         if total > self.pool.num_blocks:
             return AllocationStatus.NEVER
-        hits = self._lookup(token_ids, extra)[1] if token_ids else [[] for _ in self.groups]
-        return self._status(total - _count_held(hits), self.pool)
+        hits = self._lookup(token_ids, extra, len(shared))[1] if token_ids else [[] for _ in self.groups]
+        return self._status(total - len(shared) - _count_held(hits), self.pool)
 
     def cached_prefix_tokens(self, token_ids: Sequence[int], extra: tuple = ()) -> int:
         """Prompt tokens ``allocate`` would find cached now (no side effects)."""
         return len(self._lookup(token_ids, extra)[1][0]) * self.block_size
 
-    def allocate(self, seq_id: int, token_ids: Sequence[int], extra: tuple = ()) -> int:
+    def allocate(self, seq_id: int, token_ids: Sequence[int], extra: tuple = (), shared: Sequence[int] = ()) -> int:
         """Blocks for a new sequence's prompt, reusing cached prefix blocks; returns the prompt tokens
-        already computed (whole blocks, never the last token). ``extra`` salts the hashes (LoRA, modules)."""
+        already computed (whole blocks, never the last token). ``extra`` salts the hashes (LoRA, modules).
+
+        ``shared``: full device blocks another holder keeps (Prompt Cache modules) that become this
+        sequence's first blocks as they are; they count as computed, are never hashed for this sequence,
+        and prefix hits are looked up after them. One KV group only."""
         if seq_id in self._seqs:
             raise KVCacheError(f"sequence {seq_id} already has KV blocks; free it before allocating again")
         if not token_ids:
             raise ValueError(f"sequence {seq_id}: cannot allocate KV blocks for an empty prompt")
-        hashes, hits = self._lookup(token_ids, extra)
+        lead = self._shared_blocks(shared, len(token_ids))
+        hashes, hits = self._lookup(token_ids, extra, len(lead))
         num_blocks = self.blocks_for(len(token_ids))
-        needed = len(self.groups) * num_blocks - _count_held(hits)
+        needed = len(self.groups) * num_blocks - len(lead) - _count_held(hits)
         if needed > self.pool.num_free:
             raise NoFreeBlocksError(
                 f"sequence {seq_id} needs {needed} free blocks; {self.pool.num_free} of {self.pool.num_blocks} are free"
             )
+        self.pool.touch(lead)
         for group_hits in hits:  # take every hit before allocating, so allocation cannot evict one
             self.pool.touch(group_hits)
         tables = []
         for group_hashes, group_hits in zip(hashes, hits, strict=True):
-            blocks = group_hits + self.pool.allocate(num_blocks - len(group_hits))
-            tables.append(_GroupTable(blocks, len(token_ids), group_hashes, num_cached=len(group_hits)))
+            blocks = lead + group_hits + self.pool.allocate(num_blocks - len(lead) - len(group_hits))
+            cached = len(lead) + len(group_hits)
+            tables.append(_GroupTable(blocks, len(token_ids), group_hashes, num_cached=cached))
         self._seqs[seq_id] = _Sequence(tables, tuple(extra))
         hit_tokens = len(hits[0]) * self.block_size
-        self._query_tokens += len(token_ids)
+        self._query_tokens += len(token_ids) - len(lead) * self.block_size
         self._hit_tokens += hit_tokens
-        return hit_tokens
+        return (len(lead) + len(hits[0])) * self.block_size
 
-    def _lookup(self, token_ids: Sequence[int], extra: tuple) -> tuple[list[list[int]], list[list[Block]]]:
-        """Per group: the hashes of all full prompt blocks, and the cached blocks of the longest hit."""
+    def _shared_blocks(self, shared: Sequence[int], num_tokens: int) -> list[Block]:
+        if not shared:
+            return []
+        if len(self.groups) != 1:
+            raise KVCacheError(f"shared leading blocks need a single KV group; this manager has {len(self.groups)}")
+        if len(shared) * self.block_size > num_tokens:
+            raise KVCacheError(f"{len(shared)} shared blocks hold more than the sequence's {num_tokens} tokens")
+        blocks = [self.pool.blocks[b] for b in shared]
+        unheld = [b.block_id for b in blocks if b.ref_count < 1]
+        if unheld:
+            raise KVCacheError(f"shared blocks {unheld} are free; their holder must keep them while they are shared")
+        return blocks
+
+    def _lookup(
+        self, token_ids: Sequence[int], extra: tuple, skip: int = 0
+    ) -> tuple[list[list[int]], list[list[Block]]]:
+        """Per group: the hashes of all full prompt blocks, and the cached blocks of the longest hit
+        after the first ``skip`` blocks."""
         if not self.enable_prefix_caching:
             return [[] for _ in self.groups], [[] for _ in self.groups]
         max_hit = (len(token_ids) - 1) // self.block_size
@@ -172,7 +196,7 @@ class KVCacheManager:
         hits = []
         for group_hashes in hashes:
             blocks = []
-            for block_hash in group_hashes[:max_hit]:
+            for block_hash in group_hashes[skip:max_hit]:
                 block = self.pool.lookup(block_hash)
                 if block is None:
                     break

@@ -1,0 +1,159 @@
+"""The engine's Prompt Cache: registered schemas, their modules in the ``ModuleStore``, prompts prepared for it.
+
+``prepare`` turns a PML prompt into what the scheduler runs: the imported modules' tokens first (their
+full blocks shared, their partial last blocks copied), then the prompt's uncached tokens (arguments and
+new text), each with its schema position. Attention then reads every module's cached keys and values,
+and only the uncached tokens go through the model before the first sampled token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from kvserve.prompt_cache.pml import PMLError, parse_prompt, parse_schema
+from kvserve.prompt_cache.schema import SchemaLayout
+from kvserve.prompt_cache.store import CachedModule, ModuleBlocks, ModuleStore
+from kvserve.request import CachedPrompt
+from kvserve.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class SchemaInfo:
+    """What a client may read about a registered schema."""
+
+    name: str
+    num_positions: int  # positions the schema spans
+    modules: dict[str, dict]  # module -> {"start", "end", "tokens", "params": {name: len}, "cached"}
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "num_positions": self.num_positions, "modules": self.modules}
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    token_ids: list[int]  # module tokens (shared blocks, then copied tails), then the uncached tokens
+    positions: list[int]
+    cached: CachedPrompt
+    modules: list[CachedModule]  # pinned: unpin when the request ends
+    num_uncached: int
+    salt: tuple  # prefix-cache salt: equal for prompts with equal modules and positions
+
+
+@dataclass(frozen=True)
+class _Registered:
+    text: str
+    layout: SchemaLayout
+
+
+class PromptCache:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, store: ModuleStore, eager: bool) -> None:
+        self.tokenizer, self.max_model_len, self.store, self.eager = tokenizer, max_model_len, store, eager
+        self._schemas: dict[str, _Registered] = {}
+
+    # ----- schemas -----
+
+    def register(self, pml_text: str) -> SchemaInfo:
+        """Parse, lay out and store a schema's modules (encoding them now when eager). Registering the same
+        text again is a no-op; another schema under a taken name is an error (remove it first)."""
+        schema = parse_schema(pml_text)
+        known = self._schemas.get(schema.name)
+        if known is not None:
+            if known.text == pml_text:
+                return self.info(schema.name)
+            raise PMLError(f"a different schema named {schema.name!r} is registered; delete it first", schema.line)
+        layout = SchemaLayout.build(schema, self.tokenizer, self.max_model_len)
+        self._schemas[schema.name] = _Registered(pml_text, layout)
+        try:
+            for name, module in layout.modules.items():
+                if module.token_ids:
+                    self.store.add((schema.name, name), module.token_ids, module.positions, encode=self.eager)
+        except Exception:
+            self.remove(schema.name)
+            raise
+        return self.info(schema.name)
+
+    def remove(self, name: str) -> None:
+        registered = self._schemas.pop(name, None)
+        if registered is None:
+            raise KeyError(f"no schema named {name!r}; registered: {sorted(self._schemas)}")
+        for module in registered.layout.modules:
+            self.store.remove((name, module))
+
+    def names(self) -> list[str]:
+        return sorted(self._schemas)
+
+    def info(self, name: str) -> SchemaInfo:
+        registered = self._schemas.get(name)
+        if registered is None:
+            raise KeyError(f"no schema named {name!r}; registered: {sorted(self._schemas)}")
+        modules = {}
+        for module_name, module in registered.layout.modules.items():
+            stored = self.store.modules.get((name, module_name))
+            modules[module_name] = {
+                "start": module.start, "end": module.end, "tokens": len(module.token_ids),
+                "params": {p.name: p.length for p in module.params.values()},
+                "cached": stored is not None and stored.encoded,
+            }  # fmt: skip
+        return SchemaInfo(name, registered.layout.length, modules)
+
+    # ----- prompts -----
+
+    def prepare(self, pml_text: str) -> PreparedPrompt:
+        """Bind a PML prompt to its schema and pin its modules' KV in device blocks (encoding any not yet
+        encoded). The caller unpins ``modules`` when the request ends."""
+        prompt = parse_prompt(pml_text)
+        registered = self._schemas.get(prompt.schema)
+        if registered is None:
+            raise PMLError(f"unknown schema {prompt.schema!r}; registered: {sorted(self._schemas)}", prompt.line)
+        layout = registered.layout.bind(prompt, self.tokenizer, self.max_model_len)
+        pinned: list[ModuleBlocks] = []
+        try:
+            for name in layout.modules:
+                module = self._stored(prompt.schema, name, registered.layout)
+                if module is not None:
+                    pinned.append(self.store.pin(module))
+        except Exception:
+            for blocks in pinned:
+                self.store.unpin(blocks.module)
+            raise
+        return _assemble(pinned, layout.token_ids, layout.positions, self.store.kv.block_size, registered.text)
+
+    def _stored(self, schema: str, name: str, layout: SchemaLayout) -> CachedModule | None:
+        """The module's store entry, added back (to encode on use) if it was evicted; None for no tokens."""
+        module = layout.modules[name]
+        if not module.token_ids:
+            return None
+        stored = self.store.modules.get((schema, name))
+        return stored or self.store.add((schema, name), module.token_ids, module.positions, encode=False)
+
+    def release(self, modules: list[CachedModule]) -> None:
+        for module in modules:
+            self.store.unpin(module)
+
+
+def _assemble(
+    pinned: list[ModuleBlocks], uncached: list[int], uncached_positions: list[int], block_size: int, schema_text: str
+) -> PreparedPrompt:
+    """Slot order: every module's full blocks (shared), every module's tail (copied), the uncached tokens.
+    Attention does not care about slot order; RoPE put each position in its key already."""
+    token_ids: list[int] = []
+    positions: list[int] = []
+    for blocks in pinned:
+        n = len(blocks.full_blocks) * block_size
+        token_ids += blocks.module.token_ids[:n]
+        positions += blocks.module.positions[:n]
+    tail_slots: list[int] = []
+    for blocks in pinned:
+        n = len(blocks.full_blocks) * block_size
+        token_ids += blocks.module.token_ids[n:]
+        positions += blocks.module.positions[n:]
+        tail_slots += blocks.tail_slots
+    token_ids += uncached
+    positions += uncached_positions
+    shared = tuple(b for blocks in pinned for b in blocks.full_blocks)
+    digest = hashlib.sha256(repr((schema_text, tuple(token_ids), tuple(positions))).encode()).hexdigest()
+    return PreparedPrompt(
+        token_ids, positions, CachedPrompt(shared, tuple(tail_slots)), [b.module for b in pinned], len(uncached),
+        ("prompt-cache", digest),
+    )  # fmt: skip

@@ -1,0 +1,229 @@
+"""Module KV: encoded once at schema positions, kept as ref-counted blocks of the paged pool, evicted LRU.
+
+Each module's attention states are computed by a prefill of its own tokens alone (attention confined
+to the module, Prompt Cache's rule) at its schema positions, into blocks of the engine's pool held by
+a *module sequence* of the KV manager (negative ids keep them apart from requests). Requests that
+import a module share those blocks through their block tables (``KVCacheManager.allocate(shared=)``)
+and *pin* the module until they finish, so a preempted request can share them again.
+
+Tiers: ``device`` keeps the module sequence for as long as the module is stored. ``host`` keeps the
+keys and values in CPU tensors (pinned on CUDA) and copies them into device blocks when a request
+pins the module; the device copy goes back to the pool when the last pin is released. Either way the
+module's full blocks are registered for prefix caching under the module's own key, so a device copy
+freed a moment ago is found again instead of being encoded or copied anew.
+
+Memory: the stored modules' bytes in their tier stay under ``budget_bytes``; past it the least
+recently used module is evicted (a pinned one keeps its device blocks until its last pin goes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.errors import KVServeError
+from kvserve.kv.block_pool import NoFreeBlocksError
+from kvserve.kv.manager import KVCacheManager
+from kvserve.runner import ModelRunner
+from kvserve.scheduler import ScheduledSequence, SchedulerOutput
+
+TIERS = ("device", "host")
+
+
+class PromptCacheError(KVServeError, ValueError):
+    """The prompt cache cannot serve a module now: no free KV blocks, or the module was removed."""
+
+
+@dataclass(eq=False)
+class CachedModule:
+    """One module's tokens and where its keys and values are."""
+
+    key: tuple[str, str]  # (schema, module); module "" = the schema's own text
+    token_ids: tuple[int, ...]
+    positions: tuple[int, ...]
+    seq_id: int | None = None  # the module sequence holding its device blocks, while it has them
+    host_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # host tier: (L, n, Hkv, D) keys, values
+    pins: int = 0  # requests using it now
+    stored: bool = True  # False once evicted or removed: freed when the last pin goes
+    hash_salt: tuple = field(default=())
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def encoded(self) -> bool:
+        return self.seq_id is not None or self.host_kv is not None
+
+
+@dataclass(frozen=True)
+class ModuleBlocks:
+    """A pinned module's device blocks: its full blocks to share, and the slots of its partial last block."""
+
+    module: CachedModule
+    full_blocks: tuple[int, ...]
+    tail_slots: tuple[int, ...]
+
+
+@dataclass
+class StoreStats:
+    encoded_modules: int = 0  # prefills run to encode modules
+    encoded_tokens: int = 0
+    host_copies: int = 0  # host-tier modules copied into device blocks
+    evictions: int = 0
+
+
+class ModuleStore:
+    def __init__(
+        self, kv: KVCacheManager, runner: ModelRunner, tier: str, budget_bytes: int, chunk_tokens: int,
+        token_bytes: int,
+    ) -> None:  # fmt: skip
+        if tier not in TIERS:
+            raise ValueError(f"prompt_cache_tier must be one of {TIERS}, got {tier!r}")
+        self.kv, self.runner, self.tier = kv, runner, tier
+        self.budget_bytes, self.chunk_tokens, self.token_bytes = budget_bytes, chunk_tokens, token_bytes
+        self.modules: OrderedDict[tuple[str, str], CachedModule] = OrderedDict()  # least recently used first
+        self.stats = StoreStats()
+        self._seq_ids = itertools.count(-1, -1)
+
+    # ----- contents -----
+
+    def add(self, key: tuple[str, str], token_ids: list[int], positions: list[int], encode: bool) -> CachedModule:
+        """Store a module (replacing none: keys are unique per schema); ``encode`` runs its prefill now."""
+        digest = hashlib.sha256(repr((key, tuple(token_ids), tuple(positions))).encode()).hexdigest()
+        module = CachedModule(key, tuple(token_ids), tuple(positions), hash_salt=("prompt-cache-module", digest))
+        self.modules[key] = module
+        if encode:
+            self._ensure_device(module)
+            self._settle(module)
+            self._enforce_budget(keep=module)
+        return module
+
+    def remove(self, key: tuple[str, str]) -> None:
+        module = self.modules.pop(key, None)
+        if module is not None:
+            module.stored = False
+            module.host_kv = None
+            if module.pins == 0:
+                self._drop_device(module)
+
+    def memory_bytes(self) -> int:
+        """Bytes the stored modules take in their tier (device: whole blocks; host: token rows)."""
+        return sum(self._bytes(m) for m in self.modules.values())
+
+    def _bytes(self, module: CachedModule) -> int:
+        if self.tier == "host":
+            return module.num_tokens * self.token_bytes if module.host_kv is not None else 0
+        block_bytes = self.token_bytes * self.kv.block_size
+        return len(self.kv.block_table(module.seq_id)) * block_bytes if module.seq_id is not None else 0
+
+    # ----- use by requests -----
+
+    def pin(self, module: CachedModule) -> ModuleBlocks:
+        """Make the module's KV resident in device blocks (encoding it first if it never was) and hold it
+        there until ``unpin``."""
+        if not module.stored:
+            raise PromptCacheError(f"module {module.key[1]!r} of schema {module.key[0]!r} was removed")
+        self._ensure_device(module)
+        module.pins += 1
+        if self.modules.get(module.key) is module:
+            self.modules.move_to_end(module.key)
+        self._enforce_budget(keep=module)
+        table = self.kv.block_table(module.seq_id)
+        bs = self.kv.block_size
+        num_full = module.num_tokens // bs
+        tail = tuple(table[i // bs] * bs + i % bs for i in range(num_full * bs, module.num_tokens))
+        return ModuleBlocks(module, tuple(table[:num_full]), tail)
+
+    def unpin(self, module: CachedModule) -> None:
+        module.pins -= 1
+        if module.pins == 0 and (not module.stored or self.tier == "host"):
+            self._drop_device(module)
+
+    # ----- tiers -----
+
+    def _ensure_device(self, module: CachedModule) -> None:
+        if module.seq_id is not None:
+            return
+        seq_id = next(self._seq_ids)
+        computed = self._allocate(seq_id, module)
+        module.seq_id = seq_id
+        if module.host_kv is not None:
+            self._copy_in(module, computed)
+        else:
+            self._encode(module, computed)
+
+    def _allocate(self, seq_id: int, module: CachedModule) -> int:
+        """Device blocks for a module sequence, evicting unpinned modules if the pool is short."""
+        while True:
+            try:
+                return self.kv.allocate(seq_id, module.token_ids, module.hash_salt)
+            except NoFreeBlocksError as error:
+                if not self._evict_one(keep=module, pinned_ok=False):
+                    raise PromptCacheError(
+                        f"no room to load module {module.key[1]!r} ({module.num_tokens} tokens): {error}; "
+                        "give the engine more kv_cache_memory or import fewer modules at once"
+                    ) from None
+
+    def _encode(self, module: CachedModule, computed: int) -> None:
+        """Prefill the module's tokens alone at its positions, in chunks (a prefix hit skips the start)."""
+        table = (tuple(self.kv.block_table(module.seq_id)),)
+        for start in range(computed, module.num_tokens, self.chunk_tokens):
+            end = min(start + self.chunk_tokens, module.num_tokens)
+            step = ScheduledSequence(
+                request_id=f"prompt-cache:{module.key[0]}/{module.key[1]}", seq_id=module.seq_id,
+                token_ids=module.token_ids[start:end], num_computed_tokens=start, block_tables=table,
+                samples=False, positions=module.positions[start:end],
+            )  # fmt: skip
+            self.runner.execute(SchedulerOutput(scheduled=(step,)))
+            self.kv.cache_full_blocks(module.seq_id, module.token_ids[:end])
+        self.stats.encoded_modules += 1
+        self.stats.encoded_tokens += module.num_tokens - computed
+
+    def _settle(self, module: CachedModule) -> None:
+        """Host tier: take the freshly encoded KV out of the device blocks."""
+        if self.tier != "host" or module.host_kv is not None:
+            return
+        k, v = self.runner.cache.read_slots(self._slots(module))
+        pin = k.is_cuda
+        module.host_kv = (k.to("cpu").pin_memory() if pin else k, v.to("cpu").pin_memory() if pin else v)
+        if module.pins == 0:
+            self._drop_device(module)
+
+    def _copy_in(self, module: CachedModule, computed: int) -> None:
+        k, v = module.host_kv
+        self.runner.cache.write_slots(self._slots(module)[computed:], k[:, computed:], v[:, computed:])
+        self.kv.cache_full_blocks(module.seq_id, module.token_ids)
+        self.stats.host_copies += 1
+
+    def _slots(self, module: CachedModule) -> list[int]:
+        table, bs = self.kv.block_table(module.seq_id), self.kv.block_size
+        return [table[i // bs] * bs + i % bs for i in range(module.num_tokens)]
+
+    def _drop_device(self, module: CachedModule) -> None:
+        if module.seq_id is not None:
+            self.kv.free(module.seq_id)  # full blocks stay findable by hash until the pool reuses them
+            module.seq_id = None
+
+    # ----- eviction -----
+
+    def _enforce_budget(self, keep: CachedModule) -> None:
+        if self.tier == "host":
+            self._settle(keep)
+        while self.memory_bytes() > self.budget_bytes and self._evict_one(keep):
+            pass
+
+    def _evict_one(self, keep: CachedModule, pinned_ok: bool = True) -> bool:
+        """Evict the least recently used stored module holding memory (not ``keep``); False if none.
+        A pinned module leaves the store but keeps its device blocks until its last pin goes, so evicting
+        one frees nothing now (``pinned_ok=False`` when blocks are needed now)."""
+        for key, module in self.modules.items():
+            if module is not keep and self._bytes(module) > 0 and (pinned_ok or module.pins == 0):
+                self.remove(key)
+                self.stats.evictions += 1
+                return True
+        return False
