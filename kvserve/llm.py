@@ -35,13 +35,23 @@ class LLM:
     def get_tokenizer(self):  # noqa: ANN201 - kvserve.tokenizer.Tokenizer
         return self.engine.tokenizer
 
+    def register_schema(self, pml_text: str) -> dict:
+        """Register a Prompt Cache schema (PML); ``generate`` then accepts ``<prompt schema=...>`` prompts that
+        import its modules. Returns the schema's layout: each module's positions, tokens and parameters."""
+        return self.engine.register_schema(pml_text)
+
+    def delete_schema(self, name: str) -> None:
+        """Forget a schema and evict its modules' KV (requests using them keep it until they finish)."""
+        self.engine.prompt_cache.remove(name)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One ``RequestOutput`` per prompt, in prompt order. A prompt is text or a list of token ids."""
+        """One ``RequestOutput`` per prompt, in prompt order. A prompt is text, a list of token ids, or a PML
+        prompt (text starting with ``<prompt schema=...>``) over a registered schema."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return self._run([(p, True) for p in prompts], sampling_params, use_tqdm)

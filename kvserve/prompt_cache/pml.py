@@ -409,7 +409,7 @@ def _print_node(node: object) -> str:
     if isinstance(node, Text):
         return escape(node.text, {"\r": "&#13;"})
     if isinstance(node, Param):
-        return f"<param name={quoteattr(node.name)} len=\"{node.length}\"/>"
+        return f'<param name={quoteattr(node.name)} len="{node.length}"/>'
     if isinstance(node, Role):
         return f"<{node.role}>{_print(node.children)}</{node.role}>"
     if isinstance(node, Module):

@@ -1,0 +1,275 @@
+"""Prompt Cache in the paged engine, on a tiny random checkpoint (float32).
+
+Exactness: a prompt over a schema of one module equals the same tokens computed without the cache; a
+prompt over several modules equals Hugging Face transformers run on the same tokens with the same
+position ids and Prompt Cache's attention mask (each module sees only itself; new tokens see
+everything before them). Bookkeeping: module blocks are shared by concurrent requests (reference
+counts), tails are copied, pins keep modules alive, eviction returns blocks, the host tier copies
+in on use, and prefix caching reaches past the modules.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.engine import LLMEngine
+from kvserve.models import LoadedModel, load_model
+from kvserve.outputs import RequestOutput
+from kvserve.prompt_cache.pml import PMLError
+from kvserve.sampling_params import SamplingParams
+from tests.tiny_models import TinySpec, load_hf_model, torch_single_thread, write_tiny_model  # noqa: F401
+
+SPEC = TinySpec(num_heads=4, num_kv_heads=2, seed=7)
+BLOCK = 4
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+SCHEMA = """<schema name="shop">
+  the cat sat on the mat and then it
+  <module name="doc">one two three four five six seven eight nine</module>
+  <union>
+    <module name="hello">hello world</module>
+    <module name="greet">good day to <param name="who" len="6"/> and all <module name="inner">a b c d</module></module>
+  </union>
+</schema>"""
+MULTI = '<prompt schema="shop"><doc/><greet who="the cat"><inner/></greet> so what next</prompt>'
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("pc"), SPEC)
+
+
+@pytest.fixture(scope="module")
+def loaded(folder) -> LoadedModel:
+    return load_model(folder)
+
+
+def make_engine(loaded: LoadedModel, **options) -> LLMEngine:
+    options = {"dtype": "float32", "kv_cache_memory": 2**20, "swap_space": 2**18, "block_size": BLOCK, **options}
+    return LLMEngine(EngineConfig(model=str(loaded.path), **options), loaded=loaded)
+
+
+def run(engine: LLMEngine, prompts: list, params: SamplingParams = GREEDY) -> list[RequestOutput]:
+    ids = [engine.add_request(p, params) for p in prompts]
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids]
+
+
+def test_single_module_prompt_equals_the_uncached_tokens(loaded):
+    engine = make_engine(loaded)
+    engine.register_schema('<schema name="s">the cat sat on the mat and then it ran off to the</schema>')
+    (cached,) = run(engine, ['<prompt schema="s"> red door and so</prompt>'])
+    assert cached.num_cached_tokens == len(cached.prompt_token_ids) - len(
+        engine.tokenizer.encode(" red door and so", False)
+    )
+    (plain,) = run(make_engine(loaded, enable_prefix_caching=False), [cached.prompt_token_ids])
+    assert plain.num_cached_tokens == 0
+    assert cached.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+def prompt_cache_reference(engine: LLMEngine, hf, pml: str) -> torch.Tensor:
+    """Transformers' next-token log-probs for a PML prompt: same tokens, positions and module-confined mask."""
+    prepared = engine.prompt_cache.prepare(pml)
+    try:
+        owner: list[int] = []  # per token in slot order: the module it belongs to (-1: uncached)
+        bs = engine.kv.block_size
+        for i, module in enumerate(prepared.modules):
+            owner += [i] * (module.num_tokens // bs * bs)
+        for i, module in enumerate(prepared.modules):
+            owner += [i] * (module.num_tokens % bs)
+        owner += [-1] * prepared.num_uncached
+        n = len(owner)
+        assert n == len(prepared.token_ids)
+        own = torch.tensor(owner)
+        pos = torch.tensor(prepared.positions)
+        same = own[:, None] == own[None, :]
+        before = pos[None, :] <= pos[:, None]  # within a module, position order is token order
+        fresh_row = own[:, None] == -1
+        index = torch.arange(n)
+        allowed = (same & before & ~fresh_row) | (
+            fresh_row & ((own[None, :] != -1) | (index[None, :] <= index[:, None]))
+        )
+        mask = torch.zeros(1, 1, n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        with torch.no_grad():
+            logits = hf(
+                input_ids=torch.tensor([prepared.token_ids]),
+                attention_mask=mask,
+                position_ids=pos[None],
+                use_cache=False,
+            ).logits[0, -1]
+        return torch.log_softmax(logits.float(), -1)
+    finally:
+        engine.prompt_cache.release(prepared.modules)
+
+
+def test_multi_module_prompt_matches_transformers_with_the_prompt_cache_mask(loaded, folder):
+    engine = make_engine(loaded)
+    engine.register_schema(SCHEMA)
+    reference = prompt_cache_reference(engine, load_hf_model(folder), MULTI)
+    (out,) = run(engine, [MULTI], SamplingParams(max_tokens=1, temperature=0, logprobs=5))
+    (first,) = out.outputs[0].logprobs
+    assert out.outputs[0].token_ids[0] == int(reference.argmax())
+    for token, logprob in first.items():
+        assert logprob == pytest.approx(float(reference[token]), abs=1e-4)
+
+
+def test_layout_puts_new_text_after_the_schema_and_arguments_at_their_param(loaded):
+    engine = make_engine(loaded)
+    info = engine.register_schema(SCHEMA)
+    modules = info["modules"]
+    prepared = engine.prompt_cache.prepare(MULTI)
+    engine.prompt_cache.release(prepared.modules)
+    uncached = prepared.positions[-prepared.num_uncached :]
+    who = modules["greet"]["start"] + len(engine.tokenizer.encode("good day to ", False))
+    num_arg = len(engine.tokenizer.encode("the cat", False))
+    assert uncached[:num_arg] == list(range(who, who + num_arg))
+    assert uncached[num_arg:] == list(
+        range(info["num_positions"], info["num_positions"] + prepared.num_uncached - num_arg)
+    )
+    assert sorted(m.key[1] for m in prepared.modules) == ["", "doc", "greet", "inner"]
+
+
+def test_concurrent_requests_share_module_blocks_and_copy_tails(loaded):
+    engine = make_engine(loaded)
+    engine.register_schema(SCHEMA)
+    doc = engine.prompt_cache.store.modules[("shop", "doc")]
+    doc_blocks = engine.kv.block_table(doc.seq_id)
+    assert doc.num_tokens > BLOCK and doc.num_tokens % BLOCK  # full blocks to share and a tail to copy
+    a = engine.add_request('<prompt schema="shop"><doc/> first question</prompt>', GREEDY)
+    b = engine.add_request('<prompt schema="shop"><doc/><hello/> second one</prompt>', GREEDY)
+    out = engine.scheduler.schedule()
+    tables = {s.request_id: s.block_tables[0] for s in out.scheduled}
+    root_full = engine.prompt_cache.store.modules[("shop", "")].num_tokens // BLOCK
+    num_full = doc.num_tokens // BLOCK
+    for request_id in (a, b):
+        assert list(tables[request_id][root_full : root_full + num_full]) == doc_blocks[:num_full]
+    for block in doc_blocks[:num_full]:
+        assert engine.kv.pool.blocks[block].ref_count == 3  # the module sequence and both requests
+    tail_sources = {src for src, _ in out.slots_to_copy}
+    assert doc_blocks[-1] * BLOCK in tail_sources  # the doc's partial last block is copied, not shared
+    engine.runner.execute(out)  # finish the step by hand, then drain
+    engine.abort_request(a)
+    engine.abort_request(b)
+    for block in doc_blocks[:num_full]:
+        assert engine.kv.pool.blocks[block].ref_count == 1
+
+
+def test_outputs_are_the_same_from_device_tier_host_tier_lazy_and_with_prefix_hits(loaded):
+    prompts = [MULTI, '<prompt schema="shop"><doc/><hello/> tell me</prompt>']
+    device = make_engine(loaded)
+    device.register_schema(SCHEMA)
+    expected = [o.outputs[0].token_ids for o in run(device, prompts)]
+    again = run(device, prompts)  # the same prompts again: prefix hits past the modules
+    assert [o.outputs[0].token_ids for o in again] == expected
+    assert again[0].num_cached_tokens > len(again[0].prompt_token_ids) - 8
+    for options in ({"prompt_cache_tier": "host"}, {"prompt_cache_encode": "lazy"}):
+        engine = make_engine(loaded, **options)
+        engine.register_schema(SCHEMA)
+        assert [o.outputs[0].token_ids for o in run(engine, prompts)] == expected, options
+
+
+def test_lazy_encoding_waits_for_first_use(loaded):
+    engine = make_engine(loaded, prompt_cache_encode="lazy")
+    info = engine.register_schema(SCHEMA)
+    assert not any(m["cached"] for m in info["modules"].values())
+    assert engine.prompt_cache.store.stats.encoded_modules == 0
+    run(engine, ['<prompt schema="shop"><doc/> hi</prompt>'])
+    assert engine.prompt_cache.store.stats.encoded_modules == 2  # the schema's own text and doc
+    assert engine.prompt_cache.info("shop").modules["doc"]["cached"]
+
+
+def test_host_tier_keeps_no_device_blocks_between_requests(loaded):
+    engine = make_engine(loaded, prompt_cache_tier="host")
+    free = engine.kv.pool.num_free
+    engine.register_schema(SCHEMA)
+    assert engine.kv.pool.num_free == free
+    store = engine.prompt_cache.store
+    assert store.memory_bytes() == sum(m.num_tokens for m in store.modules.values()) * store.token_bytes
+    run(engine, [MULTI])
+    assert engine.kv.pool.num_free == free and store.stats.host_copies == 4
+
+
+def test_lru_eviction_under_the_memory_budget_frees_blocks(loaded):
+    engine = make_engine(loaded, prompt_cache_memory=1)  # one byte: only the newest module stays stored
+    free = engine.kv.pool.num_free
+    engine.register_schema(SCHEMA)
+    store = engine.prompt_cache.store
+    assert list(store.modules) == [("shop", "inner")] and store.stats.evictions == 4  # of 5 modules
+    (out,) = run(engine, [MULTI])  # evicted modules are encoded again on use
+    assert len(out.outputs[0].token_ids) == 8
+    engine.prompt_cache.remove("shop")
+    assert engine.kv.pool.num_free == free and not store.modules
+
+
+def test_pins_keep_a_removed_module_until_its_request_ends(loaded):
+    engine = make_engine(loaded)
+    engine.register_schema(SCHEMA)
+    free = engine.kv.pool.num_free
+    request_id = engine.add_request('<prompt schema="shop"><doc/> question</prompt>', GREEDY)
+    engine.step()
+    engine.prompt_cache.remove("shop")
+    with pytest.raises(PMLError, match="unknown schema 'shop'"):
+        engine.add_request('<prompt schema="shop"><doc/> question</prompt>', GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert request_id not in engine.requests
+    assert engine.kv.pool.num_free > free  # the request's blocks and the modules' are back
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_prompts_reuse_the_modules_and_keep_their_outputs(loaded, mode):
+    prompts = [f'<prompt schema="shop"><doc/> question number {i} is here</prompt>' for i in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    roomy = make_engine(loaded)
+    roomy.register_schema(SCHEMA)
+    expected = [o.outputs[0].token_ids for o in run(roomy, prompts, params)]
+    tight = make_engine(loaded, kv_cache_memory=roomy.kv_block_bytes * 48, preemption_mode=mode)
+    tight.register_schema(SCHEMA)
+    outs = run(tight, prompts, params)
+    assert tight.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize(
+    ("prompt", "match"),
+    [
+        ('<prompt schema="nope"> hi</prompt>', "unknown schema 'nope'"),
+        ('<prompt schema="shop"><greet who="a very long argument that will not fit"/> hi</prompt>', "reserves len=6"),
+        ('<prompt schema="shop"><doc/></prompt>', "no new text"),
+        ('<prompt schema="shop"><hello/><greet who="x"/> hi</prompt>', "members of one <union>"),
+        ('<prompt schema="shop"><doc> hi</prompt>', "line 1: malformed XML"),
+    ],
+    ids=["unknown-schema", "argument-too-long", "no-new-text", "union", "malformed"],
+)
+def test_bad_pml_prompts_are_refused_and_the_engine_keeps_serving(loaded, prompt, match):
+    engine = make_engine(loaded)
+    engine.register_schema(SCHEMA)
+    free = engine.kv.pool.num_free
+    with pytest.raises(PMLError, match=match):
+        engine.add_request(prompt, GREEDY)
+    assert engine.kv.pool.num_free == free  # nothing stays pinned
+    (out,) = run(engine, ['<prompt schema="shop"><doc/> fine</prompt>'])
+    assert len(out.outputs[0].token_ids) == 8
+
+
+def test_schema_over_the_context_and_compressing_engines_are_refused(loaded):
+    engine = make_engine(loaded, max_model_len=16)
+    with pytest.raises(PMLError, match="spans .* positions; the context is 16"):
+        engine.register_schema(SCHEMA)
+    with pytest.raises(ValueError, match="kv_policy='full'"):
+        make_engine(loaded, kv_policy="h2o").register_schema(SCHEMA)
+    engine = make_engine(loaded)
+    engine.register_schema(SCHEMA)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        engine.add_request(MULTI, SamplingParams(prompt_logprobs=1))
+    with pytest.raises(PMLError, match="different schema named 'shop'"):
+        engine.register_schema(SCHEMA.replace("hello world", "hi world"))
+    assert engine.register_schema(SCHEMA)["name"] == "shop"  # the same text again is fine
