@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from kvserve.config import PREFILL_PARTITIONS, WEIGHT_MODES
-from kvserve.engine_args import add_kv_policy_args
+from kvserve.engine_args import add_kv_policy_args, add_prompt_cache_args, add_schema_arg
 from kvserve.errors import KVServeError
 from kvserve.generation import Generator
 from kvserve.models.dtype import DTYPE_CHOICES, DTYPES, resolve_dtype_name
@@ -55,14 +55,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop or [],
     )
-    prompt = args.prompt
+    if (args.prompt is None) == (args.pml_prompt is None):
+        raise ValueError("give a prompt, or --pml-prompt with --schema, not both")
+    if args.pml_prompt is not None and not args.schema:
+        raise ValueError("--pml-prompt needs the schema it imports from: --schema FILE")
+    prompt = args.prompt if args.pml_prompt is None else args.pml_prompt
     if args.chat:
         prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-    if args.prefill_parallel > 1 or args.kv_policy != "full":
+    if args.prefill_parallel > 1 or args.kv_policy != "full" or args.pml_prompt is not None:
         stream = _engine_stream(loaded, args, prompt, params)
     else:
         stream = Generator(loaded, args.device).stream(prompt, params)
-    if not args.chat:
+    if not args.chat and args.pml_prompt is None:
         sys.stdout.write(args.prompt)
     for delta in stream:
         sys.stdout.write(delta)
@@ -72,19 +76,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _engine_stream(loaded: LoadedModel, args: argparse.Namespace, prompt: str | list[int], params: SamplingParams):  # noqa: ANN202
-    """Text deltas of one request through the paged engine (used for a parallel prefill or a KV policy)."""
+    """Text deltas of one request through the paged engine (a parallel prefill, a KV policy, Prompt Cache)."""
     from kvserve.config import EngineConfig
     from kvserve.engine import LLMEngine
-    from kvserve.engine_args import kv_policy_options
+    from kvserve.engine_args import kv_policy_options, prompt_cache_options, register_schemas
 
     config = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, weights=args.weights,
         max_num_batched_tokens=loaded.config.max_position_embeddings,  # the whole prompt in one parallel step
         prefill_parallel=args.prefill_parallel, prefill_partition=args.prefill_partition,
-        **kv_policy_options(args),
+        **kv_policy_options(args), **prompt_cache_options(args),
     )  # fmt: skip
     engine = LLMEngine(config, loaded)
     try:
+        register_schemas(engine, args.schema)
         engine.add_request(prompt, params, add_special_tokens=isinstance(prompt, str))
         shown = 0
         while engine.has_unfinished_requests():
@@ -122,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a continuation of a prompt, streamed to the terminal")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", nargs="?", default=None, help="the prompt (or --pml-prompt)")
+    gen.add_argument("--pml-prompt", default=None, help="a Prompt Cache prompt, <prompt schema=...>, over --schema")
     add_model_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -135,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-partition", choices=PREFILL_PARTITIONS, default=None,
                      help="even, searched, predicted (default when a table exists) or tsp")  # fmt: skip
     add_kv_policy_args(gen)
+    add_prompt_cache_args(gen)
+    add_schema_arg(gen)
     gen.set_defaults(func=cmd_generate)
 
     tune = sub.add_parser("tune-runahead", help="search KV-Runahead partitions on this machine and save the table")

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
-from kvserve.config import PREEMPTION_MODES, PREFILL_PARTITIONS, EngineConfig
+from kvserve.config import (
+    PREEMPTION_MODES,
+    PREFILL_PARTITIONS,
+    PROMPT_CACHE_ENCODES,
+    PROMPT_CACHE_TIERS,
+    EngineConfig,
+)
 from kvserve.models.dtype import DTYPE_NAMES
 from kvserve.policies import KV_POLICY_NAMES
 
@@ -31,6 +37,53 @@ def add_engine_args(parser: argparse.ArgumentParser, kv_cache_memory: str = "1Gi
         "`kvserve tune-runahead`; the default when it exists, else even) or tsp (the all-gather baseline)",
     )  # fmt: skip
     add_kv_policy_args(parser)
+    add_prompt_cache_args(parser)
+
+
+def add_prompt_cache_args(parser: argparse.ArgumentParser) -> None:
+    """Prompt Cache (kvserve/prompt_cache): where module KV lives, how much of it, when it is encoded."""
+    group = parser.add_argument_group("Prompt Cache")
+    group.add_argument(
+        "--prompt-cache-tier", choices=PROMPT_CACHE_TIERS, default="device",
+        help="device: module KV in blocks of the KV cache; host: in CPU memory, copied in when a prompt uses it",
+    )  # fmt: skip
+    group.add_argument(
+        "--prompt-cache-memory", default="512MiB", help="module KV kept at most (least recently used evicted)"
+    )
+    group.add_argument(
+        "--prompt-cache-encode", choices=PROMPT_CACHE_ENCODES, default="eager",
+        help="encode a schema's modules when it is registered (eager) or when a prompt first imports them (lazy)",
+    )  # fmt: skip
+
+
+def add_schema_arg(parser: argparse.ArgumentParser) -> None:
+    """``--schema FILE`` for the commands that take PML prompts (generate, serve)."""
+    parser.add_argument(
+        "--schema", action="append", default=[], metavar="FILE",
+        help="PML schema file to register at start (repeatable); prompts starting with <prompt schema=...> use it",
+    )  # fmt: skip
+
+
+def prompt_cache_options(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "prompt_cache_tier": args.prompt_cache_tier, "prompt_cache_memory": args.prompt_cache_memory,
+        "prompt_cache_encode": args.prompt_cache_encode,
+    }  # fmt: skip
+
+
+def register_schemas(engine: object, paths: list[str]) -> None:
+    """Register each PML schema file with ``engine`` (an ``LLMEngine``); errors name the file."""
+    from pathlib import Path
+
+    for path in paths:
+        try:
+            text = Path(path).expanduser().read_text()
+        except OSError as exc:
+            raise ValueError(f"cannot read schema file {path!r}: {exc.strerror}") from None
+        try:
+            engine.register_schema(text)
+        except ValueError as exc:
+            raise ValueError(f"schema file {path}: {exc}") from None
 
 
 def add_kv_policy_args(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +115,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         preemption_mode=args.preemption_mode, max_model_len=args.max_model_len,
         prefill_parallel=args.prefill_parallel, prefill_partition=args.prefill_partition,
-        **kv_policy_options(args),
+        **kv_policy_options(args), **prompt_cache_options(args),
     )  # fmt: skip
 
 

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API: ``build_app(async_engine, model_name, api_key=None)`` -> FastAPI app.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as server-sent events
-with ``stream: true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. With an ``api_key``,
+with ``stream: true``; a prompt starting with ``<prompt schema=...>`` is a Prompt Cache prompt),
+``POST/GET /v1/schemas``, ``GET/DELETE /v1/schemas/{name}`` (Prompt Cache schemas, see
+``server/schemas.py``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. With an ``api_key``,
 every ``/v1`` route needs ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open.
 Errors use OpenAI's shape with the offending field in ``param``.
 """
@@ -25,7 +27,8 @@ from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.errors import ApiError, from_validation_errors
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SchemaRequest
+from kvserve.server.schemas import create_schema, delete_schema, get_schema, list_schemas
 from kvserve.server.serving import ClientDisconnected, ServeContext
 from kvserve.server.tokens import TokenTexts
 
@@ -66,6 +69,22 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
         return await create_chat_completion(ctx, await _parse(raw, ChatCompletionRequest), raw)
+
+    @app.post("/v1/schemas")
+    async def schemas_create(raw: Request) -> Response:
+        return await create_schema(ctx, await _parse(raw, SchemaRequest))
+
+    @app.get("/v1/schemas")
+    async def schemas_list() -> Response:
+        return await list_schemas(ctx)
+
+    @app.get("/v1/schemas/{name}")
+    async def schemas_get(name: str) -> Response:
+        return await get_schema(ctx, name)
+
+    @app.delete("/v1/schemas/{name}")
+    async def schemas_delete(name: str) -> Response:
+        return await delete_schema(ctx, name)
 
     @app.get("/v1/models")
     async def models() -> Response:

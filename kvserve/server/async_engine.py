@@ -1,7 +1,7 @@
 """``AsyncEngine``: an ``LLMEngine`` stepping in its own thread, fed and read from asyncio.
 
 The engine is not thread-safe, so exactly one thread touches it: the engine thread. The asyncio side
-(the HTTP handlers) talks to it through a thread-safe inbox of commands (add, abort) guarded by a
+(the HTTP handlers) talks to it through a thread-safe inbox of commands (add, abort, call) guarded by a
 ``threading.Condition``; the engine thread drains the inbox between steps and sleeps on the condition
 while it has no work, so HTTP handling never waits for a step and a step never waits for HTTP.
 Results travel back per request: the engine thread hands each ``RequestOutput`` (or an exception) to
@@ -46,7 +46,7 @@ _ACCEPTED = object()  # first item of a request's queue once the engine thread h
 @dataclass
 class _Add:
     request_id: str
-    prompt_ids: list[int]
+    prompt: list[int] | str  # token ids, or a PML prompt (prepared by the engine thread: it pins module KV)
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
@@ -56,6 +56,15 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Call:
+    """Run ``fn(engine)`` in the engine thread (Prompt Cache schemas touch the KV pool and the model)."""
+
+    fn: Callable[[LLMEngine], object]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
 
 
 @dataclass
@@ -199,18 +208,22 @@ class AsyncEngine:
                 f"{self.max_queue}; retry later"
             )
 
-    def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> RequestStream:
-        """Queue a request for the engine thread; await ``wait_accepted()`` on the result to see it admitted."""
+    def add_request(self, request_id: str, prompt: Sequence[int] | str, params: SamplingParams) -> RequestStream:
+        """Queue a request (token ids or a PML prompt) for the engine thread; await ``wait_accepted()`` on the
+        result to see it admitted."""
         self.check_capacity(1)
         if request_id in self._active:
             raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
-        command = _Add(request_id, list(prompt_ids), params, asyncio.get_running_loop(), queue, time.monotonic())
+        prompt = prompt if isinstance(prompt, str) else list(prompt)
+        command = _Add(request_id, prompt, params, asyncio.get_running_loop(), queue, time.monotonic())
         self._active.add(request_id)
         self._post(command)
         return RequestStream(self, request_id, queue)
 
-    async def add_requests(self, items: Sequence[tuple[str, Sequence[int], SamplingParams]]) -> list[RequestStream]:
+    async def add_requests(
+        self, items: Sequence[tuple[str, Sequence[int] | str, SamplingParams]]
+    ) -> list[RequestStream]:
         """Add several requests (one per prompt) all or none: on any error the others are aborted."""
         self.check_capacity(len(items))
         streams = [self.add_request(*item) for item in items]
@@ -226,11 +239,20 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._post(_Abort(request_id))
 
+    async def call(self, fn: Callable[[LLMEngine], object]) -> object:
+        """``fn(engine)`` run in the engine thread between steps; its result, or what it raised."""
+        if not self.is_running:
+            raise EngineStoppedError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._post(_Call(fn, loop, future))
+        return await future
+
     def release(self, request_id: str) -> None:
         """A stream ended (finished, failed or aborted): its place in the queue is free again."""
         self._active.discard(request_id)
 
-    def _post(self, command: _Add | _Abort) -> None:
+    def _post(self, command: _Add | _Abort | _Call) -> None:
         with self._inbox.cond:
             self._inbox.commands.append(command)
             self._inbox.cond.notify()
@@ -259,27 +281,36 @@ class AsyncEngine:
                 get_logger().exception("the engine loop failed; aborting the %d requests in flight", len(self._tracked))
                 self._fail_all(EngineStepError(f"the engine failed: {exc!r}"))
 
-    def _stop(self, commands: list[_Add | _Abort]) -> None:
+    def _stop(self, commands: list[_Add | _Abort | _Call]) -> None:
         stopped = EngineStoppedError("the server is shutting down")
         for command in commands:
             if isinstance(command, _Add):
                 _Tracked(command.loop, command.queue, command.arrival, 0).deliver(stopped)
+            elif isinstance(command, _Call):
+                _deliver(command.loop, _settle, (command.future, None, stopped))
         self._fail_all(stopped, reason="abort")
         self._observe_engine()
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _apply(self, command: _Add | _Abort | _Call) -> None:
+        if isinstance(command, _Call):
+            try:
+                _deliver(command.loop, _settle, (command.future, command.fn(self.engine), None))
+            except Exception as exc:
+                _deliver(command.loop, _settle, (command.future, None, exc))
+            return
         if isinstance(command, _Abort):
             tracked = self._tracked.pop(command.request_id, None)
             self._guarded_abort(command.request_id)
             if tracked is not None and self.metrics is not None:
                 self.metrics.on_finish(time.monotonic() - tracked.arrival, "abort")
             return
-        tracked = _Tracked(command.loop, command.queue, command.arrival, len(command.prompt_ids))
+        tracked = _Tracked(command.loop, command.queue, command.arrival, 0)
         try:
-            self.engine.add_request(command.prompt_ids, command.params, request_id=command.request_id)
+            self.engine.add_request(command.prompt, command.params, request_id=command.request_id)
         except Exception as exc:  # ValueError for a bad request; anything else is reported the same way
             tracked.deliver(exc)
             return
+        tracked.num_prompt_tokens = len(self.engine.requests[command.request_id].prompt_token_ids)
         self._tracked[command.request_id] = tracked
         tracked.deliver(_ACCEPTED)
 
@@ -358,3 +389,13 @@ class AsyncEngine:
                 num_preemptions=scheduler.num_preemptions,
             )
         )
+
+
+def _settle(item: tuple[asyncio.Future, object, Exception | None]) -> None:
+    future, result, error = item
+    if future.done():  # the caller gave up waiting
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

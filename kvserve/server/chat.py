@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.prompt_cache.pml import is_pml_prompt
 from kvserve.server.errors import bad_request
 from kvserve.server.params import chat_params
 from kvserve.server.protocol import (
@@ -30,11 +31,13 @@ from kvserve.server.tokens import chat_logprobs
 
 async def create_chat_completion(ctx: ServeContext, body: ChatCompletionRequest, raw: Request) -> Response:
     ctx.check_model(body.model)
-    ids = _encode(ctx, body)
-    ctx.check_prompt(ids, "messages")
-    params = chat_params(body, len(ids), ctx.max_model_len, ctx.max_num_seqs)
+    prompt = _pml_prompt(body)
+    if prompt is None:
+        prompt = _encode(ctx, body)
+        ctx.check_prompt(prompt, "messages")
+    params = chat_params(body, len(prompt) if isinstance(prompt, list) else 0, ctx.max_model_len, ctx.max_num_seqs)
     request_id = random_id("chatcmpl")
-    streams = await ctx.admit(request_id, [ids], params)
+    streams = await ctx.admit(request_id, [prompt], params)
     if body.stream:
         return StreamingResponse(_stream(ctx, body, request_id, streams[0]), media_type="text/event-stream")
     (out,) = await results(streams, raw)
@@ -50,6 +53,13 @@ async def create_chat_completion(ctx: ServeContext, body: ChatCompletionRequest,
     ]
     response = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=_usage(out))
     return Response(response.model_dump_json(), media_type="application/json")
+
+
+def _pml_prompt(body: ChatCompletionRequest) -> str | None:
+    """A single user message holding a PML prompt is sent as that prompt: its role tags do the chat format."""
+    if len(body.messages) == 1 and body.messages[0].role == "user" and is_pml_prompt(body.messages[0].text()):
+        return body.messages[0].text()
+    return None
 
 
 def _encode(ctx: ServeContext, body: ChatCompletionRequest) -> list[int]:

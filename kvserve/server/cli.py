@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from kvserve.engine_args import add_engine_args, engine_config_from_args
+from kvserve.engine_args import add_engine_args, add_schema_arg, engine_config_from_args, register_schemas
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
@@ -26,6 +26,7 @@ def add_serve_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     serve.add_argument("--max-queue", type=int, default=None, help="most requests waiting + running; more get 503")
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
     add_engine_args(serve)
+    add_schema_arg(serve)
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     serve.set_defaults(func=cmd_serve)
 
@@ -44,6 +45,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
     config = engine_config_from_args(args)
     engine = LLMEngine(config, load_from_args(args))
+    register_schemas(engine, args.schema)
     path = Path(args.model).expanduser() if args.model else default_model_path()
     name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
     aliases = {str(path), str(path.resolve()), args.model or DEFAULT_SERVED_NAME}

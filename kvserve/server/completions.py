@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.prompt_cache.pml import is_pml_prompt
 from kvserve.server.errors import bad_request
 from kvserve.server.params import completion_params
 from kvserve.server.protocol import (
@@ -30,7 +31,7 @@ from kvserve.server.tokens import completion_logprobs
 
 @dataclass
 class _Prompt:
-    ids: list[int]
+    ids: list[int] | str  # token ids, or a PML prompt the engine prepares (Prompt Cache)
     text: str  # what echo writes back
 
 
@@ -62,6 +63,9 @@ def _prompts(ctx: ServeContext, prompt: object, skip_special: bool) -> list[_Pro
     tokenizer = ctx.tokenizer
     out = []
     for item in items:
+        if is_pml_prompt(item):
+            out.append(_Prompt(item, item))
+            continue
         ids = tokenizer.encode(item, add_special_tokens=True) if isinstance(item, str) else list(item)
         ctx.check_prompt(ids, "prompt")  # first: ids outside the vocabulary cannot be decoded
         text = item if isinstance(item, str) else tokenizer.decode(ids, skip_special_tokens=skip_special)

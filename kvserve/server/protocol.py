@@ -104,6 +104,12 @@ class ChatCompletionRequest(_SamplingFields):
 # ----- responses -----
 
 
+class SchemaRequest(_Request):
+    """``POST /v1/schemas``: a Prompt Cache schema in PML."""
+
+    pml: str
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0

@@ -54,9 +54,10 @@ class ServeContext:
             raise bad_request(str(exc), param) from None
 
     async def admit(
-        self, request_id: str, prompts: Sequence[Sequence[int]], params: SamplingParams
+        self, request_id: str, prompts: Sequence[Sequence[int] | str], params: SamplingParams
     ) -> list[RequestStream]:
-        """One engine request per prompt, all admitted or none; errors become 400 / 503."""
+        """One engine request per prompt (token ids, or PML prompt text), all admitted or none; errors become
+        400 / 503."""
         items = [(f"{request_id}-{i}", ids, params) for i, ids in enumerate(prompts)]
         try:
             return await self.engine.add_requests(items)

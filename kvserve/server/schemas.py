@@ -1,0 +1,60 @@
+"""Prompt Cache schemas over HTTP: ``POST /v1/schemas`` ({"pml": "<schema ...>"}), ``GET /v1/schemas``,
+``GET /v1/schemas/{name}``, ``DELETE /v1/schemas/{name}``.
+
+Registering encodes the schema's modules (eagerly unless the engine encodes lazily), so it runs in the
+engine thread between steps; requests in flight keep their modules until they finish even if their
+schema is deleted. A schema is a list entry with its module layout (positions, tokens, parameters).
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.responses import Response
+
+from kvserve.engine import LLMEngine
+from kvserve.prompt_cache.pml import PMLError
+from kvserve.prompt_cache.store import PromptCacheError
+from kvserve.server.errors import ApiError, bad_request
+from kvserve.server.protocol import SchemaRequest
+from kvserve.server.serving import ServeContext
+
+
+async def create_schema(ctx: ServeContext, body: SchemaRequest) -> Response:
+    try:
+        info = await ctx.engine.call(lambda engine: engine.register_schema(body.pml))
+    except (PMLError, PromptCacheError, ValueError) as exc:
+        raise bad_request(str(exc), "pml") from None
+    return _json({"object": "schema", **info})
+
+
+async def list_schemas(ctx: ServeContext) -> Response:
+    def collect(engine: LLMEngine) -> list[dict]:
+        cache = engine.prompt_cache
+        return [{"object": "schema", **cache.info(name).to_dict()} for name in cache.names()]
+
+    return _json({"object": "list", "data": await ctx.engine.call(collect)})
+
+
+async def get_schema(ctx: ServeContext, name: str) -> Response:
+    try:
+        info = await ctx.engine.call(lambda engine: engine.prompt_cache.info(name).to_dict())
+    except KeyError as exc:
+        raise _not_found(exc) from None
+    return _json({"object": "schema", **info})
+
+
+async def delete_schema(ctx: ServeContext, name: str) -> Response:
+    try:
+        await ctx.engine.call(lambda engine: engine.prompt_cache.remove(name))
+    except KeyError as exc:
+        raise _not_found(exc) from None
+    return _json({"id": name, "object": "schema", "deleted": True})
+
+
+def _not_found(exc: KeyError) -> ApiError:
+    return ApiError(404, exc.args[0], "name", code="schema_not_found")
+
+
+def _json(payload: dict) -> Response:
+    return Response(json.dumps(payload), media_type="application/json")
