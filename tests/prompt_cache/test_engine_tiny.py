@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine
@@ -21,6 +20,7 @@ from kvserve.models import LoadedModel, load_model
 from kvserve.outputs import RequestOutput
 from kvserve.prompt_cache.pml import PMLError
 from kvserve.sampling_params import SamplingParams
+from tests.prompt_cache.reference import prompt_cache_reference
 from tests.tiny_models import TinySpec, load_hf_model, torch_single_thread, write_tiny_model  # noqa: F401
 
 SPEC = TinySpec(num_heads=4, num_kv_heads=2, seed=7)
@@ -73,41 +73,6 @@ def test_single_module_prompt_equals_the_uncached_tokens(loaded):
     (plain,) = run(make_engine(loaded, enable_prefix_caching=False), [cached.prompt_token_ids])
     assert plain.num_cached_tokens == 0
     assert cached.outputs[0].token_ids == plain.outputs[0].token_ids
-
-
-def prompt_cache_reference(engine: LLMEngine, hf, pml: str) -> torch.Tensor:
-    """Transformers' next-token log-probs for a PML prompt: same tokens, positions and module-confined mask."""
-    prepared = engine.prompt_cache.prepare(pml)
-    try:
-        owner: list[int] = []  # per token in slot order: the module it belongs to (-1: uncached)
-        bs = engine.kv.block_size
-        for i, module in enumerate(prepared.modules):
-            owner += [i] * (module.num_tokens // bs * bs)
-        for i, module in enumerate(prepared.modules):
-            owner += [i] * (module.num_tokens % bs)
-        owner += [-1] * prepared.num_uncached
-        n = len(owner)
-        assert n == len(prepared.token_ids)
-        own = torch.tensor(owner)
-        pos = torch.tensor(prepared.positions)
-        same = own[:, None] == own[None, :]
-        before = pos[None, :] <= pos[:, None]  # within a module, position order is token order
-        fresh_row = own[:, None] == -1
-        index = torch.arange(n)
-        allowed = (same & before & ~fresh_row) | (
-            fresh_row & ((own[None, :] != -1) | (index[None, :] <= index[:, None]))
-        )
-        mask = torch.zeros(1, 1, n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
-        with torch.no_grad():
-            logits = hf(
-                input_ids=torch.tensor([prepared.token_ids]),
-                attention_mask=mask,
-                position_ids=pos[None],
-                use_cache=False,
-            ).logits[0, -1]
-        return torch.log_softmax(logits.float(), -1)
-    finally:
-        engine.prompt_cache.release(prepared.modules)
 
 
 def test_multi_module_prompt_matches_transformers_with_the_prompt_cache_mask(loaded, folder):

@@ -1,0 +1,42 @@
+"""The reference for Prompt Cache exactness: transformers on the same tokens, positions and attention mask."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.engine import LLMEngine
+
+
+def prompt_cache_reference(engine: LLMEngine, hf, pml: str) -> torch.Tensor:
+    """Transformers' next-token log-probs for a PML prompt: same tokens, positions and module-confined mask."""
+    prepared = engine.prompt_cache.prepare(pml)
+    try:
+        owner: list[int] = []  # per token in slot order: the module it belongs to (-1: uncached)
+        bs = engine.kv.block_size
+        for i, module in enumerate(prepared.modules):
+            owner += [i] * (module.num_tokens // bs * bs)
+        for i, module in enumerate(prepared.modules):
+            owner += [i] * (module.num_tokens % bs)
+        owner += [-1] * prepared.num_uncached
+        n = len(owner)
+        assert n == len(prepared.token_ids)
+        own = torch.tensor(owner)
+        pos = torch.tensor(prepared.positions)
+        same = own[:, None] == own[None, :]
+        before = pos[None, :] <= pos[:, None]  # within a module, position order is token order
+        fresh_row = own[:, None] == -1
+        index = torch.arange(n)
+        allowed = (same & before & ~fresh_row) | (
+            fresh_row & ((own[None, :] != -1) | (index[None, :] <= index[:, None]))
+        )
+        mask = torch.zeros(1, 1, n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        with torch.no_grad():
+            logits = hf(
+                input_ids=torch.tensor([prepared.token_ids]),
+                attention_mask=mask,
+                position_ids=pos[None],
+                use_cache=False,
+            ).logits[0, -1]
+        return torch.log_softmax(logits.float(), -1)
+    finally:
+        engine.prompt_cache.release(prepared.modules)

@@ -1,0 +1,84 @@
+"""Prompt Cache on the real default model (SmolLM2-135M-Instruct, float32).
+
+A document imported as the schema's only module and a question as new text give the same greedy
+tokens as the plain prompt computed from scratch; a system prompt, a document and a parameterised
+module in one prompt give transformers' next-token distribution under the Prompt Cache mask; and the
+offline ``LLM`` API registers a schema and answers with the module tokens served from the cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import kvserve.llm
+from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
+from kvserve.engine import LLMEngine
+from tests.prompt_cache.reference import prompt_cache_reference
+
+pytestmark = pytest.mark.real_model
+
+AUSTEN = Path(__file__).resolve().parents[3] / "shared" / "data" / "prose" / "austen.txt"
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def passage() -> str:
+    text = AUSTEN.read_text(encoding="utf-8")
+    start = text.index("Emma Woodhouse, handsome, clever, and rich")
+    return text[start : start + 1500].replace("&", "and").replace("<", "(")
+
+
+def engine(default_model, **options) -> LLMEngine:
+    return LLMEngine(EngineConfig(dtype="float32", kv_cache_memory="64MiB", swap_space=0, **options), default_model)
+
+
+def finish(engine: LLMEngine, prompt) -> object:
+    engine.add_request(prompt, GREEDY)
+    while engine.has_unfinished_requests():
+        (out,) = engine.step()
+    return out
+
+
+def test_document_module_with_a_question_equals_the_plain_prompt(default_model, passage):
+    cached_engine = engine(default_model)
+    cached_engine.register_schema(f'<schema name="book"><module name="doc">{passage}</module></schema>')
+    cached = finish(cached_engine, '<prompt schema="book"><doc/> Question: who is Emma? Answer:</prompt>')
+    plain = finish(engine(default_model, enable_prefix_caching=False), cached.prompt_token_ids)
+    assert cached.num_cached_tokens > 250 and plain.num_cached_tokens == 0
+    assert cached.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+def test_system_document_and_parameter_match_transformers(default_model, hf_default_model, passage):
+    e = engine(default_model)
+    e.register_schema(
+        f"""<schema name="qa"><system>You answer questions about novels.</system>
+        <user><module name="doc">{passage[:800]}</module>
+        <module name="ask">Answer in <param name="style" len="6"/> words.</module></user></schema>"""
+    )
+    prompt = '<prompt schema="qa"><doc/><ask style="very few"/><user>Who is Emma?</user></prompt>'
+    reference = prompt_cache_reference(e, hf_default_model, prompt)
+    e.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, logprobs=5))
+    while e.has_unfinished_requests():
+        (out,) = e.step()
+    assert out.outputs[0].token_ids[0] == int(reference.argmax())
+    for token, logprob in out.outputs[0].logprobs[0].items():
+        assert logprob == pytest.approx(float(reference[token]), abs=2e-3)
+
+
+def test_offline_api_registers_a_schema_and_reuses_its_modules(default_model, passage, monkeypatch):
+    monkeypatch.setattr(kvserve.llm, "LLMEngine", lambda config: LLMEngine(config, default_model))
+    llm = LLM(dtype="float32", kv_cache_memory="64MiB", swap_space=0)
+    info = llm.register_schema(
+        f'<schema name="book"><system>Be brief.</system><module name="doc">{passage}</module></schema>'
+    )
+    assert info["modules"]["doc"]["cached"] and info["modules"]["doc"]["tokens"] > 250
+    outs = llm.generate(
+        [f'<prompt schema="book"><doc/><user>{q}</user></prompt>' for q in ("Who is Emma?", "Where does she live?")],
+        SamplingParams(max_tokens=12, temperature=0),
+        use_tqdm=False,
+    )
+    for out in outs:
+        assert out.num_cached_tokens >= info["modules"]["doc"]["tokens"] and out.outputs[0].text.strip()
