@@ -16,10 +16,11 @@ text. Only structure lives here (no tokenizer, no positions: see ``schema.py``):
 Text outside every module belongs to the schema itself (an anonymous module that every prompt
 includes). ``<system>``, ``<user>`` and ``<assistant>`` wrap text in the model's chat template.
 
-Whitespace: XML indentation is formatting, not prompt text. A text run between tags that is only
-whitespace with a line break is dropped; otherwise a leading run of blank lines and a trailing line
-break with the whitespace around it are removed and the rest is dedented. Inline spaces stay
-(``of <param/> to`` keeps both spaces).
+Whitespace: XML indentation is formatting, not prompt text. A text run between tags that spans lines
+is cleaned: dropped if it is only whitespace, else its leading blank lines and its trailing line break
+(with the whitespace around it) are removed and the rest is dedented. A run within one line is kept as
+written (``of <param/> to`` keeps both spaces). ``xml:space="preserve"`` on an element keeps every
+character of the text inside it (XML's own switch); ``to_pml`` prints that way.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from kvserve.errors import KVServeError
 
 ROLES = ("system", "user", "assistant")
 _RESERVED = frozenset({"schema", "prompt", "module", "param", "union", *ROLES})
+_SPACE = "xml:space"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*\Z")  # an XML name without ':' (imports use it as a tag)
 
 
@@ -136,6 +138,7 @@ class _Element:
     tag: str
     attrs: dict[str, str]
     line: int
+    preserve: bool = False  # xml:space="preserve" here or on an ancestor: text is kept as written
     children: list = field(default_factory=list)  # _Element | Text
 
 
@@ -147,7 +150,12 @@ def _parse_xml(text: str) -> _Element:
     stack = [root]
 
     def start(tag: str, attrs: dict[str, str]) -> None:
-        element = _Element(tag, attrs, parser.CurrentLineNumber)
+        line = parser.CurrentLineNumber
+        space = attrs.pop(_SPACE, None)
+        if space not in (None, "preserve", "default"):
+            raise PMLError(f'{_SPACE} must be "preserve" or "default", got {space!r}', line)
+        preserve = stack[-1].preserve if space is None else space == "preserve"
+        element = _Element(tag, attrs, line, preserve)
         stack[-1].children.append(element)
         stack.append(element)
 
@@ -164,19 +172,23 @@ def _parse_xml(text: str) -> _Element:
     parser.StartElementHandler, parser.EndElementHandler, parser.CharacterDataHandler = start, end, data
     try:
         parser.Parse(text, True)
+    except PMLError:
+        raise
     except xml.parsers.expat.ExpatError as error:
         raise PMLError(f"malformed XML: {xml.parsers.expat.ErrorString(error.code)}", error.lineno) from None
     (element,) = [c for c in root.children if isinstance(c, _Element)]  # expat allows one root only
     return element
 
 
-def _clean(text: str) -> str:
+def _clean(text: str, preserve: bool) -> str:
     """Drop XML formatting around a text run (see the module docstring)."""
-    if not text.strip() and "\n" in text:
+    if preserve or "\n" not in text:  # inline text: every space in it is meant
+        return text
+    if not text.strip():
         return ""
     text = re.sub(r"\A[ \t]*\n(?:[ \t]*\n)*", "", text)
     text = re.sub(r"\n\s*\Z", "", text)
-    return textwrap.dedent(text) if "\n" in text else text  # dedent would blank a lone run of spaces
+    return textwrap.dedent(text)
 
 
 def _attrs(element: _Element, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, str]:
@@ -216,7 +228,7 @@ def _schema_children(element: _Element, in_module: bool, in_role: bool) -> tuple
     nodes: list = []
     for child in element.children:
         if isinstance(child, Text):
-            if cleaned := _clean(child.text):
+            if cleaned := _clean(child.text, element.preserve):
                 nodes.append(Text(cleaned, child.line))
         else:
             nodes.append(_schema_node(child, in_module, in_role))
@@ -305,7 +317,7 @@ def _prompt_children(element: _Element, in_role: bool, in_import: bool) -> tuple
     nodes: list = []
     for child in element.children:
         if isinstance(child, Text):
-            if cleaned := _clean(child.text):
+            if cleaned := _clean(child.text, element.preserve):
                 nodes.append(Text(cleaned, child.line))
         elif child.tag in ROLES:
             _attrs(child, ())
@@ -396,9 +408,10 @@ def _check_args(imp: Import, module: Module) -> None:
 
 def to_pml(document: Schema | Prompt) -> str:
     """PML text that parses back to an equal ``document``."""
+    preserve = f'{_SPACE}="preserve"'  # the texts are printed exactly as they are
     if isinstance(document, Schema):
-        return f"<schema name={quoteattr(document.name)}>{_print(document.children)}</schema>"
-    return f"<prompt schema={quoteattr(document.schema)}>{_print(document.children)}</prompt>"
+        return f"<schema name={quoteattr(document.name)} {preserve}>{_print(document.children)}</schema>"
+    return f"<prompt schema={quoteattr(document.schema)} {preserve}>{_print(document.children)}</prompt>"
 
 
 def _print(nodes: tuple) -> str:
