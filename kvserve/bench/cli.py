@@ -102,6 +102,16 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     cmp.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/policies/efficiency)")
     cmp.set_defaults(func=cmd_bench_compression)
 
+    pc = bench_sub.add_parser(
+        "prompt-cache", help="time to first token: Prompt Cache (device, host) vs no cache vs prefix caching"
+    )
+    add_model_args(pc)
+    pc.add_argument("--lengths", default="1024,2048,4096,8000", help="document lengths in tokens")
+    pc.add_argument("--questions", type=int, default=3, help="measured questions per length (one more warms up)")
+    pc.add_argument("--kv-cache-memory", default="1GiB", help="KV cache of each engine")
+    pc.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/prompt_cache/ttft)")
+    pc.set_defaults(func=cmd_bench_prompt_cache)
+
     srv = bench_sub.add_parser("serve", help="load generator against any OpenAI-compatible server (streaming)")
     srv.add_argument("--base-url", required=True, help="the server's API root, e.g. http://127.0.0.1:8000/v1")
     srv.add_argument("--model", default=None, help="model name to request (default: the first in GET /models)")
@@ -620,6 +630,40 @@ def cmd_bench_prefix(args: argparse.Namespace) -> int:
         f"| **saving** | {off.seconds / on.seconds:.2f}x | {off.mean_ttft_s / on.mean_ttft_s:.2f}x | | | | |",
     ]) + "\n"  # fmt: skip
     write_report(Path(args.output or f"benchmarks/prefix-{args.dtype}"), report, table)
+    return 0
+
+
+def cmd_bench_prompt_cache(args: argparse.Namespace) -> int:
+    from kvserve.bench.plots import plot_prompt_cache
+    from kvserve.bench.prompt_cache import leval_text_and_questions, markdown, run_length, warm_up
+    from kvserve.cli import load_from_args
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    loaded = load_from_args(args)
+    lengths = [int(n) for n in args.lengths.split(",")]
+    text, questions = leval_text_and_questions(args.questions + 1)
+    text_ids = loaded.tokenizer.encode(text, add_special_tokens=False)
+    options = dict(dtype=args.dtype, device=args.device, weights=args.weights, kv_cache_memory=args.kv_cache_memory,
+                   swap_space=0)  # fmt: skip
+    warm_up(loaded, options, text_ids)
+    results = []
+    for tokens in lengths:
+        log(f"bench prompt-cache: {tokens}-token document, {len(questions) - 1} questions measured")
+        results += [{"target_tokens": tokens, **r.as_dict()} for r in run_length(loaded, options, tokens, text_ids,
+                                                                                 questions, log)]  # fmt: skip
+    report = new_report(
+        "prompt-cache", model=loaded.path.name, dtype=args.dtype, weights=args.weights,
+        threads=torch.get_num_threads(), lengths=lengths, results=results,
+        workload=(
+            f"L-Eval QuALITY stories cut to each length as one module, {len(questions) - 1} questions as new text, "
+            "one request at a time, TTFT = arrival to first token (median); max_num_batched_tokens 2048"
+        ),
+    )  # fmt: skip
+    out = Path(args.output or "benchmarks/prompt_cache/ttft")
+    write_report(out, report, markdown(report))
+    plot_prompt_cache(report, out.with_suffix(".png"))
     return 0
 
 

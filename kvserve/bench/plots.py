@@ -169,3 +169,33 @@ def plot_compression(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_prompt_cache(report: dict, path: Path) -> None:
+    """Median TTFT per document length, one bar per method (log scale), with the speed-up over no cache."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = report["lengths"]
+    methods = list(dict.fromkeys(r["method"] for r in report["results"]))
+    ttft = {(r["target_tokens"], r["method"]): r["median_ttft_s"] * 1e3 for r in report["results"]}
+    width = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, method in enumerate(methods):
+        xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(lengths))]
+        values = [ttft[(n, method)] for n in lengths]
+        ax.bar(xs, values, width, label=method)
+        for x, n, v in zip(xs, lengths, values, strict=True):
+            ax.annotate(f"{ttft[(n, 'no cache')] / v:.0f}x", (x, v), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths])
+    ax.set_yscale("log")
+    ax.set_xlabel("document tokens (the module)")
+    ax.set_ylabel("median time to first token (ms)")
+    ax.set_title(f"Prompt Cache TTFT, {report['model']}, {report['dtype']}, {report['threads']} threads", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

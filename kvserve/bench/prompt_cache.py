@@ -1,0 +1,158 @@
+"""Time to first token with Prompt Cache against no cache and against automatic prefix caching.
+
+The workload is the paper's long-document one: an L-Eval document (QuALITY stories, concatenated and
+cut to N tokens) is a schema's module, and each request imports it and asks one question as new
+text. Per document length, each method gets its own engine over the same loaded model and answers
+the same questions with the same token ids (those of the Prompt Cache prompt), one request at a time:
+
+- ``no cache``: prefix caching off, every prompt computed from scratch;
+- ``prefix cache``: automatic prefix caching, warmed by one question first (the document is the
+  prompt's prefix here, the case prefix caching handles; Prompt Cache's gain over it is for modules
+  that are not a prefix);
+- ``prompt cache (device)`` / ``(host)``: the schema registered first (its encoding timed apart), the
+  module KV in blocks of the KV pool, or in CPU memory copied in per request.
+
+TTFT is the request's arrival to its first sampled token, the median over the measured questions.
+Memory per cached token: the bytes the stored module takes in its tier over its token count.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from xml.sax.saxutils import escape
+
+from kvserve.config import EngineConfig
+from kvserve.engine import LLMEngine
+from kvserve.eval.data import LEVAL, require
+from kvserve.models.loader import LoadedModel
+from kvserve.sampling_params import SamplingParams
+
+METHODS = ("no cache", "prefix cache", "prompt cache (device)", "prompt cache (host)")
+_FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+@dataclass
+class TTFTResult:
+    method: str
+    document_tokens: int
+    prompt_tokens: int
+    ttft_s: list[float]  # one per measured question
+    computed_tokens: float  # prompt tokens computed before the first token (mean over questions)
+    setup_s: float  # one-time work before the measured questions: encoding the schema, or the warm-up
+    bytes_per_cached_token: float | None  # Prompt Cache: the stored module's bytes / its tokens
+
+    @property
+    def median_ttft_s(self) -> float:
+        return statistics.median(self.ttft_s)
+
+    def as_dict(self) -> dict[str, object]:
+        return {**asdict(self), "median_ttft_s": self.median_ttft_s}
+
+
+def leval_text_and_questions(limit_questions: int) -> tuple[str, list[str]]:
+    """All QuALITY stories joined (enough for 8k tokens) and the first questions (the options cut off)."""
+    text, questions = [], []
+    with require(LEVAL / "quality.jsonl", "L-Eval QuALITY data").open(encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            text.append(row["input"])
+            questions += [q.split("\n")[0].strip() for q in row["instructions"]]
+    return "\n\n".join(text), questions[:limit_questions]
+
+
+def schema_and_prompts(name: str, document: str, questions: list[str]) -> tuple[str, list[str]]:
+    """The document as the schema's one module; each question as new text after it (text kept exactly)."""
+    schema = f'<schema name="{name}" xml:space="preserve"><module name="doc">{escape(document)}</module></schema>'
+    prompts = [
+        f'<prompt schema="{name}" xml:space="preserve"><doc/>{escape(question_text(q))}</prompt>' for q in questions
+    ]
+    return schema, prompts
+
+
+def question_text(question: str) -> str:
+    return f"\n\nQuestion: {question}\nAnswer:"
+
+
+def time_to_first_token(engine: LLMEngine, prompt: str | list[int]) -> tuple[float, int, list[int]]:
+    """(TTFT seconds, prompt tokens computed, prompt token ids) of one request run alone."""
+    start = time.perf_counter()
+    engine.add_request(prompt, _FIRST_TOKEN)
+    while engine.has_unfinished_requests():
+        (out,) = engine.step()
+    ttft = time.perf_counter() - start
+    return ttft, len(out.prompt_token_ids) - out.num_cached_tokens, list(out.prompt_token_ids)
+
+
+def warm_up(loaded: LoadedModel, options: dict, text_ids: list[int]) -> None:
+    """Run prompts of a few sizes once so that no method pays for first-call kernel set-up."""
+    engine = LLMEngine(EngineConfig(**options, enable_prefix_caching=False), loaded)
+    for n in (1, 3, 30, 600):
+        time_to_first_token(engine, text_ids[:n])
+
+
+def run_length(
+    loaded: LoadedModel, options: dict, tokens: int, text_ids: list[int], questions: list[str],
+    log: Callable[[str], None],
+) -> list[TTFTResult]:  # fmt: skip
+    """Every method at one document length; ``questions[0]`` warms the prefix cache, the rest are measured."""
+    document = loaded.tokenizer.decode(text_ids[:tokens])
+    schema, prompts = schema_and_prompts(f"leval-{tokens}", document, questions)
+    results, token_ids = [], []
+    for tier in ("device", "host"):
+        engine = LLMEngine(EngineConfig(**options, prompt_cache_tier=tier), loaded)
+        start = time.perf_counter()
+        info = engine.register_schema(schema)
+        setup = time.perf_counter() - start
+        runs = [time_to_first_token(engine, p) for p in prompts[1:]]
+        token_ids = [ids for _, _, ids in runs]
+        store = engine.prompt_cache.store
+        per_token = store.memory_bytes() / info["modules"]["doc"]["tokens"]
+        results.append(_result(f"prompt cache ({tier})", info["modules"]["doc"]["tokens"], runs, setup, per_token))
+    doc_tokens = results[0].document_tokens
+    engine = LLMEngine(EngineConfig(**options, enable_prefix_caching=True), loaded)
+    warm_ids = token_ids[0][:doc_tokens] + loaded.tokenizer.encode(question_text(questions[0]), False)
+    setup = time_to_first_token(engine, warm_ids)[0]
+    results.append(_result("prefix cache", doc_tokens, [time_to_first_token(engine, ids) for ids in token_ids], setup))
+    engine = LLMEngine(EngineConfig(**options, enable_prefix_caching=False), loaded)
+    results.append(_result("no cache", doc_tokens, [time_to_first_token(engine, ids) for ids in token_ids], 0.0))
+    for r in results:
+        log(f"  {tokens} tokens, {r.method}: median TTFT {r.median_ttft_s * 1e3:.1f} ms, "
+            f"{r.computed_tokens:.0f} tokens computed")  # fmt: skip
+    return sorted(results, key=lambda r: METHODS.index(r.method))
+
+
+def _result(
+    method: str, doc_tokens: int, runs: list[tuple[float, int, list[int]]], setup: float, per_token: float | None = None
+) -> TTFTResult:
+    return TTFTResult(
+        method, doc_tokens, len(runs[0][2]), [t for t, _, _ in runs], statistics.mean(c for _, c, _ in runs), setup,
+        per_token,
+    )  # fmt: skip
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    lines = [
+        f"# Prompt Cache: time to first token, {report['model']}, {report['dtype']}",
+        "",
+        f"`{report['command']}` on {report['date']}: {m['cpu']}, {m['nproc']} CPUs, torch {m['torch']}, "
+        f"{report['threads']} threads, weights {report['weights']}. {report['workload']}",
+        "",
+        "| document tokens | method | median TTFT (ms) | vs no cache | tokens computed | setup (s) | "
+        "bytes / cached token |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for length in report["lengths"]:
+        rows = [r for r in report["results"] if r["target_tokens"] == length]
+        base = next(r for r in rows if r["method"] == "no cache")["median_ttft_s"]
+        for r in rows:
+            per_token = f"{r['bytes_per_cached_token']:,.0f}" if r["bytes_per_cached_token"] else ""
+            lines.append(
+                f"| {r['document_tokens']:,} | {r['method']} | {r['median_ttft_s'] * 1e3:,.1f} | "
+                f"{base / r['median_ttft_s']:.1f}x | {r['computed_tokens']:.0f} | {r['setup_s']:.2f} | {per_token} |"
+            )
+    return "\n".join(lines) + "\n"
