@@ -48,6 +48,8 @@ def add_eval_parser(sub: argparse._SubParsersAction, add_model_args: Callable) -
                     "less --max-tokens)")  # fmt: skip
     qa.add_argument("--max-tokens", type=int, default=None, help="tokens generated per answer (default: per task)")
     qa.add_argument("--limit", type=int, default=None, help="first N documents only")
+    qa.add_argument("--prompt-cache", action="store_true", help="each document a Prompt Cache module, each "
+                    "question a PML prompt importing it (accuracy against the plain prompts)")  # fmt: skip
     qa.set_defaults(func=cmd_longqa)
 
     needle = evsub.add_parser("needle", help="needle-in-a-haystack retrieval over Austen text, with a heatmap")
@@ -120,9 +122,11 @@ def cmd_longqa(args: argparse.Namespace) -> int:
 
     session = _Session(args)
     results = evaluate_longqa(
-        session.engine(), args.task, context=args.context, max_tokens=args.max_tokens, limit=args.limit
-    )
-    options = {"task": args.task, "context": args.context, "max_tokens": args.max_tokens, "limit": args.limit}
+        session.engine(), args.task, context=args.context, max_tokens=args.max_tokens, limit=args.limit,
+        prompt_cache=args.prompt_cache,
+    )  # fmt: skip
+    options = {"task": args.task, "context": args.context, "max_tokens": args.max_tokens, "limit": args.limit,
+               "prompt_cache": args.prompt_cache}  # fmt: skip
     return session.finish("longqa", args.task, longqa_headline(results), results, options)
 
 
@@ -200,6 +204,7 @@ class _Session:
         if self.args.output is not None:
             return self.args.output.with_suffix(".json")
         suffix = "-hf" if self.backend == "hf" else self._policy_tag("-")
+        suffix += "-prompt-cache" if getattr(self.args, "prompt_cache", False) else ""
         return Path(f"eval-{kind}-{task}-{DTYPE_NAMES[self.config.torch_dtype]}{suffix}.json")
 
     def finish(self, kind: str, task: str, headline: str, results: dict, options: dict) -> int:

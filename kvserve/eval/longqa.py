@@ -42,6 +42,8 @@ from kvserve.eval.metrics import contains_answer, exact_match, mean, mean_stderr
 
 if TYPE_CHECKING:
     from kvserve.engine import LLMEngine
+    from kvserve.outputs import RequestOutput
+    from kvserve.sampling_params import SamplingParams
     from kvserve.tokenizer import Tokenizer
 
 LONGQA_TASKS = ("quality", "natural_question", "topic_retrieval", "meeting", "gov_report")
@@ -199,6 +201,26 @@ def build_prompts(tokenizer: Tokenizer, task: str, document: Document, context: 
     return DocumentPrompts(prompts, len(doc_ids), keep)
 
 
+def pml_prompts(
+    tokenizer: Tokenizer, task: str, document: Document, kept_text: str, name: str
+) -> tuple[str, list[str]]:
+    """Prompt Cache form of a document's chat prompts: a schema whose module is the document (the chat
+    template and instruction before it are the schema's own text) and one PML prompt per question, whose
+    new text is everything after the document. Text is kept exactly (``xml:space="preserve"``)."""
+    from kvserve.prompt_cache.pml import pml_escape
+
+    sentinel = "\x00DOCUMENT\x00"
+    heads, prompts = set(), []
+    for question, gold in zip(document.questions, document.answers, strict=True):
+        message = user_message(task, sentinel, question, gold)
+        head, _, tail = tokenizer.apply_chat_template([{"role": "user", "content": message}]).partition(sentinel)
+        heads.add(head)
+        prompts.append(f'<prompt schema="{name}" xml:space="preserve"><doc/>{pml_escape(tail)}</prompt>')
+    (head,) = heads  # the document comes first in every question's prompt
+    doc = f'<module name="doc">{pml_escape(kept_text)}</module>'
+    return f'<schema name="{name}" xml:space="preserve">{pml_escape(head)}{doc}</schema>', prompts
+
+
 def score_answer(task: str, prediction: str, gold: str) -> dict[str, float]:
     """Every metric of one answer; the task's headline metric (``HEADLINE_METRIC``) is among them."""
     if task == "quality":
@@ -245,11 +267,15 @@ def evaluate_longqa(
     max_tokens: int | None = None,
     limit: int | None = None,
     data_dir: Path = LEVAL,
+    prompt_cache: bool = False,
 ) -> dict[str, object]:
     """Greedy answers to every question of the task's (first ``limit``) documents, scored.
 
     ``context``: prompt tokens at most (default: the engine's ``max_model_len`` less ``max_tokens``);
     ``max_tokens``: tokens generated per answer (default: ``DEFAULT_MAX_TOKENS[task]``).
+    ``prompt_cache``: each (truncated) document is a Prompt Cache module encoded on its own (it does
+    not attend to the instruction before it) and each question a PML prompt importing it, one document
+    at a time (``pml_prompts``); otherwise the plain chat prompts.
     Returns a JSON-serialisable dict; ``questions`` holds one record per question, in question order.
     """
     from kvserve.llm import LLM
@@ -273,7 +299,10 @@ def evaluate_longqa(
     # its first question's full KV blocks in the prefix cache as soon as that question's prefill is scheduled.
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     start = time.perf_counter()
-    outputs = LLM.from_engine(engine).generate(prompts, params, use_tqdm=True)
+    if prompt_cache:
+        outputs = _generate_with_prompt_cache(engine, task, documents, built, params)
+    else:
+        outputs = LLM.from_engine(engine).generate(prompts, params, use_tqdm=True)
     seconds = time.perf_counter() - start
 
     completions = [output.outputs[0] for output in outputs]
@@ -289,6 +318,7 @@ def evaluate_longqa(
     truncated = sum(doc.truncated for doc in built)
     return {
         "task": task,
+        "prompt_cache": prompt_cache,
         "data": str(data_dir / _FILES[task]),
         "metric": key,
         "metric_name": words,
@@ -316,6 +346,28 @@ def evaluate_longqa(
         "seconds": seconds,
         "questions": records,
     }
+
+
+def _generate_with_prompt_cache(
+    engine: LLMEngine, task: str, documents: Sequence[Document], built: Sequence[DocumentPrompts],
+    params: SamplingParams,
+) -> list[RequestOutput]:  # fmt: skip
+    """Per document: register its schema (encoding the document once), answer its questions, remove it."""
+    from kvserve.llm import LLM
+
+    llm, outputs = LLM.from_engine(engine), []
+    for number, (document, prompts) in enumerate(zip(documents, built, strict=True)):
+        kept = document.text if not prompts.truncated else engine.tokenizer.decode(
+            engine.tokenizer.encode(document.text, add_special_tokens=False)[: prompts.kept_tokens]
+        )  # fmt: skip
+        name = f"leval-{task}-{number}"
+        schema, pml = pml_prompts(engine.tokenizer, task, document, kept, name)
+        engine.register_schema(schema)
+        try:
+            outputs += llm.generate(pml, params, use_tqdm=False)
+        finally:
+            engine.prompt_cache.remove(name)
+    return outputs
 
 
 def longqa_headline(results: dict) -> str:

@@ -18,8 +18,9 @@ includes). ``<system>``, ``<user>`` and ``<assistant>`` wrap text in the model's
 
 Whitespace: XML indentation is formatting, not prompt text. A text run between tags that spans lines
 is cleaned: dropped if it is only whitespace, else its leading blank lines and its trailing line break
-(with the whitespace around it) are removed and the rest is dedented. A run within one line is kept as
-written (``of <param/> to`` keeps both spaces). ``xml:space="preserve"`` on an element keeps every
+(with the whitespace around it) are removed and the rest is dedented, except a first line that goes on
+from a tag. A run within one line is kept as written, so ``of <param/> to`` keeps both spaces, also
+with a line break after ``to``. ``xml:space="preserve"`` on an element keeps every
 character of the text inside it (XML's own switch); ``to_pml`` prints that way.
 """
 
@@ -37,6 +38,7 @@ ROLES = ("system", "user", "assistant")
 _RESERVED = frozenset({"schema", "prompt", "module", "param", "union", *ROLES})
 _SPACE = "xml:space"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*\Z")  # an XML name without ':' (imports use it as a tag)
+_MAX_DEPTH = 100  # element nesting: the tree is walked recursively, and deeper could overflow Python's stack
 
 
 class PMLError(KVServeError, ValueError):
@@ -148,9 +150,18 @@ def _parse_xml(text: str) -> _Element:
     parser = xml.parsers.expat.ParserCreate()
     root = _Element("", {}, 0)
     stack = [root]
+    run: list = []  # character data since the last tag: [line, chunk, chunk, ...], joined once (per chunk is quadratic)
+
+    def flush() -> None:
+        if run:
+            stack[-1].children.append(Text("".join(run[1:]), run[0]))
+            run.clear()
 
     def start(tag: str, attrs: dict[str, str]) -> None:
+        flush()
         line = parser.CurrentLineNumber
+        if len(stack) > _MAX_DEPTH:
+            raise PMLError(f"elements are nested more than {_MAX_DEPTH} deep", line)
         space = attrs.pop(_SPACE, None)
         if space not in (None, "preserve", "default"):
             raise PMLError(f'{_SPACE} must be "preserve" or "default", got {space!r}', line)
@@ -160,14 +171,13 @@ def _parse_xml(text: str) -> _Element:
         stack.append(element)
 
     def end(_tag: str) -> None:
+        flush()
         stack.pop()
 
     def data(chunk: str) -> None:
-        children = stack[-1].children
-        if children and isinstance(children[-1], Text):
-            children[-1] = Text(children[-1].text + chunk, children[-1].line)
-        else:
-            children.append(Text(chunk, parser.CurrentLineNumber))
+        if not run:
+            run.append(parser.CurrentLineNumber)
+        run.append(chunk)
 
     parser.StartElementHandler, parser.EndElementHandler, parser.CharacterDataHandler = start, end, data
     try:
@@ -176,6 +186,9 @@ def _parse_xml(text: str) -> _Element:
         raise
     except xml.parsers.expat.ExpatError as error:
         raise PMLError(f"malformed XML: {xml.parsers.expat.ErrorString(error.code)}", error.lineno) from None
+    except UnicodeEncodeError as error:  # a lone surrogate (JSON can carry one): expat reads UTF-8, which has none
+        line = text.count("\n", 0, error.start) + 1
+        raise PMLError(f"character {text[error.start]!r} is not valid Unicode", line) from None
     (element,) = [c for c in root.children if isinstance(c, _Element)]  # expat allows one root only
     return element
 
@@ -186,9 +199,12 @@ def _clean(text: str, preserve: bool) -> str:
         return text
     if not text.strip():
         return ""
-    text = re.sub(r"\A[ \t]*\n(?:[ \t]*\n)*", "", text)
     text = re.sub(r"\n\s*\Z", "", text)
-    return textwrap.dedent(text)
+    blank = re.match(r"[ \t]*\n(?:[ \t]*\n)*", text)
+    if blank:  # the run starts on a line of its own: all of it is indented
+        return textwrap.dedent(text[blank.end() :])
+    first, newline, rest = text.partition("\n")  # the first line goes on from a tag: its spaces are inline
+    return first + newline + textwrap.dedent(rest)
 
 
 def _attrs(element: _Element, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, str]:
@@ -256,7 +272,8 @@ def _schema_node(element: _Element, in_module: bool, in_role: bool) -> object:
         for child in element.children:
             if isinstance(child, Text):
                 if child.text.strip():
-                    raise PMLError(f"<union> holds only <module>s, found text {child.text.strip()[:30]!r}", child.line)
+                    line = child.line + child.text[: len(child.text) - len(child.text.lstrip())].count("\n")
+                    raise PMLError(f"<union> holds only <module>s, found text {child.text.strip()[:30]!r}", line)
             elif child.tag != "module":
                 raise PMLError(f"<union> holds only <module>s, found <{child.tag}>", child.line)
             else:
@@ -332,6 +349,17 @@ def _prompt_children(element: _Element, in_role: bool, in_import: bool) -> tuple
             args = tuple(child.attrs.items())
             nodes.append(Import(child.tag, args, _prompt_children(child, in_role=False, in_import=True), child.line))
     return tuple(nodes)
+
+
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
+
+
+def pml_escape(text: str) -> str:
+    """``text`` as PML character data that parses back to exactly ``text`` under ``xml:space="preserve"``."""
+    bad = _NOT_XML.search(text)
+    if bad:
+        raise PMLError(f"character {bad.group()!r} at offset {bad.start()} cannot appear in XML, so not in PML")
+    return escape(text, {"\r": "&#13;"})
 
 
 def is_pml_prompt(text: object) -> bool:
@@ -420,7 +448,7 @@ def _print(nodes: tuple) -> str:
 
 def _print_node(node: object) -> str:
     if isinstance(node, Text):
-        return escape(node.text, {"\r": "&#13;"})
+        return pml_escape(node.text)
     if isinstance(node, Param):
         return f'<param name={quoteattr(node.name)} len="{node.length}"/>'
     if isinstance(node, Role):

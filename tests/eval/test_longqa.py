@@ -21,6 +21,7 @@ from kvserve.eval.longqa import (
     evaluate_longqa,
     load_documents,
     longqa_headline,
+    pml_prompts,
     score_answer,
     score_predictions,
     user_message,
@@ -222,3 +223,37 @@ def test_quality_on_the_default_model_runs_every_question_within_the_context(def
     # The later questions found the document's KV in the prefix cache.
     assert results["cached_prompt_tokens"] >= (len(records) - 1) * truncation["kept_tokens"] * 0.9
     assert longqa_headline(results).startswith(f"quality option accuracy {results['score']:.4f}")
+
+
+def test_pml_prompts_spell_out_the_plain_chat_prompt(tokenizer):
+    from kvserve.prompt_cache.pml import Import, Module, Text, parse_prompt, parse_schema
+
+    document = Document("A <b> & 'c'\r\nline two.", ("Which letter?", "Why?"), ("(B) b", "(A) a"))
+    schema_text, prompts = pml_prompts(tokenizer, "quality", document, document.text, "doc-0")
+    schema = parse_schema(schema_text)
+    head, module = schema.children
+    assert isinstance(head, Text) and module == Module("doc", (Text(document.text),))
+    for pml, question, gold in zip(prompts, document.questions, document.answers, strict=True):
+        prompt = parse_prompt(pml)
+        imported, tail = prompt.children
+        assert imported == Import("doc") and isinstance(tail, Text)
+        plain = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user_message("quality", document.text, question, gold)}]
+        )
+        assert head.text + document.text + tail.text == plain
+
+
+@needs_data
+@pytest.mark.real_model
+def test_quality_with_prompt_cache_encodes_each_document_once(default_model):
+    from kvserve.config import EngineConfig
+    from kvserve.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(max_model_len=1024, kv_cache_memory="64MiB", swap_space=0), default_model)
+    results = evaluate_longqa(engine, "quality", context=768, max_tokens=8, limit=1, prompt_cache=True)
+    records = results["questions"]
+    assert results["prompt_cache"] and len(records) == len(load_documents("quality", limit=1)[0].questions)
+    assert all(r["score"] in (0.0, 1.0) and 1 <= r["generated_tokens"] <= 8 for r in records)
+    assert engine.prompt_cache.store.stats.encoded_modules == 2  # the instruction and the document, once
+    assert not engine.prompt_cache.names() and engine.kv.pool.num_free == engine.kv.pool.num_blocks
+    assert results["cached_prompt_tokens"] >= len(records) * results["truncation"]["kept_tokens"] * 0.9
