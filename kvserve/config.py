@@ -45,7 +45,7 @@ class EngineConfig:
     recent_ratio: float | None = None  # pyramid: |S_r| share of a layer's budget (0.4); h2o: recent share (0.5)
     # Prompt Cache (kvserve/prompt_cache): where module KV is kept, how much of it, and when it is encoded.
     prompt_cache_tier: str = "device"  # device: blocks of the KV pool; host: CPU memory, copied in on use
-    prompt_cache_memory: str | int = "512MiB"  # LRU-evicted past this (counted out of kv_cache_memory on device)
+    prompt_cache_memory: str | int = "512MiB"  # LRU-evicted past this; on device, at most half of kv_cache_memory
     prompt_cache_encode: str = "eager"  # eager: when a schema is registered; lazy: when a prompt first imports
 
     def __post_init__(self) -> None:

@@ -81,11 +81,15 @@ class LLMEngine:
             ),
             self.kv,
         )
+        # Device-tier modules live in the KV pool: at most half of it, so requests always have room to run.
+        module_budget = config.prompt_cache_bytes
+        if config.prompt_cache_tier == "device":
+            module_budget = min(module_budget, num_blocks * block_bytes // 2)
         self.prompt_cache = PromptCache(
             self.tokenizer, self.max_model_len,
             ModuleStore(
-                self.kv, self.runner, config.prompt_cache_tier, config.prompt_cache_bytes,
-                config.max_num_batched_tokens, block_bytes // config.block_size,
+                self.kv, self.runner, config.prompt_cache_tier, module_budget, config.max_num_batched_tokens,
+                block_bytes // config.block_size,
             ),
             eager=config.prompt_cache_encode == "eager",
         )  # fmt: skip

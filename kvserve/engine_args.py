@@ -48,7 +48,9 @@ def add_prompt_cache_args(parser: argparse.ArgumentParser) -> None:
         help="device: module KV in blocks of the KV cache; host: in CPU memory, copied in when a prompt uses it",
     )  # fmt: skip
     group.add_argument(
-        "--prompt-cache-memory", default="512MiB", help="module KV kept at most (least recently used evicted)"
+        "--prompt-cache-memory",
+        default="512MiB",
+        help="module KV kept at most, least recently used evicted (device tier: at most half of --kv-cache-memory)",
     )
     group.add_argument(
         "--prompt-cache-encode", choices=PROMPT_CACHE_ENCODES, default="eager",

@@ -174,6 +174,12 @@ def test_lru_eviction_under_the_memory_budget_frees_blocks(loaded):
     assert engine.kv.pool.num_free == free and not store.modules
 
 
+def test_device_tier_takes_at_most_half_the_kv_pool(loaded):
+    engine = make_engine(loaded)  # 1 MiB of KV, prompt_cache_memory 512MiB by default
+    assert engine.prompt_cache.store.budget_bytes == engine.kv.pool.num_blocks * engine.kv_block_bytes // 2
+    assert make_engine(loaded, prompt_cache_tier="host").prompt_cache.store.budget_bytes == 512 * 2**20
+
+
 def test_pins_keep_a_removed_module_until_its_request_ends(loaded):
     engine = make_engine(loaded)
     engine.register_schema(SCHEMA)
