@@ -163,7 +163,8 @@ class ModuleStore:
             try:
                 return self.kv.allocate(seq_id, module.token_ids, module.hash_salt)
             except NoFreeBlocksError as error:
-                if not self._evict_one(keep=module, pinned_ok=False):
+                # Only device-tier modules hold blocks while unpinned; evicting host-tier ones frees none.
+                if self.tier == "host" or not self._evict_one(keep=module, pinned_ok=False):
                     raise PromptCacheError(
                         f"no room to load module {module.key[1]!r} ({module.num_tokens} tokens): {error}; "
                         "give the engine more kv_cache_memory or import fewer modules at once"
