@@ -19,6 +19,7 @@ from kvserve.engine import LLMEngine
 from kvserve.models import LoadedModel, load_model
 from kvserve.outputs import RequestOutput
 from kvserve.prompt_cache.pml import PMLError
+from kvserve.prompt_cache.store import PromptCacheError
 from kvserve.sampling_params import SamplingParams
 from tests.prompt_cache.reference import prompt_cache_reference
 from tests.tiny_models import TinySpec, load_hf_model, torch_single_thread, write_tiny_model  # noqa: F401
@@ -172,6 +173,16 @@ def test_lru_eviction_under_the_memory_budget_frees_blocks(loaded):
     assert len(out.outputs[0].token_ids) == 8
     engine.prompt_cache.remove("shop")
     assert engine.kv.pool.num_free == free and not store.modules
+
+
+def test_a_module_larger_than_the_free_pool_is_refused_and_the_schema_not_kept(loaded):
+    engine = make_engine(loaded, kv_cache_memory=make_engine(loaded).kv_block_bytes * 8)  # 32 token slots
+    long_module = " ".join(["the cat sat on the mat"] * 12)
+    with pytest.raises(PromptCacheError, match="no room to load module 'big'"):
+        engine.register_schema(f'<schema name="s"><module name="big">{long_module}</module></schema>')
+    assert engine.prompt_cache.names() == [] and engine.kv.pool.num_free == 8
+    (out,) = run(engine, ["hello world"])
+    assert len(out.outputs[0].token_ids) == 8
 
 
 def test_device_tier_takes_at_most_half_the_kv_pool(loaded):
