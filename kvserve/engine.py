@@ -165,20 +165,21 @@ class LLMEngine:
 
     def _add_pml_request(self, pml_text: str, params: SamplingParams, request_id: str, score_from: int) -> str:
         """A Prompt Cache prompt: its modules' KV pinned for the request's lifetime, the rest computed."""
+        arrival = time.monotonic()  # pinning (and a lazy encoding) is part of the time to first token
         self._check_prompt_cache()
         if params.prompt_logprobs is not None or score_from:
             raise ValueError("prompt_logprobs need every prompt position's logits; a PML prompt computes only its "
                              "uncached tokens (send the prompt as plain text to score it)")  # fmt: skip
         prepared = self.prompt_cache.prepare(pml_text)
         try:
-            return self._queue(request_id, pml_text, prepared.token_ids, params, 0, prepared)
+            return self._queue(request_id, pml_text, prepared.token_ids, params, 0, prepared, arrival)
         except Exception:
             self.prompt_cache.release(prepared.modules)
             raise
 
     def _queue(
         self, request_id: str, text: str | None, ids: list[int], params: SamplingParams, score_from: int,
-        prepared: PreparedPrompt | None = None,
+        prepared: PreparedPrompt | None = None, arrival: float | None = None,
     ) -> str:  # fmt: skip
         self.validate_prompt(ids)
         if params.best_of > self.config.max_num_seqs:
@@ -191,7 +192,8 @@ class LLMEngine:
             raise ValueError(f"score_from={score_from} must be in [0, {len(ids)}) for a prompt of {len(ids)} tokens")
         seq = self._new_sequence(ids, len(ids), params, seed_offset=0)
         cached = {} if prepared is None else {
-            "prompt_positions": tuple(prepared.positions), "prompt_cache": prepared.cached, "cache_salt": prepared.salt
+            "prompt_positions": tuple(prepared.positions), "prompt_cache": prepared.cached, "cache_salt": prepared.salt,
+            "arrival_time": arrival,
         }  # fmt: skip
         request = Request(request_id, text, ids, params, [seq], kv_policy=policy, score_from=score_from, **cached)
         if prepared is not None:
