@@ -74,7 +74,7 @@ class KVUsage:
 class _GroupTable:
     blocks: list[Block]
     num_slots: int
-    hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, as far as known
+    hashes: list[int | None] = field(default_factory=list)  # chained hashes of full blocks, as far as known
     num_cached: int = 0  # leading blocks already offered to the pool's hash map
 
     def copy(self) -> _GroupTable:
@@ -143,8 +143,8 @@ class KVCacheManager:
         already computed (whole blocks, never the last token). ``extra`` salts the hashes (LoRA, modules).
 
         ``shared``: full device blocks another holder keeps (Prompt Cache modules) that become this
-        sequence's first blocks as they are; they count as computed, are never hashed for this sequence,
-        and prefix hits are looked up after them. One KV group only."""
+        sequence's first blocks as they are; they count as computed and are not hashed: the hash chain
+        starts after them, so ``extra`` must identify what they hold. One KV group only."""
         if seq_id in self._seqs:
             raise KVCacheError(f"sequence {seq_id} already has KV blocks; free it before allocating again")
         if not token_ids:
@@ -187,12 +187,15 @@ class KVCacheManager:
     def _lookup(
         self, token_ids: Sequence[int], extra: tuple, skip: int = 0
     ) -> tuple[list[list[int]], list[list[Block]]]:
-        """Per group: the hashes of all full prompt blocks, and the cached blocks of the longest hit
-        after the first ``skip`` blocks."""
+        """Per group: the hashes of all full prompt blocks, and the cached blocks of the longest hit.
+        The first ``skip`` blocks (shared as they are) get no hash (None); the chain starts after them."""
         if not self.enable_prefix_caching:
             return [[] for _ in self.groups], [[] for _ in self.groups]
         max_hit = (len(token_ids) - 1) // self.block_size
-        hashes = [hash_prompt_blocks(token_ids, self.block_size, (g, *extra)) for g in range(len(self.groups))]
+        rest = token_ids[skip * self.block_size :]
+        hashes = [
+            [None] * skip + hash_prompt_blocks(rest, self.block_size, (g, *extra)) for g in range(len(self.groups))
+        ]
         hits = []
         for group_hashes in hashes:
             blocks = []
@@ -299,7 +302,8 @@ class KVCacheManager:
 
     def _register(self, table: _GroupTable, num_full: int) -> None:
         for i in range(table.num_cached, num_full):
-            self.pool.cache(table.blocks[i], table.hashes[i])
+            if table.hashes[i] is not None:  # shared leading blocks have none
+                self.pool.cache(table.blocks[i], table.hashes[i])
         table.num_cached = max(table.num_cached, num_full)
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:

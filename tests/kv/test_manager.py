@@ -379,3 +379,34 @@ def test_per_group_reserve_and_shrink_return_blocks() -> None:
         kv.shrink(7, 0, 5)
     kv.free(7)
     assert kv.pool.num_free == 20
+
+
+def test_shared_leading_blocks_are_taken_as_they_are_and_hits_follow_them():
+    m = _manager()
+    m.allocate(-1, list(range(8)))  # a holder of two full blocks (a Prompt Cache module)
+    module = m.block_table(-1)
+    prompt = list(range(8)) + [50, 51, 52, 53, 54]
+    assert m.can_allocate(len(prompt), prompt, ("p",), shared=module) == AllocationStatus.OK
+    assert m.allocate(1, prompt, ("p",), shared=module) == 8  # the shared blocks count as computed
+    table = m.block_table(1)
+    assert table[:2] == module and _refs(m, module) == [2, 2] and len(table) == 4
+    m.cache_full_blocks(1, prompt)
+    m.free(1)
+    assert _refs(m, module) == [1, 1]  # the holder keeps them
+    # The same prompt again: the blocks after the shared ones hit (hashes chain from the salt, not the module).
+    assert m.allocate(2, prompt + [55, 56], ("p",), shared=module) == 12
+    assert m.block_table(2)[2] == table[2]
+    assert m.allocate(3, prompt + [55, 56], ("q",), shared=module) == 8  # another salt: no hit
+
+
+def test_shared_blocks_must_be_held_and_fit_the_sequence():
+    m = _manager()
+    with pytest.raises(KVCacheError, match=r"shared blocks \[0\] are free"):
+        m.allocate(1, list(range(6)), shared=[0])
+    m.allocate(-1, list(range(8)))
+    with pytest.raises(KVCacheError, match="hold more than the sequence's 6 tokens"):
+        m.allocate(1, list(range(6)), shared=m.block_table(-1))
+    grouped = _manager(groups=[KVGroupSpec((0,)), KVGroupSpec((1,))])
+    grouped.allocate(-1, list(range(4)))
+    with pytest.raises(KVCacheError, match="single KV group"):
+        grouped.allocate(1, list(range(6)), shared=grouped.block_table(-1)[:1])
