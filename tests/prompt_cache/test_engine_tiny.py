@@ -142,6 +142,22 @@ def test_outputs_are_the_same_from_device_tier_host_tier_lazy_and_with_prefix_hi
         assert [o.outputs[0].token_ids for o in run(engine, prompts)] == expected, options
 
 
+def test_pml_and_plain_requests_share_batches_and_keep_their_solo_outputs(loaded):
+    prompts = [MULTI, "the cat sat on the mat", '<prompt schema="shop"><doc/> tell me</prompt>', "hello world"]
+    engine = make_engine(loaded, max_num_batched_tokens=16)  # chunked prefills interleave with decodes
+    engine.register_schema(SCHEMA)
+    solo = [run(engine, [p])[0].outputs[0].token_ids for p in prompts]
+    steps = []
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        steps.append(len(outputs))
+        done |= {o.request_id: o for o in outputs if o.finished}
+    assert max(steps) > 1  # requests ran side by side
+    assert [done[i].outputs[0].token_ids for i in ids] == solo
+
+
 def test_lazy_encoding_waits_for_first_use(loaded):
     engine = make_engine(loaded, prompt_cache_encode="lazy")
     info = engine.register_schema(SCHEMA)
