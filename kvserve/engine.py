@@ -28,7 +28,7 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.policies import KVPolicy, make_policy
 from kvserve.prompt_cache.cache import PreparedPrompt, PromptCache
 from kvserve.prompt_cache.pml import is_pml_prompt
-from kvserve.prompt_cache.store import ModuleStore
+from kvserve.prompt_cache.store import CachedModule, ModuleStore
 from kvserve.request import Request, Sequence
 from kvserve.runner import ModelRunner
 from kvserve.sampler import SampledToken, SampleRow, make_generator, sample_batch
@@ -95,7 +95,7 @@ class LLMEngine:
         )  # fmt: skip
         self.requests: dict[str, Request] = {}
         self._seqs: dict[int, tuple[Request, Sequence]] = {}
-        self._pinned_modules: dict[str, list] = {}  # request id -> Prompt Cache modules it pins
+        self._pinned_modules: dict[str, list[CachedModule]] = {}  # request id -> Prompt Cache modules it pins
         self._pending_beams: dict[str, dict[int, torch.Tensor]] = {}  # request -> beam -> logits row
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
