@@ -389,7 +389,7 @@ def _imports(children: tuple) -> list[Import]:
 
 def _check_imports(imports: list[Import], parent: Module, imported: set[str]) -> None:
     allowed = parent.submodules()
-    unions = {member.name: node for node in _own_nodes_with_unions(parent.children) for member in node.members}
+    unions = {member.name: node for node in _unions_in(parent.children) for member in node.members}
     chosen: dict[int, str] = {}
     for imp in imports:
         module = allowed.get(imp.name)
@@ -409,11 +409,12 @@ def _check_imports(imports: list[Import], parent: Module, imported: set[str]) ->
         _check_imports(_imports(imp.children), module, imported)
 
 
-def _own_nodes_with_unions(children: tuple) -> list[Union]:
+def _unions_in(children: tuple) -> list[Union]:
+    """A module's own unions (role tags looked through, nested modules not entered)."""
     unions = []
     for node in children:
         if isinstance(node, Role):
-            unions += _own_nodes_with_unions(node.children)
+            unions += _unions_in(node.children)
         elif isinstance(node, Union):
             unions.append(node)
     return unions
