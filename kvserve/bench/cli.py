@@ -109,7 +109,12 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     pc.add_argument("--lengths", default="1024,2048,4096,8000", help="document lengths in tokens")
     pc.add_argument("--questions", type=int, default=3, help="measured questions per length (one more warms up)")
     pc.add_argument("--kv-cache-memory", default="1GiB", help="KV cache of each engine")
-    pc.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/prompt_cache/ttft)")
+    pc.add_argument(
+        "--layout", choices=("prefix", "behind-parameter"), default="prefix",
+        help="prefix: the document leads every prompt; behind-parameter: a per-request reader name comes first",
+    )  # fmt: skip
+    pc.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/prompt_cache/ttft, "
+                    "ttft-behind-parameter)")  # fmt: skip
     pc.set_defaults(func=cmd_bench_prompt_cache)
 
     srv = bench_sub.add_parser("serve", help="load generator against any OpenAI-compatible server (streaming)")
@@ -651,17 +656,19 @@ def cmd_bench_prompt_cache(args: argparse.Namespace) -> int:
     results = []
     for tokens in lengths:
         log(f"bench prompt-cache: {tokens}-token document, {len(questions) - 1} questions measured")
-        results += [{"target_tokens": tokens, **r.as_dict()} for r in run_length(loaded, options, tokens, text_ids,
-                                                                                 questions, log)]  # fmt: skip
+        runs = run_length(loaded, options, tokens, text_ids, questions, args.layout, log)
+        results += [{"target_tokens": tokens, **r.as_dict()} for r in runs]
     report = new_report(
         "prompt-cache", model=loaded.path.name, dtype=args.dtype, weights=args.weights,
-        threads=torch.get_num_threads(), lengths=lengths, results=results,
+        threads=torch.get_num_threads(), lengths=lengths, layout=args.layout, results=results,
         workload=(
-            f"L-Eval QuALITY stories cut to each length as one module, {len(questions) - 1} questions as new text, "
-            "one request at a time, TTFT = arrival to first token (median); max_num_batched_tokens 2048"
+            f"L-Eval QuALITY stories cut to each length as one module, {len(questions) - 1} questions as new text"
+            + (", behind a reader module whose name parameter differs per request" if args.layout != "prefix" else "")
+            + ", one request at a time, TTFT = arrival to first token (median); max_num_batched_tokens 2048"
         ),
     )  # fmt: skip
-    out = Path(args.output or "benchmarks/prompt_cache/ttft")
+    default = "ttft" if args.layout == "prefix" else f"ttft-{args.layout}"
+    out = Path(args.output or f"benchmarks/prompt_cache/{default}")
     write_report(out, report, markdown(report))
     plot_prompt_cache(report, out.with_suffix(".png"))
     return 0

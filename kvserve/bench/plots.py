@@ -193,7 +193,9 @@ def plot_prompt_cache(report: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("document tokens (the module)")
     ax.set_ylabel("median time to first token (ms)")
-    ax.set_title(f"Prompt Cache TTFT, {report['model']}, {report['dtype']}, {report['threads']} threads", fontsize=10)
+    layout = report.get("layout", "prefix")
+    ax.set_title(f"Prompt Cache TTFT ({layout}), {report['model']}, {report['dtype']}, {report['threads']} threads",
+                 fontsize=10)  # fmt: skip
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()

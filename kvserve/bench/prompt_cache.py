@@ -2,8 +2,11 @@
 
 The workload is the paper's long-document one: an L-Eval document (QuALITY stories, concatenated and
 cut to N tokens) is a schema's module, and each request imports it and asks one question as new
-text. Per document length, each method gets its own engine over the same loaded model and answers
-the same questions with the same token ids (those of the Prompt Cache prompt), one request at a time:
+text. With ``layout="behind-parameter"`` a short module with a per-request parameter (the reader's
+name) comes before the document, as a personalised prompt would: the plain prompts then differ from
+their first block on. Per document length, each method gets its own engine over the same loaded model
+and answers the same questions with the same token ids (the Prompt Cache prompt's tokens in position
+order), one request at a time:
 
 - ``no cache``: prefix caching off, every prompt computed from scratch;
 - ``prefix cache``: automatic prefix caching, warmed by one question first (the document is the
@@ -32,6 +35,8 @@ from kvserve.models.loader import LoadedModel
 from kvserve.sampling_params import SamplingParams
 
 METHODS = ("no cache", "prefix cache", "prompt cache (device)", "prompt cache (host)")
+LAYOUTS = ("prefix", "behind-parameter")
+READERS = ("Ada", "Grace Hopper", "Alan", "Edsger W. Dijkstra", "Barbara", "Ken Thompson", "Frances", "Donald")
 _FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
 
 
@@ -64,13 +69,25 @@ def leval_text_and_questions(limit_questions: int) -> tuple[str, list[str]]:
     return "\n\n".join(text), questions[:limit_questions]
 
 
-def schema_and_prompts(name: str, document: str, questions: list[str]) -> tuple[str, list[str]]:
-    """The document as the schema's one module; each question as new text after it (text kept exactly)."""
-    schema = f'<schema name="{name}" xml:space="preserve"><module name="doc">{escape(document)}</module></schema>'
-    prompts = [
-        f'<prompt schema="{name}" xml:space="preserve"><doc/>{escape(question_text(q))}</prompt>' for q in questions
-    ]
+def schema_and_prompts(name: str, document: str, questions: list[str], layout: str) -> tuple[str, list[str]]:
+    """The document as a module; each question as new text after it (text kept exactly). ``behind-parameter``:
+    a ``reader`` module with a ``name`` parameter first, a different reader per question."""
+    head = '<module name="reader">Reader: <param name="name" len="8"/>.\n\n</module>' if layout != "prefix" else ""
+    doc = f'<module name="doc">{escape(document)}</module>'
+    schema = f'<schema name="{name}" xml:space="preserve">{head}{doc}</schema>'
+    prompts = []
+    for i, question in enumerate(questions):
+        reader = f'<reader name="{READERS[i % len(READERS)]}"/>' if layout != "prefix" else ""
+        prompts.append(f'<prompt schema="{name}" xml:space="preserve">{reader}<doc/>{escape(question_text(question))}'
+                       "</prompt>")  # fmt: skip
     return schema, prompts
+
+
+def plain_token_ids(engine: LLMEngine, pml: str) -> list[int]:
+    """The PML prompt's tokens in position order: what the same request would send without Prompt Cache."""
+    prepared = engine.prompt_cache.prepare(pml)
+    engine.prompt_cache.release(prepared.modules)
+    return [t for _, t in sorted(zip(prepared.positions, prepared.token_ids, strict=True))]
 
 
 def question_text(question: str) -> str:
@@ -95,12 +112,12 @@ def warm_up(loaded: LoadedModel, options: dict, text_ids: list[int]) -> None:
 
 
 def run_length(
-    loaded: LoadedModel, options: dict, tokens: int, text_ids: list[int], questions: list[str],
+    loaded: LoadedModel, options: dict, tokens: int, text_ids: list[int], questions: list[str], layout: str,
     log: Callable[[str], None],
 ) -> list[TTFTResult]:  # fmt: skip
     """Every method at one document length; ``questions[0]`` warms the prefix cache, the rest are measured."""
     document = loaded.tokenizer.decode(text_ids[:tokens])
-    schema, prompts = schema_and_prompts(f"leval-{tokens}", document, questions)
+    schema, prompts = schema_and_prompts(f"leval-{tokens}", document, questions, layout)
     results, token_ids = [], []
     for tier in ("device", "host"):
         engine = LLMEngine(EngineConfig(**options, prompt_cache_tier=tier), loaded)
@@ -108,17 +125,17 @@ def run_length(
         info = engine.register_schema(schema)
         setup = time.perf_counter() - start
         runs = [time_to_first_token(engine, p) for p in prompts[1:]]
-        token_ids = [ids for _, _, ids in runs]
+        token_ids = [plain_token_ids(engine, p) for p in prompts]
         store = engine.prompt_cache.store
-        per_token = store.memory_bytes() / info["modules"]["doc"]["tokens"]
+        per_token = store.memory_bytes() / sum(m["tokens"] for m in info["modules"].values())
         results.append(_result(f"prompt cache ({tier})", info["modules"]["doc"]["tokens"], runs, setup, per_token))
     doc_tokens = results[0].document_tokens
     engine = LLMEngine(EngineConfig(**options, enable_prefix_caching=True), loaded)
-    warm_ids = token_ids[0][:doc_tokens] + loaded.tokenizer.encode(question_text(questions[0]), False)
-    setup = time_to_first_token(engine, warm_ids)[0]
-    results.append(_result("prefix cache", doc_tokens, [time_to_first_token(engine, ids) for ids in token_ids], setup))
+    setup = time_to_first_token(engine, token_ids[0])[0]
+    results.append(_result("prefix cache", doc_tokens, [time_to_first_token(engine, ids) for ids in token_ids[1:]],
+                           setup))  # fmt: skip
     engine = LLMEngine(EngineConfig(**options, enable_prefix_caching=False), loaded)
-    results.append(_result("no cache", doc_tokens, [time_to_first_token(engine, ids) for ids in token_ids], 0.0))
+    results.append(_result("no cache", doc_tokens, [time_to_first_token(engine, ids) for ids in token_ids[1:]], 0.0))
     for r in results:
         log(f"  {tokens} tokens, {r.method}: median TTFT {r.median_ttft_s * 1e3:.1f} ms, "
             f"{r.computed_tokens:.0f} tokens computed")  # fmt: skip
@@ -137,7 +154,7 @@ def _result(
 def markdown(report: dict) -> str:
     m = report["machine"]
     lines = [
-        f"# Prompt Cache: time to first token, {report['model']}, {report['dtype']}",
+        f"# Prompt Cache: time to first token ({report['layout']}), {report['model']}, {report['dtype']}",
         "",
         f"`{report['command']}` on {report['date']}: {m['cpu']}, {m['nproc']} CPUs, torch {m['torch']}, "
         f"{report['threads']} threads, weights {report['weights']}. {report['workload']}",
