@@ -69,10 +69,13 @@ def leval_text_and_questions(limit_questions: int) -> tuple[str, list[str]]:
     return "\n\n".join(text), questions[:limit_questions]
 
 
-def schema_and_prompts(name: str, document: str, questions: list[str], layout: str) -> tuple[str, list[str]]:
+def schema_and_prompts(
+    name: str, document: str, questions: list[str], layout: str, name_tokens: int = 8
+) -> tuple[str, list[str]]:
     """The document as a module; each question as new text after it (text kept exactly). ``behind-parameter``:
-    a ``reader`` module with a ``name`` parameter first, a different reader per question."""
-    head = '<module name="reader">Reader: <param name="name" len="8"/>.\n\n</module>' if layout != "prefix" else ""
+    a ``reader`` module with a ``name`` parameter of ``name_tokens`` first, a different reader per question."""
+    head = f'<module name="reader">Reader: <param name="name" len="{name_tokens}"/>.\n\n</module>'
+    head = head if layout != "prefix" else ""
     doc = f'<module name="doc">{escape(document)}</module>'
     schema = f'<schema name="{name}" xml:space="preserve">{head}{doc}</schema>'
     prompts = []
@@ -117,7 +120,8 @@ def run_length(
 ) -> list[TTFTResult]:  # fmt: skip
     """Every method at one document length; ``questions[0]`` warms the prefix cache, the rest are measured."""
     document = loaded.tokenizer.decode(text_ids[:tokens])
-    schema, prompts = schema_and_prompts(f"leval-{tokens}", document, questions, layout)
+    name_tokens = max(8, *(len(loaded.tokenizer.encode(r, add_special_tokens=False)) for r in READERS))
+    schema, prompts = schema_and_prompts(f"leval-{tokens}", document, questions, layout, name_tokens)
     results, token_ids = [], []
     for tier in ("device", "host"):
         engine = LLMEngine(EngineConfig(**options, prompt_cache_tier=tier), loaded)
