@@ -378,6 +378,7 @@ class AsyncEngine:
         if self.metrics is None:
             return
         scheduler, usage = self.engine.scheduler, self.engine.kv_usage()
+        store = self.engine.prompt_cache.store
         self.metrics.observe_engine(
             EngineSnapshot(
                 num_running=len(scheduler.running),
@@ -387,6 +388,10 @@ class AsyncEngine:
                 prefix_query_tokens=usage.prefix_query_tokens,
                 prefix_hit_tokens=usage.prefix_hit_tokens,
                 num_preemptions=scheduler.num_preemptions,
+                prompt_cache_modules=len(store.modules),
+                prompt_cache_bytes=store.memory_bytes(),
+                prompt_cache_encoded_tokens=store.stats.encoded_tokens,
+                prompt_cache_evictions=store.stats.evictions,
             )
         )
 

@@ -38,6 +38,10 @@ class EngineSnapshot:
     prefix_query_tokens: int
     prefix_hit_tokens: int
     num_preemptions: int
+    prompt_cache_modules: int = 0  # Prompt Cache modules stored
+    prompt_cache_bytes: int = 0  # their KV in their tier
+    prompt_cache_encoded_tokens: int = 0  # cumulative: module tokens prefilled to encode them
+    prompt_cache_evictions: int = 0  # cumulative
 
 
 class ServerMetrics:
@@ -66,6 +70,12 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced a first token.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.num_preemptions = counter("num_preemptions", "Preemptions of running requests.")
+        self.prompt_cache_modules = gauge("prompt_cache_modules", "Prompt Cache modules stored (encoded or not).")
+        self.prompt_cache_bytes = gauge("prompt_cache_bytes", "Bytes of Prompt Cache module KV in its tier.")
+        self.prompt_cache_encoded_tokens = counter(
+            "prompt_cache_encoded_tokens", "Module tokens prefilled to encode Prompt Cache modules."
+        )
+        self.prompt_cache_evictions = counter("prompt_cache_evictions", "Prompt Cache modules evicted (LRU).")
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Time from arrival to the first generated token.", TTFT_BUCKETS
         )
@@ -94,6 +104,12 @@ class ServerMetrics:
         self.prefix_cache_queries.inc(max(0, snap.prefix_query_tokens - last.prefix_query_tokens))
         self.prefix_cache_hits.inc(max(0, snap.prefix_hit_tokens - last.prefix_hit_tokens))
         self.num_preemptions.inc(max(0, snap.num_preemptions - last.num_preemptions))
+        self.prompt_cache_modules.set(snap.prompt_cache_modules)
+        self.prompt_cache_bytes.set(snap.prompt_cache_bytes)
+        self.prompt_cache_encoded_tokens.inc(
+            max(0, snap.prompt_cache_encoded_tokens - last.prompt_cache_encoded_tokens)
+        )
+        self.prompt_cache_evictions.inc(max(0, snap.prompt_cache_evictions - last.prompt_cache_evictions))
         self._last = snap
 
     def on_first_token(self, ttft: float, num_prompt_tokens: int) -> None:

@@ -56,6 +56,23 @@ def test_schema_routes_register_list_get_and_delete(server):
     assert httpx.delete(server.base_url + "/schemas/trip").status_code == 404
 
 
+def test_metrics_count_modules_their_bytes_and_encoded_tokens(server):
+    httpx.delete(server.base_url + "/schemas/trip")
+    before = server.metrics()
+    body = post_schema(server, SCHEMA.replace('"trip"', '"metered"')).json()  # a new name: nothing cached yet
+    prompt = PROMPT.replace('"trip"', '"metered"')
+    server.client().completions.create(model=TINY_NAME, prompt=prompt, max_tokens=1)  # metrics refresh after a step
+    after = server.metrics()
+    stored = [m for m in body["modules"].values() if m["tokens"]]
+    assert after["kvserve:prompt_cache_modules"] == len(stored)
+    store = server.engine.engine.prompt_cache.store
+    assert after["kvserve:prompt_cache_bytes"] == store.memory_bytes() > 0
+    encoded = after["kvserve:prompt_cache_encoded_tokens_total"] - before.get(
+        "kvserve:prompt_cache_encoded_tokens_total", 0
+    )
+    assert encoded == sum(m["tokens"] for m in stored)
+
+
 def test_pml_completion_and_chat_equal_the_offline_engine(server, tiny_folder, tiny_loaded):
     assert post_schema(server, SCHEMA).status_code == 200
     client = server.client()
