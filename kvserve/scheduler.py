@@ -192,13 +192,13 @@ class Scheduler:
         if cached is None:
             return self.kv.allocate(seq.seq_id, seq.token_ids, request.cache_salt)
         computed = self.kv.allocate(seq.seq_id, seq.token_ids, request.cache_salt, cached.shared_blocks)
-        bs = self.kv.block_size
-        lead = len(cached.shared_blocks) * bs
-        table = self.kv.block_table(seq.seq_id)
-        for i, src in enumerate(cached.tail_slots, start=lead):
-            if i >= computed:  # a prefix hit past the shared blocks holds the copy already
-                step.slot_copies.append((src, table[i // bs] * bs + i % bs))
-        return max(computed, lead + len(cached.tail_slots))
+        lead = len(cached.shared_blocks) * self.kv.block_size
+        end = lead + len(cached.tail_slots)
+        # A prefix hit past the shared blocks holds the copy already: copy only the tail slots after it.
+        first = max(lead, computed)
+        dst = self.kv.slots(seq.seq_id, first, end)
+        step.slot_copies += zip(cached.tail_slots[first - lead :], dst, strict=True)
+        return max(computed, end)
 
     def _admission(self, request: Request) -> AllocationStatus:
         """Whether all of a waiting request's sequences can get blocks now, later, or never."""

@@ -375,6 +375,11 @@ class KVCacheManager:
     def block_table(self, seq_id: int, group: int = 0) -> list[int]:
         return [block.block_id for block in self._resident(seq_id).tables[self._group_index(group)].blocks]
 
+    def slots(self, seq_id: int, start: int, end: int, group: int = 0) -> list[int]:
+        """Device slots (``block * block_size + offset``) of the sequence's tokens ``start .. end - 1``."""
+        table, bs = self.block_table(seq_id, group), self.block_size
+        return [table[i // bs] * bs + i % bs for i in range(start, end)]
+
     def num_slots(self, seq_id: int, group: int = 0) -> int:
         return self._get(seq_id).tables[self._group_index(group)].num_slots
 

@@ -133,11 +133,9 @@ class ModuleStore:
         if self.modules.get(module.key) is module:
             self.modules.move_to_end(module.key)
         self._enforce_budget(keep=module)
-        table = self.kv.block_table(module.seq_id)
-        bs = self.kv.block_size
-        num_full = module.num_tokens // bs
-        tail = tuple(table[i // bs] * bs + i % bs for i in range(num_full * bs, module.num_tokens))
-        return ModuleBlocks(module, tuple(table[:num_full]), tail)
+        num_full = module.num_tokens // self.kv.block_size
+        tail = self.kv.slots(module.seq_id, num_full * self.kv.block_size, module.num_tokens)
+        return ModuleBlocks(module, tuple(self.kv.block_table(module.seq_id)[:num_full]), tuple(tail))
 
     def unpin(self, module: CachedModule) -> None:
         module.pins -= 1
@@ -189,7 +187,7 @@ class ModuleStore:
         """Host tier: take the freshly encoded KV out of the device blocks."""
         if self.tier != "host" or module.host_kv is not None:
             return
-        k, v = self.runner.cache.read_slots(self._slots(module))
+        k, v = self.runner.cache.read_slots(self.kv.slots(module.seq_id, 0, module.num_tokens))
         pin = k.is_cuda
         module.host_kv = (k.to("cpu").pin_memory() if pin else k, v.to("cpu").pin_memory() if pin else v)
         if module.pins == 0:
@@ -197,13 +195,10 @@ class ModuleStore:
 
     def _copy_in(self, module: CachedModule, computed: int) -> None:
         k, v = module.host_kv
-        self.runner.cache.write_slots(self._slots(module)[computed:], k[:, computed:], v[:, computed:])
+        slots = self.kv.slots(module.seq_id, computed, module.num_tokens)
+        self.runner.cache.write_slots(slots, k[:, computed:], v[:, computed:])
         self.kv.cache_full_blocks(module.seq_id, module.token_ids)
         self.stats.host_copies += 1
-
-    def _slots(self, module: CachedModule) -> list[int]:
-        table, bs = self.kv.block_table(module.seq_id), self.kv.block_size
-        return [table[i // bs] * bs + i % bs for i in range(module.num_tokens)]
 
     def _drop_device(self, module: CachedModule) -> None:
         if module.seq_id is not None:

@@ -410,3 +410,11 @@ def test_shared_blocks_must_be_held_and_fit_the_sequence():
     grouped.allocate(-1, list(range(4)))
     with pytest.raises(KVCacheError, match="single KV group"):
         grouped.allocate(1, list(range(6)), shared=grouped.block_table(-1)[:1])
+
+
+def test_slots_follow_the_block_table():
+    m = _manager()
+    m.allocate(-1, list(range(4)))  # takes block 0, so the next sequence's table starts at block 1
+    m.allocate(1, list(range(6)))
+    assert m.block_table(1) == [1, 2]
+    assert m.slots(1, 2, 6) == [6, 7, 8, 9]  # block 1 offsets 2-3, then block 2 offsets 0-1
