@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 
 from kvserve.prompt_cache.pml import PMLError, parse_prompt, parse_schema
+from kvserve.prompt_cache.roles import RoleFrames
 from kvserve.prompt_cache.schema import SchemaLayout
 from kvserve.prompt_cache.store import CachedModule, ModuleBlocks, ModuleStore
 from kvserve.request import CachedPrompt
@@ -51,6 +53,11 @@ class PromptCache:
         self.tokenizer, self.max_model_len, self.store, self.eager = tokenizer, max_model_len, store, eager
         self._schemas: dict[str, _Registered] = {}
 
+    @cached_property
+    def frames(self) -> RoleFrames | None:
+        """The chat template's role framing, rendered once (on first use: a template it cannot cut raises then)."""
+        return RoleFrames.from_tokenizer(self.tokenizer)
+
     # ----- schemas -----
 
     def register(self, pml_text: str) -> SchemaInfo:
@@ -62,7 +69,7 @@ class PromptCache:
             if known.text == pml_text:
                 return self.info(schema.name)
             raise PMLError(f"a different schema named {schema.name!r} is registered; delete it first", schema.line)
-        layout = SchemaLayout.build(schema, self.tokenizer, self.max_model_len)
+        layout = SchemaLayout.build(schema, self.tokenizer, self.frames, self.max_model_len)
         self._schemas[schema.name] = _Registered(pml_text, layout)
         try:
             for name, module in layout.modules.items():
@@ -106,7 +113,7 @@ class PromptCache:
         registered = self._schemas.get(prompt.schema)
         if registered is None:
             raise PMLError(f"unknown schema {prompt.schema!r}; registered: {sorted(self._schemas)}", prompt.line)
-        layout = registered.layout.bind(prompt, self.tokenizer, self.max_model_len)
+        layout = registered.layout.bind(prompt, self.tokenizer, self.frames, self.max_model_len)
         pinned: list[ModuleBlocks] = []
         try:
             for name in layout.modules:

@@ -62,8 +62,11 @@ class SchemaLayout:
     length: int  # positions the schema spans; a prompt's new text starts here
 
     @classmethod
-    def build(cls, schema: Schema, tokenizer: Tokenizer, max_model_len: int | None = None) -> SchemaLayout:
-        builder = _LayoutBuilder(tokenizer, RoleFrames.from_tokenizer(tokenizer))
+    def build(
+        cls, schema: Schema, tokenizer: Tokenizer, frames: RoleFrames | None, max_model_len: int | None = None
+    ) -> SchemaLayout:
+        """``frames``: ``RoleFrames.from_tokenizer(tokenizer)`` (None: the model has no chat template)."""
+        builder = _LayoutBuilder(tokenizer, frames)
         root = ModuleLayout("", 0)
         if tokenizer.add_bos_token and tokenizer.bos_token_id is not None:
             builder.add_tokens(root, [tokenizer.bos_token_id])
@@ -78,10 +81,12 @@ class SchemaLayout:
             )
         return cls(schema, modules, builder.cursor)
 
-    def bind(self, prompt: Prompt, tokenizer: Tokenizer, max_model_len: int | None = None) -> PromptLayout:
+    def bind(
+        self, prompt: Prompt, tokenizer: Tokenizer, frames: RoleFrames | None, max_model_len: int | None = None
+    ) -> PromptLayout:
         """The modules a prompt imports and its uncached tokens with their positions."""
         check_prompt(prompt, self.schema)
-        binder = _PromptBinder(self, tokenizer, RoleFrames.from_tokenizer(tokenizer))
+        binder = _PromptBinder(self, tokenizer, frames)
         binder.walk(prompt.children)
         if binder.last_role == "user":
             binder.add_text(binder.frames.generation_prompt)
