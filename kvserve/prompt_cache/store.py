@@ -99,7 +99,8 @@ class ModuleStore:
         self.modules[key] = module
         if encode:
             self._ensure_device(module)
-            self._settle(module)
+            if self.tier == "host":  # unpinned: the host copy is all that stays
+                self._drop_device(module)
             self._enforce_budget(keep=module)
         return module
 
@@ -119,7 +120,7 @@ class ModuleStore:
         if self.tier == "host":
             return module.num_tokens * self.token_bytes if module.host_kv is not None else 0
         block_bytes = self.token_bytes * self.kv.block_size
-        return len(self.kv.block_table(module.seq_id)) * block_bytes if module.seq_id is not None else 0
+        return self.kv.blocks_for(module.num_tokens) * block_bytes if module.seq_id is not None else 0
 
     # ----- use by requests -----
 
@@ -182,16 +183,10 @@ class ModuleStore:
             self.kv.cache_full_blocks(module.seq_id, module.token_ids[:end])
         self.stats.encoded_modules += 1
         self.stats.encoded_tokens += module.num_tokens - computed
-
-    def _settle(self, module: CachedModule) -> None:
-        """Host tier: take the freshly encoded KV out of the device blocks."""
-        if self.tier != "host" or module.host_kv is not None:
-            return
-        k, v = self.runner.cache.read_slots(self.kv.slots(module.seq_id, 0, module.num_tokens))
-        pin = k.is_cuda
-        module.host_kv = (k.to("cpu").pin_memory() if pin else k, v.to("cpu").pin_memory() if pin else v)
-        if module.pins == 0:
-            self._drop_device(module)
+        if self.tier == "host":  # the host tier keeps a copy of what was just encoded
+            k, v = self.runner.cache.read_slots(self.kv.slots(module.seq_id, 0, module.num_tokens))
+            pin = k.is_cuda
+            module.host_kv = (k.to("cpu").pin_memory() if pin else k, v.to("cpu").pin_memory() if pin else v)
 
     def _copy_in(self, module: CachedModule, computed: int) -> None:
         k, v = module.host_kv
@@ -208,8 +203,6 @@ class ModuleStore:
     # ----- eviction -----
 
     def _enforce_budget(self, keep: CachedModule) -> None:
-        if self.tier == "host":
-            self._settle(keep)
         while self.memory_bytes() > self.budget_bytes and self._evict_one(keep):
             pass
 
