@@ -26,12 +26,12 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from xml.sax.saxutils import escape
 
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine
 from kvserve.eval.data import LEVAL, require
 from kvserve.models.loader import LoadedModel
+from kvserve.prompt_cache.pml import pml_escape
 from kvserve.sampling_params import SamplingParams
 
 METHODS = ("no cache", "prefix cache", "prompt cache (device)", "prompt cache (host)")
@@ -76,13 +76,13 @@ def schema_and_prompts(
     a ``reader`` module with a ``name`` parameter of ``name_tokens`` first, a different reader per question."""
     head = f'<module name="reader">Reader: <param name="name" len="{name_tokens}"/>.\n\n</module>'
     head = head if layout != "prefix" else ""
-    doc = f'<module name="doc">{escape(document)}</module>'
+    doc = f'<module name="doc">{pml_escape(document)}</module>'
     schema = f'<schema name="{name}" xml:space="preserve">{head}{doc}</schema>'
     prompts = []
     for i, question in enumerate(questions):
         reader = f'<reader name="{READERS[i % len(READERS)]}"/>' if layout != "prefix" else ""
-        prompts.append(f'<prompt schema="{name}" xml:space="preserve">{reader}<doc/>{escape(question_text(question))}'
-                       "</prompt>")  # fmt: skip
+        new_text = pml_escape(question_text(question))
+        prompts.append(f'<prompt schema="{name}" xml:space="preserve">{reader}<doc/>{new_text}</prompt>')
     return schema, prompts
 
 
