@@ -7,19 +7,22 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.kv.sizing import parse_memory_size
+from kvserve.kv.tiers import KV_OFFLOAD_MODES
 from kvserve.models.dtype import DTYPE_CHOICES, DTYPES, resolve_dtype
 from kvserve.models.loader import WEIGHT_MODES
 from kvserve.policies import KV_POLICY_NAMES, make_policy
+from kvserve.policies.infinigen import POOL_EVICTIONS
 
 __all__ = [
     "DTYPES", "DTYPE_CHOICES", "WEIGHT_MODES", "PREEMPTION_MODES", "PREFILL_PARTITIONS", "PROMPT_CACHE_TIERS",
-    "PROMPT_CACHE_ENCODES", "EngineConfig",
+    "PROMPT_CACHE_ENCODES", "KV_OFFLOAD_MODES", "POOL_EVICTIONS", "OFFLOAD_POLICIES", "EngineConfig",
 ]  # fmt: skip
 
 PREEMPTION_MODES = ("recompute", "swap")
 PREFILL_PARTITIONS = ("even", "searched", "predicted", "tsp")
 PROMPT_CACHE_TIERS = ("device", "host")
 PROMPT_CACHE_ENCODES = ("eager", "lazy")
+OFFLOAD_POLICIES = ("full", "infinigen", "int4")  # what an offloading engine fetches per step
 
 
 @dataclass(frozen=True)
@@ -40,9 +43,17 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     prefill_parallel: int = 1  # processes for a long prompt's prefill (KV-Runahead); 1: this process alone
     prefill_partition: str | None = None  # even | searched | predicted | tsp; None: predicted if a table exists
-    kv_policy: str = "full"  # full | pyramid | local | h2o (see kvserve/policies)
+    kv_policy: str = "full"  # full | pyramid | local | h2o | infinigen | int4 (see kvserve/policies)
     kv_budget: float | None = None  # fraction of the full cache kept; None: 1 for full, 0.5 otherwise
     recent_ratio: float | None = None  # pyramid: |S_r| share of a layer's budget (0.4); h2o: recent share (0.5)
+    # Offloading (kv/tiers.py): the full KV in a slower tier, sized by kv_cache_memory; the device reads per step
+    # what kv_policy fetches (full: everything; int4: everything, quantised; infinigen: the predicted rows).
+    kv_offload: str = "none"  # none | host | disk
+    kv_offload_path: str | None = None  # disk: the folder of the memory-mapped file (default: the temp dir)
+    infinigen_alpha: float = 4.0  # fetch tokens whose speculated logit is within alpha of the best
+    infinigen_partial_ratio: float = 0.3  # share of skewed dimensions in the partial query/key
+    kv_pool_limit: float = 1.0  # infinigen: slots per sequence in the slower tier, as a share of its full KV
+    kv_pool_eviction: str = "counter"  # counter | lru | fifo: the victim when the pool is full
     # Prompt Cache (kvserve/prompt_cache): where module KV is kept, how much of it, and when it is encoded.
     prompt_cache_tier: str = "device"  # device: blocks of the KV pool; host: CPU memory, copied in on use
     prompt_cache_memory: str | int = "512MiB"  # LRU-evicted past this; on device, at most half of kv_cache_memory
@@ -70,6 +81,7 @@ class EngineConfig:
         if self.kv_policy not in KV_POLICY_NAMES:
             raise ValueError(f"kv_policy must be one of {list(KV_POLICY_NAMES)}, got {self.kv_policy!r}")
         policy = make_policy(self.kv_policy, self.kv_budget, **self.kv_policy_knobs)  # raises on a bad knob
+        self._check_offload(policy.offload_only)
         if not policy.lossless and self.prefill_parallel > 1:
             raise ValueError(f"kv_policy={self.kv_policy!r} runs prefill in this process; prefill_parallel must be 1")
         parse_memory_size(self.kv_cache_memory)  # raises on a bad size, naming it
@@ -82,10 +94,49 @@ class EngineConfig:
                 f"prompt_cache_encode must be one of {PROMPT_CACHE_ENCODES}, got {self.prompt_cache_encode!r}"
             )
 
+    def _check_offload(self, offload_only: bool) -> None:
+        if self.kv_offload not in KV_OFFLOAD_MODES:
+            raise ValueError(f"kv_offload must be one of {list(KV_OFFLOAD_MODES)}, got {self.kv_offload!r}")
+        if self.kv_offload == "none":
+            if offload_only:
+                raise ValueError(
+                    f"kv_policy={self.kv_policy!r} fetches from an offloaded cache: set kv_offload to 'host' or 'disk'"
+                )
+            if self.kv_pool_limit != 1:
+                raise ValueError(
+                    f"kv_pool_limit={self.kv_pool_limit} limits an offloaded cache: set kv_offload and "
+                    "kv_policy='infinigen'"
+                )
+            return
+        if self.kv_policy not in OFFLOAD_POLICIES:
+            raise ValueError(
+                f"kv_offload={self.kv_offload!r} runs kv_policy {list(OFFLOAD_POLICIES)}, got {self.kv_policy!r}"
+            )
+        if self.kv_pool_limit != 1 and self.kv_policy != "infinigen":
+            raise ValueError(
+                f"kv_pool_limit evicts by InfiniGen's selection counts: it needs kv_policy='infinigen', "
+                f"got {self.kv_policy!r}"
+            )
+        if self.preemption_mode == "swap":
+            raise ValueError(
+                "an offloaded cache preempts by recompute (its KV is already off the device); "
+                "preemption_mode='swap' does not apply"
+            )
+        if self.prefill_parallel > 1:
+            raise ValueError(f"kv_offload={self.kv_offload!r} runs prefill in this process; prefill_parallel must be 1")
+        if self.kv_offload_path is not None and self.kv_offload != "disk":
+            raise ValueError(f"kv_offload_path is the disk tier's folder; kv_offload is {self.kv_offload!r}")
+
     @property
-    def kv_policy_knobs(self) -> dict[str, float]:
+    def kv_policy_knobs(self) -> dict[str, float | str]:
         """Policy options set on the engine (each policy takes the ones it knows)."""
-        return {} if self.recent_ratio is None else {"recent_ratio": self.recent_ratio}
+        knobs: dict[str, float | str] = {
+            "alpha": self.infinigen_alpha, "partial_ratio": self.infinigen_partial_ratio,
+            "pool_limit": self.kv_pool_limit, "pool_eviction": self.kv_pool_eviction,
+        }  # fmt: skip
+        if self.recent_ratio is not None:
+            knobs["recent_ratio"] = self.recent_ratio
+        return knobs
 
     @property
     def torch_dtype(self) -> torch.dtype:

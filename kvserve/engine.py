@@ -17,6 +17,7 @@ import torch
 
 from kvserve import beam_search
 from kvserve.attention.compressed import CompressedKVCache
+from kvserve.attention.offloaded import OffloadedKVCache, offload_block_bytes
 from kvserve.attention.paged import PagedKVCache
 from kvserve.config import EngineConfig
 from kvserve.detokenizer import IncrementalDetokenizer
@@ -26,6 +27,8 @@ from kvserve.log import get_logger
 from kvserve.models.loader import LoadedModel, load_model
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.policies import KVPolicy, make_policy
+from kvserve.policies.infinigen import InfiniGen, Rehearsal
+from kvserve.policies.skewing import skewing_for
 from kvserve.prompt_cache.cache import PreparedPrompt, PromptCache
 from kvserve.prompt_cache.pml import is_pml_prompt
 from kvserve.prompt_cache.store import CachedModule, ModuleStore
@@ -48,9 +51,15 @@ class LLMEngine:
         self.kv_policy = make_policy(config.kv_policy, config.kv_budget, **config.kv_policy_knobs)
         self.kv_policy.retention(cfg.num_layers)  # raises now if explicit per-layer fractions do not fit
         # A compressing policy keeps different slots per layer: one KV group (block table) per layer.
-        self.per_layer_groups = not self.kv_policy.lossless
+        self.per_layer_groups = self.kv_policy.per_layer_groups
+        self.offloaded = config.kv_offload != "none"  # the KV pool is a slower tier (kv/tiers.py)
         block_layers = 1 if self.per_layer_groups else cfg.num_layers
-        block_bytes = kv_block_bytes(block_layers, cfg.num_kv_heads, cfg.head_dim, dtype_size, config.block_size)
+        if self.offloaded:
+            block_bytes = offload_block_bytes(
+                self.kv_policy, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.loaded.dtype, config.block_size
+            )  # fmt: skip
+        else:
+            block_bytes = kv_block_bytes(block_layers, cfg.num_kv_heads, cfg.head_dim, dtype_size, config.block_size)
         self.kv_block_bytes = block_bytes  # one block of the pool (of one layer, with per-layer groups)
         num_blocks = config.kv_cache_bytes // block_bytes
         if num_blocks < 1:
@@ -58,17 +67,15 @@ class LLMEngine:
                 f"kv_cache_memory={config.kv_cache_memory!r} holds no block; one block of {config.block_size} "
                 f"tokens needs {block_bytes} bytes"
             )
-        num_host_blocks = config.swap_space_bytes // block_bytes
+        num_host_blocks = 0 if self.offloaded else config.swap_space_bytes // block_bytes
         groups = [KVGroupSpec((layer,)) for layer in range(cfg.num_layers)] if self.per_layer_groups else None
+        # A pool limit overwrites victims' slots in place, so blocks are no longer what their hash says.
+        in_place = self.offloaded and config.kv_pool_limit < 1
         self.kv = KVCacheManager(
             num_blocks, config.block_size, groups=groups, num_host_blocks=num_host_blocks,
-            enable_prefix_caching=config.enable_prefix_caching and not self.per_layer_groups,
+            enable_prefix_caching=config.enable_prefix_caching and not self.per_layer_groups and not in_place,
         )  # fmt: skip
-        cache_type = CompressedKVCache if self.per_layer_groups else PagedKVCache
-        cache = cache_type(
-            cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, self.loaded.dtype,
-            config.device,
-        )  # fmt: skip
+        cache = self._make_cache(num_blocks)
         host = cache.make_host_cache(num_host_blocks) if num_host_blocks else None
         self.parallel_prefill = self._start_parallel_prefill() if config.prefill_parallel > 1 else None
         self.runner = ModelRunner(
@@ -100,13 +107,31 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         tokens = num_blocks * config.block_size * block_layers // cfg.num_layers
+        where = f"offloaded to the {config.kv_offload} tier" if self.offloaded else "on the device"
         self.kv_summary = (
             f"KV cache: {num_blocks} blocks x {config.block_size} tokens"
-            f"{' (one layer each)' if self.per_layer_groups else ''} = {tokens:,} full-cache tokens "
+            f"{' (one layer each)' if self.per_layer_groups else ''} = {tokens:,} full-cache tokens {where} "
             f"({num_blocks * block_bytes / 2**30:.2f} GiB, {self.loaded.dtype}); policy {self.kv_policy.name} "
             f"(budget {self.kv_policy.budget:g}); host tier for swapping: {num_host_blocks} blocks"
         )
         get_logger().info(self.kv_summary)
+
+    def _make_cache(self, num_blocks: int) -> PagedKVCache | OffloadedKVCache:
+        cfg, config = self.loaded.config, self.config
+        if not self.offloaded:
+            cache_type = CompressedKVCache if self.per_layer_groups else PagedKVCache
+            return cache_type(
+                cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, self.loaded.dtype,
+                config.device,
+            )  # fmt: skip
+        rehearsal = None
+        if isinstance(self.kv_policy, InfiniGen):
+            skewing, _ = skewing_for(self.loaded)
+            rehearsal = Rehearsal(self.loaded.model, skewing.partial(self.kv_policy.partial_dims(cfg.head_dim)))
+        return OffloadedKVCache(
+            self.kv_policy, config.kv_offload, cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads,
+            cfg.head_dim, self.loaded.dtype, config.device, config.kv_offload_path, rehearsal,
+        )  # fmt: skip
 
     def _start_parallel_prefill(self):  # noqa: ANN202 - kvserve.parallel.prefill.ParallelPrefill
         from kvserve.models.dtype import DTYPE_NAMES
@@ -124,6 +149,8 @@ class LLMEngine:
         """Stop the parallel prefill workers, if any (they would also stop when this process exits)."""
         if self.parallel_prefill is not None:
             self.parallel_prefill.close()
+        if isinstance(self.runner.cache, OffloadedKVCache):
+            self.runner.cache.close()
 
     # ----- Prompt Cache schemas -----
 
@@ -133,6 +160,11 @@ class LLMEngine:
         return self.prompt_cache.register(pml_text).to_dict()
 
     def _check_prompt_cache(self) -> None:
+        if self.offloaded:
+            raise ValueError(
+                f"Prompt Cache keeps module KV on the device; this engine offloads its KV (kv_offload="
+                f"{self.config.kv_offload!r}): start it with kv_offload='none'"
+            )
         if self.per_layer_groups:
             raise ValueError(
                 f"Prompt Cache shares module blocks across requests, which a compressing kv_policy "
@@ -220,7 +252,12 @@ class LLMEngine:
             )  # fmt: skip
             policy = make_policy(name, budget, **self.config.kv_policy_knobs)
             policy.retention(self.loaded.config.num_layers)
-        if policy.lossless:
+        if self.offloaded and policy != self.kv_policy:
+            raise ValueError(
+                f"this engine offloads its KV and fetches it by kv_policy={self.kv_policy.name!r} for every request; "
+                f"a request cannot pick kv_policy={policy.name!r}"
+            )
+        if policy.lossless or self.offloaded:
             return policy
         if not self.per_layer_groups:
             raise ValueError(

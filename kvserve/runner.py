@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.attention.compressed import CompressedAttentionMetadata, CompressedKVCache
+from kvserve.attention.offloaded import OffloadAttentionMetadata, OffloadedKVCache
 from kvserve.attention.paged import PagedAttentionMetadata, PagedKVCache
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.scheduler import ScheduledSequence, SchedulerOutput
@@ -58,6 +59,17 @@ class ModelRunner:
         positions = torch.cat([_positions(s) for s in scheduled])
         if isinstance(self.cache, CompressedKVCache):
             return self._execute_compressed(out, input_ids, positions, rows_from)
+        if isinstance(self.cache, OffloadedKVCache):
+            metadata = OffloadAttentionMetadata(
+                seq_ids=tuple(s.seq_id for s in scheduled),
+                query_lens=tuple(len(s.token_ids) for s in scheduled),
+                context_lens=tuple(s.num_computed_tokens for s in scheduled),
+                block_tables=tuple(s.block_tables[0] for s in scheduled),
+                full_lengths=tuple(max(s.full_length, s.num_computed_tokens + len(s.token_ids)) for s in scheduled),
+                block_size=self.cache.block_size,
+            )
+            hidden = self.model(input_ids.to(self.device), positions.to(self.device), self.cache, metadata)
+            return self._logits(hidden, [len(s.token_ids) for s in scheduled], scheduled, rows_from)
         metadata = PagedAttentionMetadata.build_grouped(
             seq_ids=[s.seq_id for s in scheduled],
             query_lens=[len(s.token_ids) for s in scheduled],

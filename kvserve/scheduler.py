@@ -42,6 +42,7 @@ class ScheduledSequence:
     group_slots: tuple[int, ...] = ()
     group_targets: tuple[int, ...] = ()
     positions: tuple[int, ...] = ()  # position ids of token_ids; empty: num_computed_tokens onwards
+    full_length: int = 0  # prompt + max_tokens: the KV the sequence may reach (an offloaded pool's limit scales it)
 
 
 @dataclass(frozen=True)
@@ -277,6 +278,7 @@ class Scheduler:
                     block_tables=tuple(tuple(self.kv.block_table(seq.seq_id, g)) for g in range(len(self.kv.groups))),
                     samples=start + n == seq.num_tokens,
                     positions=request.positions(start, start + n),
+                    full_length=seq.num_prompt_tokens + request.params.max_tokens,
                     **self._policy_fields(request, seq, n),
                 )
             )

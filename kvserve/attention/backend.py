@@ -46,6 +46,15 @@ class AttentionBackend(ABC):
         ``metadata.num_tokens``; the keys/values are written to the cache before attending.
         """
 
+    def observe_input(
+        self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata
+    ) -> None:
+        """Sees ``layer``'s attention input x (N, hidden) and the step's rotary tables before the layer runs.
+
+        A no-op by default; an offloading cache uses it to start fetching the next layer's KV (InfiniGen
+        predicts what that layer will read from this input)."""
+        return None
+
     def surviving_rows(self, layer: int, metadata: AttentionMetadata) -> torch.Tensor | None:
         """Rows of ``layer``'s input that go on to the next layer, (N',) long ascending, after its
         ``forward``; None (the default) means every row. A cache that drops tokens during prefill

@@ -47,8 +47,8 @@ class EngineScorer:
 
     The window bounds the memory of the per-token logprob entries; inside it the engine batches
     requests continuously as it would any traffic. Under a compressing KV policy the context is
-    computed (and compressed) in steps of its own before the continuation is scored against it, as a
-    question would be answered after a compressed document (``score_from``).
+    computed (and compressed, or offloaded) in steps of its own before the continuation is scored against
+    it, as a question would be answered after a compressed document (``score_from``).
     """
 
     name = "kvserve"
@@ -70,7 +70,7 @@ class EngineScorer:
                         list(r.context + r.continuation),
                         params,
                         add_special_tokens=False,
-                        score_from=len(r.context) if self.engine.per_layer_groups else 0,
+                        score_from=len(r.context) if not self.engine.kv_policy.lossless else 0,
                     )  # fmt: skip
                     for r in chunk
                 ]

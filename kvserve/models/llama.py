@@ -36,6 +36,7 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
+        backend.observe_input(self.layer, x, rope, metadata)
         qkv = self.qkv_proj(x)
         # q and k are adjacent rows of the fused projection: rotate them in one go.
         qk = qkv[:, : self.qk_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)

@@ -7,7 +7,9 @@ from typing import Any
 from kvserve.policies.base import KVPolicy
 from kvserve.policies.full import FullCache
 from kvserve.policies.h2o import HeavyHitters
+from kvserve.policies.infinigen import InfiniGen
 from kvserve.policies.pyramid import PyramidInfer
+from kvserve.policies.quant import Int4KV
 from kvserve.policies.streaming import LocalWindow
 
 POLICIES: dict[str, type[KVPolicy]] = {
@@ -15,6 +17,8 @@ POLICIES: dict[str, type[KVPolicy]] = {
     "pyramid": PyramidInfer,
     "local": LocalWindow,
     "h2o": HeavyHitters,
+    "infinigen": InfiniGen,
+    "int4": Int4KV,
 }
 KV_POLICY_NAMES = tuple(POLICIES)
 
@@ -23,6 +27,8 @@ __all__ = [
     "POLICIES",
     "FullCache",
     "HeavyHitters",
+    "InfiniGen",
+    "Int4KV",
     "KVPolicy",
     "LocalWindow",
     "PyramidInfer",
@@ -40,6 +46,6 @@ def make_policy(name: str, budget: float | None = None, **knobs: Any) -> KVPolic
     if cls is None:
         raise ValueError(f"kv_policy must be one of {list(KV_POLICY_NAMES)}, got {name!r}")
     if budget is None:
-        budget = 1.0 if name == "full" else 0.5
+        budget = 1.0 if name == "full" or cls.offload_only else 0.5
     fields = set(cls.__dataclass_fields__)
     return cls(budget=budget, **{k: v for k, v in knobs.items() if k in fields and v is not None})

@@ -37,6 +37,7 @@ class KVPolicy:
     name = "full"
     scores = SCORES_NONE
     drops_rows = False  # deeper layers compute only the tokens shallower ones kept (PyramidInfer)
+    offload_only = False  # changes what an offloading engine fetches, not what a layer keeps (kv_offload)
 
     def __post_init__(self) -> None:
         if not 0 < self.budget <= 1:
@@ -47,6 +48,11 @@ class KVPolicy:
     @property
     def lossless(self) -> bool:
         return self.name == "full"
+
+    @property
+    def per_layer_groups(self) -> bool:
+        """Whether layers keep different slots (one KV group per layer)."""
+        return not self.lossless and not self.offload_only
 
     def retention(self, num_layers: int) -> tuple[float, ...]:
         """Fraction of the sequence each layer keeps; uniform unless a policy says otherwise."""

@@ -1,0 +1,514 @@
+"""Attention over a KV cache offloaded to a slower tier: fetch everything, fetch INT4, or fetch what InfiniGen predicts.
+
+Every sequence's full KV lives in a ``KVTier`` (host memory or a memory-mapped file), at the slots the
+KV manager hands out; the device holds only what a step reads. Per decode step and layer:
+
+1. at layer i's attention input (``observe_input``) the fetch for layer i + 1 is queued on the
+   ``TransferQueue``, so it overlaps layer i's compute: every cached row (``full``), every row in 4-bit
+   codes (``int4``), or the rows InfiniGen's rehearsal selects (``infinigen``: layer i + 1's partial
+   query from layer i's input against layer i + 1's partial key cache, which stays on the device);
+   layer 0 fetches its whole cache at its own input;
+2. layer i waits for its fetch, attends over the fetched rows plus the step's own keys, and queues the
+   store of its new keys/values (behind any fetch already queued, so a later fetch reads them).
+
+Sequences with several new rows (a prompt, a chunk, a scored continuation) run one at a time: their
+cached rows are fetched whole, and under InfiniGen each row attends only to the cached rows its own
+rehearsal selects (plus the chunk's rows before it), which is what decoding them one by one would do.
+With a KV pool limit, a row past the pool's capacity is computed on its own: it selects, attends, and
+its keys/values overwrite the victim's slot (per KV head) with its partial key and counters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.attention.paged import attend_prefill
+from kvserve.kv.tiers import KVTier, RowSpec, StagingBuffers, Transfer, TransferQueue
+from kvserve.policies.base import KVPolicy
+from kvserve.policies.infinigen import InfiniGen, Rehearsal, choose_victims, speculate
+from kvserve.policies.quant import Int4KV, dequantize_int4, quantize_int4
+
+
+@dataclass
+class _Fetch:
+    """Rows of one layer on their way to the device, for the step's decode sequences."""
+
+    transfer: Transfer
+    # "blocks": (B, T, Hkv, D) whole blocks, ``valid`` (B, T); "rows": (B, Hkv, K, D) selected rows,
+    # ``valid`` (B, K) (the first counts[b] of each row's K are chosen).
+    layout: str
+    valid: torch.Tensor
+
+
+@dataclass
+class _Step:
+    decodes: list[int]  # sequences (metadata order) decoding one token, batched
+    candidates: torch.Tensor  # (Bd, n) long slot ids of each decode sequence's cached rows (padded with 0)
+    candidate_valid: torch.Tensor  # (Bd, n) bool
+    block_index: torch.Tensor  # (Bd, W) long block ids covering each decode sequence's rows (padded with 0)
+    pending: dict[int, _Fetch] = field(default_factory=dict)  # layer -> its fetch
+    partial_queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (N, Hkv, G, r)
+
+
+@dataclass(frozen=True)
+class OffloadAttentionMetadata(AttentionMetadata):
+    """Per sequence: its block table and the KV it may reach (prompt + max_tokens, for the pool limit)."""
+
+    block_tables: tuple[tuple[int, ...], ...] = ()
+    full_lengths: tuple[int, ...] = ()
+    block_size: int = 16
+    state: _Step = field(default=None)  # type: ignore[assignment]  # set by OffloadedKVCache.begin_step
+
+
+@dataclass
+class OffloadStats:
+    """Rows fetched for decode steps against rows a full fetch would have moved, per layer."""
+
+    fetched_rows: list[int]
+    cached_rows: list[int]
+    decode_steps: int = 0
+
+    def fetch_fraction(self) -> list[float]:
+        return [f / c if c else 1.0 for f, c in zip(self.fetched_rows, self.cached_rows, strict=True)]
+
+
+class OffloadedKVCache(AttentionBackend):
+    """Full KV in a slower tier, fetched per layer and step according to ``policy`` (see the module doc)."""
+
+    def __init__(
+        self,
+        policy: KVPolicy,
+        tier_kind: str,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        path: str | None = None,
+        rehearsal: Rehearsal | None = None,
+        queue: TransferQueue | None = None,
+    ) -> None:
+        if policy.name not in ("full", "infinigen", "int4"):
+            raise ValueError(f"kv_offload runs kv_policy full, infinigen or int4, not {policy.name!r}")
+        if isinstance(policy, InfiniGen) and rehearsal is None:
+            raise ValueError("kv_policy='infinigen' needs the model's rehearsal (skewed partial weights)")
+        self.policy, self.rehearsal = policy, rehearsal
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        self.device = torch.device(device)
+        self.num_slots = num_blocks * block_size
+        self.rows = _row_specs(policy, num_kv_heads, head_dim, dtype)
+        self.tier = KVTier(tier_kind, num_layers, self.num_slots, self.rows, self.device.type == "cuda", path)
+        self.queue = queue or TransferQueue(self.device)
+        self.staging = StagingBuffers(self.rows, self.device)
+        self.stats = OffloadStats([0] * num_layers, [0] * num_layers)
+        self.partial_keys = self.pool = None
+        if rehearsal is not None:
+            shape = (num_layers, self.num_slots, num_kv_heads, rehearsal.partial_dims)
+            self.partial_keys = torch.zeros(shape, dtype=dtype, device=self.device)  # device tier
+        if isinstance(policy, InfiniGen) and policy.pool_limit < 1:
+            # Per (layer, slot, KV head): times selected, last row that selected it, row that inserted it.
+            self.pool = torch.zeros(
+                (3, num_layers, self.num_slots, num_kv_heads), dtype=torch.int32, device=self.device
+            )
+
+    @property
+    def block_bytes(self) -> int:
+        """Slower-tier bytes of one block (every layer)."""
+        return self.tier.slot_bytes(self.num_layers) * self.block_size
+
+    # ----- block operations the runner asks for -----
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write of forked sequences: the tier's rows, their partial keys and pool counters."""
+        if not pairs:
+            return
+        self.queue.synchronize()  # no store may land in a block while it is copied
+        self.tier.copy_blocks(list(pairs), self.block_size)
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        for array, dim in ((self.partial_keys, 1), (self.pool, 2)):
+            if array is not None:
+                blocks = array.unflatten(dim, (self.num_blocks, self.block_size))
+                blocks.index_copy_(dim, dst, blocks.index_select(dim, src))
+
+    def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
+        raise NotImplementedError("Prompt Cache modules are not supported with kv_offload")
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]], host_cache: object) -> None:
+        raise NotImplementedError("an offloading engine preempts by recompute (its KV is already off the device)")
+
+    swap_in = swap_out
+
+    def close(self) -> None:
+        self.queue.close()
+
+    # ----- a step -----
+
+    def begin_step(self, metadata: OffloadAttentionMetadata) -> None:
+        """Plan the step's decode batch (candidate slots, blocks) once for every layer."""
+        decodes = [i for i, n in enumerate(metadata.query_lens) if n == 1]
+        held = [self._held(metadata, i) for i in decodes]
+        width = max(held, default=0)
+        bs = self.block_size
+        candidates = torch.zeros((len(decodes), max(width, 1)), dtype=torch.long)
+        blocks = torch.zeros((len(decodes), max(math.ceil(width / bs), 1)), dtype=torch.long)
+        for b, (i, h) in enumerate(zip(decodes, held, strict=True)):
+            table = torch.tensor(metadata.block_tables[i][: math.ceil(h / bs)], dtype=torch.long)
+            blocks[b, : table.numel()] = table
+            candidates[b, :h] = (table[:, None] * bs + torch.arange(bs)).view(-1)[:h]
+        valid = torch.arange(candidates.shape[1])[None, :] < torch.tensor(held, dtype=torch.long)[:, None]
+        step = _Step(decodes, candidates.to(self.device), valid.to(self.device), blocks.to(self.device))
+        object.__setattr__(metadata, "state", step)
+        if decodes:
+            self.stats.decode_steps += 1
+
+    def observe_input(
+        self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata
+    ) -> None:
+        if not isinstance(metadata, OffloadAttentionMetadata):
+            return
+        if metadata.state is None:
+            self.begin_step(metadata)
+        step = metadata.state
+        nxt = layer + 1
+        if self.rehearsal is not None and nxt < self.num_layers:
+            step.partial_queries[nxt] = self.rehearsal.partial_query(nxt, x, rope)  # (N, Hkv, G, r)
+        if not step.decodes:
+            return
+        if layer == 0:
+            step.pending[0] = self._fetch_blocks(0, step)
+        if nxt < self.num_layers:
+            selective = self.rehearsal is not None
+            step.pending[nxt] = (
+                self._fetch_selected(nxt, step, metadata) if selective else self._fetch_blocks(nxt, step)
+            )
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        if not isinstance(metadata, OffloadAttentionMetadata):
+            raise TypeError(f"OffloadedKVCache needs OffloadAttentionMetadata, got {type(metadata).__name__}")
+        if metadata.state is None:
+            self.begin_step(metadata)
+        starts = [0]
+        for n in metadata.query_lens:
+            starts.append(starts[-1] + n)
+        step = metadata.state
+        if len(step.decodes) == len(metadata.query_lens):
+            return self._decode(layer, q, k, v, metadata)
+        out = torch.empty_like(q)  # (N, H, D)
+        if step.decodes:
+            rows = torch.tensor([starts[i] for i in step.decodes], dtype=torch.long, device=q.device)
+            out.index_copy_(0, rows, self._decode(layer, q[rows], k[rows], v[rows], metadata))
+        for i, n in enumerate(metadata.query_lens):
+            if n > 1:
+                rows = slice(starts[i], starts[i] + n)
+                out[rows] = self._chunk(layer, q[rows], k[rows], v[rows], metadata, i, rows)
+        return out
+
+    # ----- decode: batched, fetched ahead -----
+
+    def _decode(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: OffloadAttentionMetadata
+    ) -> torch.Tensor:
+        """One new row per decode sequence: q (B, H, D), k/v (B, Hkv, D) -> (B, H, D)."""
+        step = meta.state
+        batch, num_heads, head_dim = q.shape
+        hkv = self.num_kv_heads
+        fetch = step.pending.pop(layer)
+        keys, values = fetch.transfer.wait()
+        if fetch.layout == "blocks":  # (B, T, Hkv, D) -> (B, Hkv, T, D)
+            keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        keys = torch.cat((keys, k[:, :, None]), dim=2)  # the step's own key is on the device already
+        values = torch.cat((values, v[:, :, None]), dim=2)
+        mask = F.pad(fetch.valid, (0, 1), value=True)[:, None, None, :]  # (B, 1, 1, T + 1)
+        qg = q.view(batch, hkv, num_heads // hkv, head_dim)  # query head h reads KV head h // G
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)  # (B, Hkv, G, D)
+        self._store_decodes(layer, k, v, meta)
+        return out.reshape(batch, num_heads, head_dim)
+
+    def _fetch_blocks(self, layer: int, step: _Step) -> _Fetch:
+        """Every cached row of the decode sequences, as whole blocks (the fetch-everything baseline)."""
+        blocks = step.block_index.view(-1)
+        num_rows = blocks.numel() * self.block_size
+        batch = step.block_index.shape[0]
+        valid = F.pad(step.candidate_valid, (0, num_rows // batch - step.candidate_valid.shape[1]), value=False)
+        self._count(layer, int(step.candidate_valid.sum()), int(step.candidate_valid.sum()))
+        out = {name: self.staging.get(name, layer, num_rows) for name in self.rows}
+
+        def copy() -> tuple[torch.Tensor, torch.Tensor]:
+            for name, buffer in out.items():
+                array = self.tier.arrays[name][layer]
+                by_block = array.view(self.num_blocks, self.block_size * math.prod(array.shape[1:]))
+                torch.index_select(by_block, 0, blocks.to(array.device), out=buffer.view(blocks.numel(), -1))
+            return self._dequantized(out, (batch, num_rows // batch, self.num_kv_heads, self.head_dim))
+
+        return _Fetch(self.queue.fetch(copy, num_rows * self._row_bytes()), "blocks", valid)
+
+    def _fetch_selected(self, layer: int, step: _Step, meta: OffloadAttentionMetadata) -> _Fetch:
+        """The rows layer ``layer``'s rehearsal selects for each decode sequence (InfiniGen)."""
+        rows = self._decode_rows(step, meta)
+        partial_q = step.partial_queries[layer].index_select(0, rows)  # (B, Hkv, G, r)
+        cands = step.candidates  # (B, n)
+        batch, n = cands.shape
+        partial_k = self.partial_keys[layer].index_select(0, cands.view(-1)).view(batch, n, self.num_kv_heads, -1)
+        selection = speculate(
+            partial_q, partial_k.transpose(1, 2), step.candidate_valid, self.policy.alpha, self.head_dim
+        )
+        slots = cands.gather(1, selection.index.flatten(1)).view_as(selection.index)  # (B, Hkv, K)
+        heads = torch.arange(self.num_kv_heads, device=slots.device)[None, :, None]
+        flat = (slots * self.num_kv_heads + heads).view(-1)  # rows of the tier's (slots * Hkv, D) view
+        top = selection.index.shape[-1]
+        self._count(layer, int(selection.counts.sum()), int(step.candidate_valid.sum()))
+        if self.pool is not None:
+            now = torch.tensor([meta.context_lens[i] for i in step.decodes], dtype=torch.int32, device=slots.device)
+            self._note_selected(layer, slots, selection.chosen, now)
+        out = {name: self.staging.get(name, layer, batch * top) for name in self.rows}  # (B * K) x every head
+
+        def copy() -> tuple[torch.Tensor, torch.Tensor]:
+            for name, buffer in out.items():
+                array = self.tier.arrays[name][layer]  # (slots, Hkv, *row)
+                by_head = array.view(self.num_slots * self.num_kv_heads, -1)
+                torch.index_select(by_head, 0, flat.to(array.device), out=buffer.view(flat.numel(), -1))
+            return self._dequantized(out, (batch, self.num_kv_heads, top, self.head_dim))
+
+        return _Fetch(
+            self.queue.fetch(copy, flat.numel() * self._row_bytes() // self.num_kv_heads), "rows", selection.chosen
+        )
+
+    def _decode_rows(self, step: _Step, meta: OffloadAttentionMetadata) -> torch.Tensor:
+        starts = [0]
+        for n in meta.query_lens:
+            starts.append(starts[-1] + n)
+        return torch.tensor([starts[i] for i in step.decodes], dtype=torch.long, device=self.device)
+
+    def _store_decodes(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: OffloadAttentionMetadata) -> None:
+        """The decode rows' keys/values (B, Hkv, D) to the tier: at their own slot, or over a victim's."""
+        step = meta.state
+        slots = torch.cat([self._write_slots(layer, meta, i, meta.context_lens[i]) for i in step.decodes])  # (B, Hkv)
+        tokens = torch.tensor([meta.context_lens[i] for i in step.decodes], dtype=torch.int32, device=self.device)
+        self._store(layer, slots, k, v, tokens)
+
+    # ----- several rows of one sequence -----
+
+    def _chunk(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: OffloadAttentionMetadata, i: int,
+        rows: slice,
+    ) -> torch.Tensor:  # fmt: skip
+        """m rows of sequence i: q (m, H, D), k/v (m, Hkv, D) -> (m, H, D)."""
+        m = q.shape[0]
+        context = meta.context_lens[i]
+        cap = self._capacity(meta, i)
+        bulk = max(0, min(m, cap - context))  # rows that still find a free slot of their own
+        out = torch.empty_like(q)
+        if bulk:
+            out[:bulk] = self._chunk_rows(layer, q[:bulk], k[:bulk], v[:bulk], meta, i, rows.start)
+        for j in range(bulk, m):  # a full pool: each row selects, attends and replaces a victim in turn
+            out[j : j + 1] = self._chunk_rows(layer, q[j : j + 1], k[j : j + 1], v[j : j + 1], meta, i, rows.start + j)
+        return out
+
+    def _chunk_rows(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: OffloadAttentionMetadata, i: int,
+        first_row: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """Rows of sequence i that all fit the pool (or one row that evicts): attend, then store."""
+        m = q.shape[0]
+        token = meta.context_lens[i] + (first_row - _row_start(meta, i))  # the first row's index in its sequence
+        held = min(token, self._capacity(meta, i))
+        allowed = None
+        if held:
+            slots = self._slots(meta.block_tables[i], held)  # (h,) the pool's slots
+            keys, values = self._fetch_rows(layer, slots)  # (h, Hkv, D)
+            keys, values = torch.cat((keys, k)), torch.cat((values, v))
+            if isinstance(self.policy, InfiniGen) and layer > 0:
+                allowed = self._select_rows(layer, slots, k, meta, first_row, m, token)
+        else:
+            keys, values = k, v
+        out = _attend(q, keys, values, held, allowed)
+        write = self._write_slots(layer, meta, i, token, m)  # (m, Hkv)
+        tokens = torch.arange(token, token + m, dtype=torch.int32, device=self.device)
+        self._store(layer, write, k, v, tokens)
+        return out
+
+    def _select_rows(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, meta: OffloadAttentionMetadata, first_row: int, m: int,
+        token: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """Which of the h cached rows and m new rows each of the m rows may read: (m, Hkv, h + m) bool."""
+        held = slots.numel()
+        partial_q = meta.state.partial_queries[layer][first_row : first_row + m]  # (m, Hkv, G, r)
+        cached = self.partial_keys[layer].index_select(0, slots)  # (h, Hkv, r)
+        partial_k = torch.cat((cached, self.rehearsal.partial_key(layer, k)))  # (h + m, Hkv, r)
+        row = torch.arange(m, device=self.device)
+        earlier = torch.arange(held + m, device=self.device)[None, :] < held + row[:, None]  # (m, h + m)
+        selection = speculate(partial_q, partial_k.transpose(0, 1)[None], earlier, self.policy.alpha, self.head_dim)
+        allowed = torch.zeros((m, self.num_kv_heads, held + m), dtype=torch.bool, device=self.device)
+        allowed.scatter_(2, selection.index, selection.chosen[:, None, :].expand_as(selection.index))
+        allowed[row, :, held + row] = True  # a row always reads its own key, as a decode step does
+        cached_picks = allowed[:, :, :held]
+        self._count(layer, int(cached_picks.sum()) // self.num_kv_heads, held * m)
+        if self.pool is not None:
+            last_row = torch.tensor([token + m - 1], dtype=torch.int32, device=self.device)
+            every = slots[None, None, :].expand(1, self.num_kv_heads, held)
+            self._note_selected(layer, every, cached_picks.any(dim=0)[None], last_row, cached_picks.sum(dim=0)[None])
+        return allowed
+
+    # ----- the pool -----
+
+    def _capacity(self, meta: OffloadAttentionMetadata, i: int) -> int:
+        if isinstance(self.policy, InfiniGen):
+            return self.policy.pool_slots(meta.full_lengths[i])
+        return meta.full_lengths[i]
+
+    def _held(self, meta: OffloadAttentionMetadata, i: int) -> int:
+        return min(meta.context_lens[i], self._capacity(meta, i))
+
+    def _write_slots(self, layer: int, meta: OffloadAttentionMetadata, i: int, token: int, m: int = 1) -> torch.Tensor:
+        """(m, Hkv) slots where tokens token.. of sequence i go in ``layer``: their own while the pool has
+        room, else (one row at a time) each head's victim."""
+        cap = self._capacity(meta, i)
+        if token + m <= cap:
+            return self._slots(meta.block_tables[i], token + m, token)[:, None].expand(m, self.num_kv_heads)
+        if m != 1:
+            raise ValueError(f"rows past the KV pool's capacity ({cap}) are stored one at a time, got {m}")
+        slots = self._slots(meta.block_tables[i], cap)  # (cap,)
+        counts, last, inserted = (a[layer].index_select(0, slots).transpose(0, 1) for a in self.pool)  # (Hkv, cap)
+        return slots[choose_victims(self.policy.pool_eviction, counts, last, inserted)][None]  # (1, Hkv)
+
+    def _note_selected(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        chosen: torch.Tensor,
+        now: torch.Tensor,
+        times: torch.Tensor | None = None,
+    ) -> None:
+        """Pool counters: of slots (B, Hkv, K), ``chosen`` (B, K) or (B, Hkv, K) were selected (``times`` times,
+        else once) by rows ``now`` (B,)."""
+        if chosen.dim() == 2:
+            chosen = chosen[:, None, :].expand_as(slots)
+        heads = torch.arange(self.num_kv_heads, device=slots.device)[None, :, None].expand_as(slots)
+        flat = (slots * self.num_kv_heads + heads)[chosen]
+        counts, last = self.pool[0, layer].view(-1), self.pool[1, layer].view(-1)
+        increments = times[chosen] if times is not None else torch.ones_like(flat, dtype=torch.int32)
+        counts.index_add_(0, flat, increments.to(torch.int32))
+        last.index_copy_(0, flat, now[:, None, None].expand_as(slots)[chosen])
+
+    # ----- tier transfers -----
+
+    def _store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Rows k/v (R, Hkv, D) to ``slots`` (R, Hkv) of the tier, with their partial keys and counters."""
+        heads = torch.arange(self.num_kv_heads, device=slots.device)[None, :]
+        flat = (slots * self.num_kv_heads + heads).view(-1)  # (R * Hkv,)
+        if self.partial_keys is not None:
+            partial = self.rehearsal.partial_key(layer, k)  # (R, Hkv, r)
+            self.partial_keys[layer].view(-1, partial.shape[-1]).index_copy_(
+                0, flat, partial.reshape(-1, partial.shape[-1])
+            )
+        if self.pool is not None:
+            stamps = tokens[:, None].expand_as(slots).reshape(-1)
+            self.pool[0, layer].view(-1).index_fill_(0, flat, 0)
+            self.pool[1, layer].view(-1).index_copy_(0, flat, stamps)
+            self.pool[2, layer].view(-1).index_copy_(0, flat, stamps)
+        encoded = self._encoded(k, v)
+
+        def copy() -> None:
+            for name, rows in encoded.items():
+                array = self.tier.arrays[name][layer]
+                by_head = array.view(self.num_slots * self.num_kv_heads, -1)
+                by_head.index_copy_(0, flat.to(array.device), rows.reshape(flat.numel(), -1).to(array.device))
+
+        self.queue.store(copy, flat.numel() * self._row_bytes() // self.num_kv_heads)
+
+    def _fetch_rows(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every head of ``slots`` (h,) in ``layer``, fetched and waited for: (h, Hkv, D) keys and values."""
+        out = {name: self.staging.get(name, layer, slots.numel()) for name in self.rows}
+
+        def copy() -> tuple[torch.Tensor, torch.Tensor]:
+            for name, buffer in out.items():
+                array = self.tier.arrays[name][layer]
+                torch.index_select(array, 0, slots.to(array.device), out=buffer)
+            return self._dequantized(out, (slots.numel(), self.num_kv_heads, self.head_dim))
+
+        return self.queue.fetch(copy, slots.numel() * self._row_bytes()).wait()
+
+    def _encoded(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not isinstance(self.policy, Int4KV):
+            return {"k": k, "v": v}
+        (kc, ks), (vc, vs) = quantize_int4(k, self.policy.group_size), quantize_int4(v, self.policy.group_size)
+        return {"k": kc, "k_scale": ks, "v": vc, "v_scale": vs}
+
+    def _dequantized(
+        self, fetched: dict[str, torch.Tensor], shape: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fetched rows as keys and values of ``shape`` (run on the transfer side: it is part of the fetch)."""
+        if not isinstance(self.policy, Int4KV):
+            return fetched["k"].view(shape), fetched["v"].view(shape)
+        codes = shape[:-1] + (self.head_dim // 2,)
+        scales = shape[:-1] + (self.head_dim // self.policy.group_size, 2)
+        k = dequantize_int4(fetched["k"].view(codes), fetched["k_scale"].view(scales), self.dtype)
+        v = dequantize_int4(fetched["v"].view(codes), fetched["v_scale"].view(scales), self.dtype)
+        return k, v
+
+    def _row_bytes(self) -> int:
+        """Tier bytes of one slot in one layer (every head, every array)."""
+        return self.tier.slot_bytes(1)
+
+    def _count(self, layer: int, fetched: int, cached: int) -> None:
+        self.stats.fetched_rows[layer] += fetched
+        self.stats.cached_rows[layer] += cached
+
+    def _slots(self, table: tuple[int, ...], end: int, begin: int = 0) -> torch.Tensor:
+        """(end - begin,) slot ids of a sequence's rows begin..end-1."""
+        bs = self.block_size
+        first = begin // bs
+        blocks = torch.tensor(table[first : math.ceil(end / bs)], dtype=torch.long, device=self.device)
+        return (blocks[:, None] * bs + torch.arange(bs, device=self.device)).view(-1)[
+            begin - first * bs : end - first * bs
+        ]
+
+
+def _row_start(meta: OffloadAttentionMetadata, i: int) -> int:
+    return sum(meta.query_lens[:i])
+
+
+def offload_block_bytes(
+    policy: KVPolicy, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int
+) -> int:
+    """Slower-tier bytes of one block of ``block_size`` tokens in every layer under ``policy``."""
+    per_slot = sum(spec.row_bytes for spec in _row_specs(policy, num_kv_heads, head_dim, dtype).values())
+    return per_slot * num_layers * block_size
+
+
+def _row_specs(policy: KVPolicy, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> dict[str, RowSpec]:
+    if isinstance(policy, Int4KV):
+        codes = RowSpec((num_kv_heads, head_dim // 2), torch.uint8)
+        scales = RowSpec((num_kv_heads, policy.groups(head_dim), 2), dtype)
+        return {"k": codes, "k_scale": scales, "v": codes, "v_scale": scales}
+    return {"k": RowSpec((num_kv_heads, head_dim), dtype), "v": RowSpec((num_kv_heads, head_dim), dtype)}
+
+
+def _attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, held: int, allowed: torch.Tensor | None
+) -> torch.Tensor:
+    """q (m, H, D) at positions held.. over keys/values (held + m, Hkv, D); ``allowed`` (m, Hkv, held + m)
+    restricts each row further (InfiniGen's selection). -> (m, H, D)."""
+    if allowed is None:
+        return attend_prefill(q, keys, values, held)
+    m, num_heads, head_dim = q.shape
+    hkv = keys.shape[1]
+    qg = q.transpose(0, 1).reshape(hkv, num_heads // hkv, m, head_dim)  # (Hkv, G, m, D)
+    mask = allowed.permute(1, 0, 2)[:, None]  # (Hkv, 1, m, h + m)
+    out = F.scaled_dot_product_attention(
+        qg, keys.transpose(0, 1)[:, None], values.transpose(0, 1)[:, None], attn_mask=mask
+    )
+    return out.reshape(num_heads, m, head_dim).transpose(0, 1)

@@ -1,0 +1,200 @@
+"""KV tiers below the device, and the transfers between them.
+
+The *device* tier is where attention reads (GPU memory, or CPU memory on a CPU-only machine). An
+offloading engine (``kv_offload``) keeps every sequence's full KV in a slower tier instead:
+
+- ``host``: CPU memory, pinned when the device is CUDA so copies run asynchronously;
+- ``disk``: a memory-mapped file (``torch.from_file``), for contexts beyond RAM. The file is unlinked
+  as soon as it is mapped, so it disappears with the process.
+
+A tier holds named per-slot arrays (K and V, or INT4 codes and their scales), each (layers, slots,
+*row shape), indexed by the slots the KV manager hands out (block * block_size + offset).
+
+``TransferQueue`` moves rows between tiers off the compute thread: a CUDA stream on CUDA, one worker
+thread on CPU (torch's copies release the GIL). Copies are queued in order, so a fetch submitted after
+a store sees what was stored. A ``Transfer`` is waited on before its destination is read; a staging
+buffer is written again only after the attention that read it has returned (see ``StagingBuffers``).
+Bytes moved each way are counted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+KV_OFFLOAD_MODES = ("none", "host", "disk")
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """One per-slot array of a tier: each (layer, slot) holds a ``shape`` row of ``dtype``."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+class KVTier:
+    """Per-slot arrays of every layer, ``arrays[name]`` (layers, slots, *shape), in host memory or a file."""
+
+    def __init__(
+        self,
+        kind: str,
+        num_layers: int,
+        num_slots: int,
+        rows: dict[str, RowSpec],
+        pin_memory: bool = False,
+        path: str | os.PathLike | None = None,
+    ) -> None:
+        if kind not in ("host", "disk"):
+            raise ValueError(f"a KV tier is 'host' or 'disk', got {kind!r}")
+        self.kind = kind
+        self.num_layers, self.num_slots, self.rows = num_layers, num_slots, rows
+        self.arrays: dict[str, torch.Tensor] = {}
+        for name, spec in rows.items():
+            shape = (num_layers, num_slots, *spec.shape)
+            if kind == "host":
+                self.arrays[name] = torch.zeros(shape, dtype=spec.dtype, pin_memory=pin_memory)
+            else:
+                self.arrays[name] = _mapped_file(path, name, shape, spec.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(spec.row_bytes for spec in self.rows.values()) * self.num_layers * self.num_slots
+
+    def slot_bytes(self, num_layers: int = 1) -> int:
+        """Bytes one slot holds in ``num_layers`` layers (every array)."""
+        return sum(spec.row_bytes for spec in self.rows.values()) * num_layers
+
+    def copy_blocks(self, pairs: list[tuple[int, int]], block_size: int) -> None:
+        """Copy whole blocks (src, dst) in every layer (copy-on-write of a forked sequence)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
+        for array in self.arrays.values():
+            blocks = array.view(self.num_layers, -1, block_size, *array.shape[2:])
+            blocks.index_copy_(1, dst, blocks.index_select(1, src))
+
+
+def _mapped_file(path: str | os.PathLike | None, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled tensor backed by a new file in ``path`` (the system's temp dir if None)."""
+    folder = Path(path) if path is not None else Path(tempfile.gettempdir())
+    if not folder.is_dir():
+        raise ValueError(f"kv_offload_path {str(folder)!r} is not a directory")
+    fd, file = tempfile.mkstemp(prefix=f"kvserve-kv-{name}-", suffix=".bin", dir=folder)
+    os.close(fd)
+    try:
+        tensor = torch.from_file(file, shared=True, size=math.prod(shape), dtype=dtype)
+    finally:
+        os.unlink(file)  # the mapping keeps the pages; the name goes now so nothing is left behind
+    return tensor.view(shape)
+
+
+class Transfer:
+    """A queued copy; ``wait`` blocks until its destination may be read and returns the copy's result."""
+
+    def __init__(self, future: Future | None = None, event: torch.cuda.Event | None = None, result=None) -> None:  # noqa: ANN001
+        self._future, self._event, self._result = future, event, result
+
+    def wait(self):  # noqa: ANN201 - whatever the copy returned
+        if self._future is not None:
+            return self._future.result()
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+        return self._result
+
+
+@dataclass
+class TransferStats:
+    bytes_fetched: int = 0  # slower tier -> device
+    bytes_stored: int = 0  # device -> slower tier
+    fetches: int = 0
+    stores: int = 0
+
+
+class TransferQueue:
+    """Runs copies between tiers in order, off the compute thread (see the module doc)."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.stats = TransferStats()
+        self._lock = threading.Lock()
+        if self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(self.device)
+            self._executor = None
+        else:
+            self._stream = None
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-transfer")
+
+    def fetch(self, copy: Callable[[], object], nbytes: int) -> Transfer:
+        """Queue ``copy`` (slower tier -> device) of ``nbytes``."""
+        with self._lock:
+            self.stats.bytes_fetched += nbytes
+            self.stats.fetches += 1
+        return self._submit(copy)
+
+    def store(self, copy: Callable[[], object], nbytes: int) -> Transfer:
+        """Queue ``copy`` (device -> slower tier) of ``nbytes``."""
+        with self._lock:
+            self.stats.bytes_stored += nbytes
+            self.stats.stores += 1
+        return self._submit(copy)
+
+    def _submit(self, copy: Callable[[], object]) -> Transfer:
+        if self._executor is not None:
+            return Transfer(future=self._executor.submit(self._run, copy))
+        self._stream.wait_stream(torch.cuda.current_stream())  # inputs the compute stream produced
+        with torch.cuda.stream(self._stream):
+            result = copy()
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return Transfer(event=event, result=result)
+
+    def _run(self, copy: Callable[[], object]):  # noqa: ANN202 - the copy's result
+        with torch.inference_mode():  # the worker thread does not inherit the caller's mode
+            return copy()
+
+    def synchronize(self) -> None:
+        """Wait for every queued copy."""
+        self._submit(lambda: None).wait()
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+
+class StagingBuffers:
+    """Device buffers that fetched rows land in, two per array, alternating by layer.
+
+    The fetch for layer i + 1 is queued while layer i still reads its own buffer, so consecutive layers
+    must not share one. A buffer grows (is replaced) when a step needs more rows than it holds.
+    """
+
+    def __init__(self, rows: dict[str, RowSpec], device: torch.device | str) -> None:
+        self.rows, self.device = rows, torch.device(device)
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+
+    def get(self, name: str, layer: int, num_rows: int) -> torch.Tensor:
+        """(num_rows, *row shape) view of layer parity ``layer % 2``'s buffer for ``name``."""
+        key = (name, layer % 2)
+        spec = self.rows[name]
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape[0] < num_rows:
+            size = max(num_rows, 2 * buffer.shape[0] if buffer is not None else num_rows)
+            buffer = torch.empty((size, *spec.shape), dtype=spec.dtype, device=self.device)
+            self._buffers[key] = buffer
+        return buffer[:num_rows]

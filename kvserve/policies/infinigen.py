@@ -1,0 +1,155 @@
+"""InfiniGen (Lee et al., OSDI'24, https://arxiv.org/abs/2406.19707): fetch only the KV the next layer needs.
+
+The full KV cache lives in a slower tier (``kv/tiers.py``). At layer i-1, a rehearsal predicts layer i's
+attention: layer i's query projection applied to layer i-1's attention input, rotated, skewed
+(``policies/skewing.py``) and cut to the few skewed dimensions that carry most of the magnitude, scored
+against a partial key cache of the same dimensions kept on the device. A token is fetched when its
+speculated score is within ``alpha`` of the best one; how many tokens is one count per layer (the mean
+over heads of each head's count, as the paper), and each KV head fetches its own top tokens. Layer 0
+reads its whole cache.
+
+An optional KV pool limit caps each sequence's slots in the slower tier at ``pool_limit`` of the KV it
+would reach (prompt + max_tokens); past it a victim's slot is overwritten in place, chosen by how often
+speculation selected it (``counter``, the paper's), least recently selected (``lru``) or oldest (``fifo``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.policies.base import KVPolicy
+
+POOL_EVICTIONS = ("counter", "lru", "fifo")
+
+
+@dataclass(frozen=True)
+class InfiniGen(KVPolicy):
+    alpha: float = 4.0  # fetch tokens whose speculated logit is within alpha of the best
+    partial_ratio: float = 0.3  # share of each head's skewed dimensions in the partial query/key
+    pool_limit: float = 1.0  # slots a sequence may hold in the slower tier, as a share of its full KV
+    pool_eviction: str = "counter"
+
+    name = "infinigen"
+    offload_only = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.budget != 1:
+            raise ValueError(
+                f"kv_policy='infinigen' keeps the whole cache in the slower tier; kv_budget must be 1, got {self.budget}"
+            )
+        if not (isinstance(self.alpha, int | float) and math.isfinite(self.alpha) and self.alpha >= 0):
+            raise ValueError(f"infinigen_alpha must be a finite number >= 0, got {self.alpha!r}")
+        if not 0 < self.partial_ratio <= 1:
+            raise ValueError(f"infinigen_partial_ratio must be in (0, 1], got {self.partial_ratio!r}")
+        if not 0 < self.pool_limit <= 1:
+            raise ValueError(f"kv_pool_limit must be in (0, 1], got {self.pool_limit!r}")
+        if self.pool_eviction not in POOL_EVICTIONS:
+            raise ValueError(f"kv_pool_eviction must be one of {list(POOL_EVICTIONS)}, got {self.pool_eviction!r}")
+
+    def partial_dims(self, head_dim: int) -> int:
+        return max(1, math.ceil(self.partial_ratio * head_dim))
+
+    def pool_slots(self, full_length: int) -> int:
+        """Slots a sequence that may reach ``full_length`` tokens holds at most."""
+        return max(1, math.ceil(self.pool_limit * full_length)) if self.pool_limit < 1 else full_length
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which candidates each row's KV heads fetch: ``index`` (R, Hkv, K) into the candidates, of which the
+    first ``counts[r]`` per row are chosen (``chosen`` (R, K) bool); K is the largest count."""
+
+    index: torch.Tensor
+    chosen: torch.Tensor
+    counts: torch.Tensor  # (R,) long
+
+
+def speculate(
+    q_partial: torch.Tensor, k_partial: torch.Tensor, valid: torch.Tensor, alpha: float, head_dim: int
+) -> Selection:
+    """Select the candidates R query rows are predicted to attend to.
+
+    q_partial (R, Hkv, G, r): each row's speculated partial query, query heads grouped by KV head;
+    k_partial (R or 1, Hkv, n, r): the partial keys of the candidates; valid (R, n) bool: which
+    candidates a row may see. Scores are logits (scaled by the full head dim, as attention's are).
+    """
+    logits = torch.matmul(q_partial, k_partial.transpose(-1, -2)).float() / math.sqrt(head_dim)  # (R, Hkv, G, n)
+    logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
+    peak = logits.amax(dim=-1, keepdim=True)
+    per_head = (logits >= peak - alpha).sum(dim=-1)  # (R, Hkv, G)
+    counts = per_head.float().mean(dim=(1, 2)).long()  # one count per row: the mean over heads (truncated)
+    counts = torch.minimum(counts.clamp(min=1), valid.sum(dim=-1))
+    kv_logits = logits.amax(dim=2)  # (R, Hkv, n): a token is wanted if any query head of the group wants it
+    top = int(counts.max()) if counts.numel() else 0
+    index = kv_logits.topk(top, dim=-1).indices  # (R, Hkv, K)
+    chosen = torch.arange(top, device=counts.device)[None, :] < counts[:, None]
+    return Selection(index, chosen, counts)
+
+
+def choose_victims(
+    eviction: str, counts: torch.Tensor, last_used: torch.Tensor, inserted: torch.Tensor
+) -> torch.Tensor:
+    """Each KV head's victim among a full pool: (Hkv,) long indices into its ``cap`` slots.
+
+    counts, last_used, inserted (Hkv, cap) int: times speculation selected the slot's token, the last
+    row that selected it (its own index until then) and the row that inserted it. ``counter`` and
+    ``lru`` choose among the older half of the pool (by insertion, as the authors' code), so a token is
+    not evicted before it had a chance to be selected; ties go to the oldest. ``fifo``: the oldest.
+    """
+    inserted = inserted.long()
+    if eviction == "fifo":
+        return inserted.argmin(dim=-1)
+    cap = inserted.shape[-1]
+    older = inserted <= inserted.kthvalue(max(1, cap // 2), dim=-1, keepdim=True).values
+    primary = counts.long() if eviction == "counter" else last_used.long()
+    key = (primary << 32) | inserted  # primary first, then age
+    return key.masked_fill(~older, torch.iinfo(torch.long).max).argmin(dim=-1)
+
+
+class Rehearsal:
+    """Layer i's partial query from layer i-1's attention input, and the partial keys, for a model.
+
+    Holds each layer's query projection as a dense matrix (read back from whatever form the model runs
+    it in, quantised or not, by applying it to the identity) and the skewing restricted to the kept
+    dimensions.
+    """
+
+    def __init__(self, model: torch.nn.Module, skew_partial: torch.Tensor) -> None:
+        cfg = model.config
+        self.num_kv_heads, self.group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        weight = model.embed_tokens.weight
+        dtype = weight.dtype if weight.is_floating_point() else torch.float32
+        eye = torch.eye(cfg.hidden_size, dtype=dtype, device=weight.device)
+        zero = torch.zeros(1, cfg.hidden_size, dtype=dtype, device=weight.device)
+        self.weights, self.biases = [], []
+        with torch.inference_mode():
+            for layer in model.layers:
+                proj = layer.self_attn.qkv_proj
+                bias = proj(zero)[:, : cfg.q_size]  # (1, q_size)
+                self.weights.append((proj(eye)[:, : cfg.q_size] - bias).contiguous())  # (hidden, q_size) = W_q^T
+                self.biases.append(bias if bool(bias.any()) else None)
+        self.skew = skew_partial.to(dtype=dtype, device=weight.device)  # (L, Hkv, D, r)
+
+    @property
+    def partial_dims(self) -> int:
+        return self.skew.shape[-1]
+
+    def partial_query(self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x (N, hidden), the attention input of layer - 1 -> (N, Hkv, G, r) skewed partial queries of ``layer``."""
+        from kvserve.models.layers import RotaryEmbedding  # models/ imports attention/, not the other way
+
+        q = x @ self.weights[layer]
+        if self.biases[layer] is not None:
+            q = q + self.biases[layer]
+        q = RotaryEmbedding.apply(q.view(x.shape[0], -1, self.head_dim), rope)  # (N, H, D)
+        q = q.view(x.shape[0], self.num_kv_heads, self.group, self.head_dim)
+        return torch.matmul(q, self.skew[layer])  # (N, Hkv, G, D) @ (Hkv, D, r)
+
+    def partial_key(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """k (N, Hkv, D) rotated keys -> (N, Hkv, r) skewed partial keys."""
+        return torch.matmul(k.transpose(0, 1), self.skew[layer]).transpose(0, 1)  # (Hkv, N, r) -> (N, Hkv, r)
