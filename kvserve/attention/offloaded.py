@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.attention.paged import attend_prefill
-from kvserve.kv.tiers import KVTier, RowSpec, StagingBuffers, Transfer, TransferQueue
+from kvserve.kv.tiers import KVTier, RowSpec, StagingBuffers, Transfer, TransferQueue, gather_rows, scatter_rows
 from kvserve.policies.base import KVPolicy
-from kvserve.policies.infinigen import InfiniGen, Rehearsal, choose_victims, speculate
+from kvserve.policies.infinigen import InfiniGen, Rehearsal, choose_victims, partial_logits, speculate
 from kvserve.policies.quant import Int4KV, dequantize_int4, quantize_int4
 
 
@@ -44,6 +44,8 @@ class _Fetch:
     # ``valid`` (B, K) (the first counts[b] of each row's K are chosen).
     layout: str
     valid: torch.Tensor
+    buffers: dict[str, torch.Tensor]  # the staging buffers it lands in
+    shape: tuple[int, ...]  # of the keys/values they hold
 
 
 @dataclass
@@ -51,7 +53,9 @@ class _Step:
     decodes: list[int]  # sequences (metadata order) decoding one token, batched
     candidates: torch.Tensor  # (Bd, n) long slot ids of each decode sequence's cached rows (padded with 0)
     candidate_valid: torch.Tensor  # (Bd, n) bool
-    block_index: torch.Tensor  # (Bd, W) long block ids covering each decode sequence's rows (padded with 0)
+    block_index: torch.Tensor  # (Bd, W) long block ids covering each decode sequence's rows and the next one
+    own: torch.Tensor  # (Bd,) long: the rows each decode sequence has cached, i.e. where its new row goes
+    padded: bool  # some decode sequence has fewer candidates than the longest
     pending: dict[int, _Fetch] = field(default_factory=dict)  # layer -> its fetch
     partial_queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (N, Hkv, G, r)
 
@@ -112,7 +116,8 @@ class OffloadedKVCache(AttentionBackend):
         self.stats = OffloadStats([0] * num_layers, [0] * num_layers)
         self.partial_keys = self.pool = None
         if rehearsal is not None:
-            shape = (num_layers, self.num_slots, num_kv_heads, rehearsal.partial_dims)
+            # Head-major, so one KV head's candidates are a contiguous (n, r) operand of the rehearsal's matmul.
+            shape = (num_layers, num_kv_heads, self.num_slots, rehearsal.partial_dims)
             self.partial_keys = torch.zeros(shape, dtype=dtype, device=self.device)  # device tier
         if isinstance(policy, InfiniGen) and policy.pool_limit < 1:
             # Per (layer, slot, KV head): times selected, last row that selected it, row that inserted it.
@@ -135,7 +140,7 @@ class OffloadedKVCache(AttentionBackend):
         self.tier.copy_blocks(list(pairs), self.block_size)
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
-        for array, dim in ((self.partial_keys, 1), (self.pool, 2)):
+        for array, dim in ((self.partial_keys, 2), (self.pool, 2)):
             if array is not None:
                 blocks = array.unflatten(dim, (self.num_blocks, self.block_size))
                 blocks.index_copy_(dim, dst, blocks.index_select(dim, src))
@@ -160,13 +165,19 @@ class OffloadedKVCache(AttentionBackend):
         width = max(held, default=0)
         bs = self.block_size
         candidates = torch.zeros((len(decodes), max(width, 1)), dtype=torch.long)
-        blocks = torch.zeros((len(decodes), max(math.ceil(width / bs), 1)), dtype=torch.long)
+        # Whole blocks up to and including each sequence's next row: its own key/value goes there once fetched.
+        blocks = torch.zeros((len(decodes), math.ceil((width + 1) / bs)), dtype=torch.long)
         for b, (i, h) in enumerate(zip(decodes, held, strict=True)):
-            table = torch.tensor(metadata.block_tables[i][: math.ceil(h / bs)], dtype=torch.long)
+            table = torch.tensor(metadata.block_tables[i][: h // bs + 1], dtype=torch.long)
             blocks[b, : table.numel()] = table
             candidates[b, :h] = (table[:, None] * bs + torch.arange(bs)).view(-1)[:h]
-        valid = torch.arange(candidates.shape[1])[None, :] < torch.tensor(held, dtype=torch.long)[:, None]
-        step = _Step(decodes, candidates.to(self.device), valid.to(self.device), blocks.to(self.device))
+        own = torch.tensor(held, dtype=torch.long)
+        valid = torch.arange(candidates.shape[1])[None, :] < own[:, None]
+        padded = min(held, default=0) < width
+        step = _Step(
+            decodes, candidates.to(self.device), valid.to(self.device), blocks.to(self.device), own.to(self.device),
+            padded,
+        )  # fmt: skip
         object.__setattr__(metadata, "state", step)
         if decodes:
             self.stats.decode_steps += 1
@@ -225,12 +236,16 @@ class OffloadedKVCache(AttentionBackend):
         batch, num_heads, head_dim = q.shape
         hkv = self.num_kv_heads
         fetch = step.pending.pop(layer)
-        keys, values = fetch.transfer.wait()
+        fetch.transfer.wait()
+        keys, values = self._dequantized(fetch.buffers, fetch.shape)
+        # The step's own key/value is on the device already: it takes the spare row each fetch left.
         if fetch.layout == "blocks":  # (B, T, Hkv, D) -> (B, Hkv, T, D)
+            batch_rows = torch.arange(batch, device=q.device)
+            keys[batch_rows, step.own], values[batch_rows, step.own] = k, v
             keys, values = keys.transpose(1, 2), values.transpose(1, 2)
-        keys = torch.cat((keys, k[:, :, None]), dim=2)  # the step's own key is on the device already
-        values = torch.cat((values, v[:, :, None]), dim=2)
-        mask = F.pad(fetch.valid, (0, 1), value=True)[:, None, None, :]  # (B, 1, 1, T + 1)
+        else:  # (B, Hkv, K + 1, D)
+            keys[:, :, -1], values[:, :, -1] = k, v
+        mask = fetch.valid[:, None, None, :]  # (B, 1, 1, T)
         qg = q.view(batch, hkv, num_heads // hkv, head_dim)  # query head h reads KV head h // G
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)  # (B, Hkv, G, D)
         self._store_decodes(layer, k, v, meta)
@@ -241,49 +256,49 @@ class OffloadedKVCache(AttentionBackend):
         blocks = step.block_index.view(-1)
         num_rows = blocks.numel() * self.block_size
         batch = step.block_index.shape[0]
-        valid = F.pad(step.candidate_valid, (0, num_rows // batch - step.candidate_valid.shape[1]), value=False)
+        valid = torch.arange(num_rows // batch, device=self.device)[None, :] <= step.own[:, None]
         self._count(layer, int(step.candidate_valid.sum()), int(step.candidate_valid.sum()))
         out = {name: self.staging.get(name, layer, num_rows) for name in self.rows}
 
-        def copy() -> tuple[torch.Tensor, torch.Tensor]:
+        def copy() -> None:
             for name, buffer in out.items():
                 array = self.tier.arrays[name][layer]
                 by_block = array.view(self.num_blocks, self.block_size * math.prod(array.shape[1:]))
-                torch.index_select(by_block, 0, blocks.to(array.device), out=buffer.view(blocks.numel(), -1))
-            return self._dequantized(out, (batch, num_rows // batch, self.num_kv_heads, self.head_dim))
+                gather_rows(by_block, blocks, buffer.view(blocks.numel(), -1))
 
-        return _Fetch(self.queue.fetch(copy, num_rows * self._row_bytes()), "blocks", valid)
+        shape = (batch, num_rows // batch, self.num_kv_heads, self.head_dim)
+        return _Fetch(self.queue.fetch(copy, num_rows * self._row_bytes()), "blocks", valid, out, shape)
 
     def _fetch_selected(self, layer: int, step: _Step, meta: OffloadAttentionMetadata) -> _Fetch:
         """The rows layer ``layer``'s rehearsal selects for each decode sequence (InfiniGen)."""
         rows = self._decode_rows(step, meta)
-        partial_q = step.partial_queries[layer].index_select(0, rows)  # (B, Hkv, G, r)
+        partial_q = step.partial_queries[layer].index_select(0, rows).transpose(0, 1)  # (Hkv, B, G, r)
         cands = step.candidates  # (B, n)
         batch, n = cands.shape
-        partial_k = self.partial_keys[layer].index_select(0, cands.view(-1)).view(batch, n, self.num_kv_heads, -1)
-        selection = speculate(
-            partial_q, partial_k.transpose(1, 2), step.candidate_valid, self.policy.alpha, self.head_dim
-        )
+        partial_k = self.partial_keys[layer].index_select(1, cands.view(-1)).view(self.num_kv_heads, batch, n, -1)
+        logits = partial_logits(partial_q, partial_k, self.head_dim).transpose(0, 1)  # (B, Hkv, G, n)
+        selection = speculate(logits, step.candidate_valid if step.padded else None, self.policy.alpha)
         slots = cands.gather(1, selection.index.flatten(1)).view_as(selection.index)  # (B, Hkv, K)
+        # One more row per (sequence, head), any row: the step's own key/value goes there once fetched.
+        slots = F.pad(slots, (0, 1))
         heads = torch.arange(self.num_kv_heads, device=slots.device)[None, :, None]
         flat = (slots * self.num_kv_heads + heads).view(-1)  # rows of the tier's (slots * Hkv, D) view
-        top = selection.index.shape[-1]
+        top = slots.shape[-1]
         self._count(layer, int(selection.counts.sum()), int(step.candidate_valid.sum()))
         if self.pool is not None:
             now = torch.tensor([meta.context_lens[i] for i in step.decodes], dtype=torch.int32, device=slots.device)
             self._note_selected(layer, slots, selection.chosen, now)
         out = {name: self.staging.get(name, layer, batch * top) for name in self.rows}  # (B * K) x every head
 
-        def copy() -> tuple[torch.Tensor, torch.Tensor]:
+        def copy() -> None:
             for name, buffer in out.items():
                 array = self.tier.arrays[name][layer]  # (slots, Hkv, *row)
-                by_head = array.view(self.num_slots * self.num_kv_heads, -1)
-                torch.index_select(by_head, 0, flat.to(array.device), out=buffer.view(flat.numel(), -1))
-            return self._dequantized(out, (batch, self.num_kv_heads, top, self.head_dim))
+                gather_rows(array.view(self.num_slots * self.num_kv_heads, -1), flat, buffer.view(flat.numel(), -1))
 
-        return _Fetch(
-            self.queue.fetch(copy, flat.numel() * self._row_bytes() // self.num_kv_heads), "rows", selection.chosen
-        )
+        valid = F.pad(selection.chosen, (0, 1), value=True)
+        nbytes = flat.numel() * self._row_bytes() // self.num_kv_heads
+        shape = (batch, self.num_kv_heads, top, self.head_dim)
+        return _Fetch(self.queue.fetch(copy, nbytes), "rows", valid, out, shape)
 
     def _decode_rows(self, step: _Step, meta: OffloadAttentionMetadata) -> torch.Tensor:
         starts = [0]
@@ -346,11 +361,12 @@ class OffloadedKVCache(AttentionBackend):
         """Which of the h cached rows and m new rows each of the m rows may read: (m, Hkv, h + m) bool."""
         held = slots.numel()
         partial_q = meta.state.partial_queries[layer][first_row : first_row + m]  # (m, Hkv, G, r)
-        cached = self.partial_keys[layer].index_select(0, slots)  # (h, Hkv, r)
-        partial_k = torch.cat((cached, self.rehearsal.partial_key(layer, k)))  # (h + m, Hkv, r)
+        cached = self.partial_keys[layer].index_select(1, slots)  # (Hkv, h, r)
+        partial_k = torch.cat((cached, self.rehearsal.partial_key(layer, k).transpose(0, 1)), dim=1)  # (Hkv, h + m, r)
         row = torch.arange(m, device=self.device)
         earlier = torch.arange(held + m, device=self.device)[None, :] < held + row[:, None]  # (m, h + m)
-        selection = speculate(partial_q, partial_k.transpose(0, 1)[None], earlier, self.policy.alpha, self.head_dim)
+        logits = partial_logits(partial_q, partial_k[None], self.head_dim)  # (m, Hkv, G, h + m)
+        selection = speculate(logits, earlier, self.policy.alpha)
         allowed = torch.zeros((m, self.num_kv_heads, held + m), dtype=torch.bool, device=self.device)
         allowed.scatter_(2, selection.index, selection.chosen[:, None, :].expand_as(selection.index))
         allowed[row, :, held + row] = True  # a row always reads its own key, as a decode step does
@@ -410,22 +426,22 @@ class OffloadedKVCache(AttentionBackend):
         heads = torch.arange(self.num_kv_heads, device=slots.device)[None, :]
         flat = (slots * self.num_kv_heads + heads).view(-1)  # (R * Hkv,)
         if self.partial_keys is not None:
-            partial = self.rehearsal.partial_key(layer, k)  # (R, Hkv, r)
+            partial = self.rehearsal.partial_key(layer, k).transpose(0, 1)  # (Hkv, R, r)
+            by_head = (heads.t() * self.num_slots + slots.t()).reshape(-1)  # rows of the (Hkv * slots, r) view
             self.partial_keys[layer].view(-1, partial.shape[-1]).index_copy_(
-                0, flat, partial.reshape(-1, partial.shape[-1])
+                0, by_head, partial.reshape(-1, partial.shape[-1])
             )
         if self.pool is not None:
             stamps = tokens[:, None].expand_as(slots).reshape(-1)
             self.pool[0, layer].view(-1).index_fill_(0, flat, 0)
             self.pool[1, layer].view(-1).index_copy_(0, flat, stamps)
             self.pool[2, layer].view(-1).index_copy_(0, flat, stamps)
-        encoded = self._encoded(k, v)
+        encoded = {name: rows.reshape(flat.numel(), -1).contiguous() for name, rows in self._encoded(k, v).items()}
 
         def copy() -> None:
             for name, rows in encoded.items():
                 array = self.tier.arrays[name][layer]
-                by_head = array.view(self.num_slots * self.num_kv_heads, -1)
-                by_head.index_copy_(0, flat.to(array.device), rows.reshape(flat.numel(), -1).to(array.device))
+                scatter_rows(array.view(self.num_slots * self.num_kv_heads, -1), flat, rows)
 
         self.queue.store(copy, flat.numel() * self._row_bytes() // self.num_kv_heads)
 
@@ -433,13 +449,13 @@ class OffloadedKVCache(AttentionBackend):
         """Every head of ``slots`` (h,) in ``layer``, fetched and waited for: (h, Hkv, D) keys and values."""
         out = {name: self.staging.get(name, layer, slots.numel()) for name in self.rows}
 
-        def copy() -> tuple[torch.Tensor, torch.Tensor]:
+        def copy() -> None:
             for name, buffer in out.items():
                 array = self.tier.arrays[name][layer]
-                torch.index_select(array, 0, slots.to(array.device), out=buffer)
-            return self._dequantized(out, (slots.numel(), self.num_kv_heads, self.head_dim))
+                gather_rows(array.view(self.num_slots, -1), slots, buffer.view(slots.numel(), -1))
 
-        return self.queue.fetch(copy, slots.numel() * self._row_bytes()).wait()
+        self.queue.fetch(copy, slots.numel() * self._row_bytes()).wait()
+        return self._dequantized(out, (slots.numel(), self.num_kv_heads, self.head_dim))
 
     def _encoded(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
         if not isinstance(self.policy, Int4KV):
@@ -450,7 +466,7 @@ class OffloadedKVCache(AttentionBackend):
     def _dequantized(
         self, fetched: dict[str, torch.Tensor], shape: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fetched rows as keys and values of ``shape`` (run on the transfer side: it is part of the fetch)."""
+        """The fetched rows as keys and values of ``shape`` (INT4 codes are dequantised on the device)."""
         if not isinstance(self.policy, Int4KV):
             return fetched["k"].view(shape), fetched["v"].view(shape)
         codes = shape[:-1] + (self.head_dim // 2,)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.models.layers import RotaryEmbedding
+from kvserve.models.packed_linear import dense_linear, prepack
 from kvserve.policies.base import KVPolicy
 
 POOL_EVICTIONS = ("counter", "lru", "fifo")
@@ -39,7 +41,8 @@ class InfiniGen(KVPolicy):
         super().__post_init__()
         if self.budget != 1:
             raise ValueError(
-                f"kv_policy='infinigen' keeps the whole cache in the slower tier; kv_budget must be 1, got {self.budget}"
+                f"kv_policy='infinigen' keeps the whole cache in the slower tier; kv_budget must be 1, "
+                f"got {self.budget}"
             )
         if not (isinstance(self.alpha, int | float) and math.isfinite(self.alpha) and self.alpha >= 0):
             raise ValueError(f"infinigen_alpha must be a finite number >= 0, got {self.alpha!r}")
@@ -68,26 +71,33 @@ class Selection:
     counts: torch.Tensor  # (R,) long
 
 
-def speculate(
-    q_partial: torch.Tensor, k_partial: torch.Tensor, valid: torch.Tensor, alpha: float, head_dim: int
-) -> Selection:
+def speculate(logits: torch.Tensor, valid: torch.Tensor | None, alpha: float) -> Selection:
     """Select the candidates R query rows are predicted to attend to.
 
-    q_partial (R, Hkv, G, r): each row's speculated partial query, query heads grouped by KV head;
-    k_partial (R or 1, Hkv, n, r): the partial keys of the candidates; valid (R, n) bool: which
-    candidates a row may see. Scores are logits (scaled by the full head dim, as attention's are).
+    logits (R, Hkv, G, n) float32: each row's speculated scores (``partial_logits``), query heads grouped
+    by KV head; valid (R, n) bool: which candidates a row may see (None: all of them).
     """
-    logits = torch.matmul(q_partial, k_partial.transpose(-1, -2)).float() / math.sqrt(head_dim)  # (R, Hkv, G, n)
-    logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
+    n = logits.shape[-1]
+    if valid is not None:
+        logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
     peak = logits.amax(dim=-1, keepdim=True)
     per_head = (logits >= peak - alpha).sum(dim=-1)  # (R, Hkv, G)
-    counts = per_head.float().mean(dim=(1, 2)).long()  # one count per row: the mean over heads (truncated)
-    counts = torch.minimum(counts.clamp(min=1), valid.sum(dim=-1))
+    counts = per_head.sum(dim=(1, 2)) // (per_head.shape[1] * per_head.shape[2])  # the mean over heads, truncated
+    counts = counts.clamp(min=1)
+    counts = torch.minimum(counts, valid.sum(dim=-1)) if valid is not None else counts.clamp(max=n)
     kv_logits = logits.amax(dim=2)  # (R, Hkv, n): a token is wanted if any query head of the group wants it
     top = int(counts.max()) if counts.numel() else 0
-    index = kv_logits.topk(top, dim=-1).indices  # (R, Hkv, K)
+    # Rows choose their first counts[r] of the top K: that needs them in order unless every count is K.
+    in_order = bool((counts != top).any())
+    index = kv_logits.topk(top, dim=-1, sorted=in_order).indices  # (R, Hkv, K)
     chosen = torch.arange(top, device=counts.device)[None, :] < counts[:, None]
     return Selection(index, chosen, counts)
+
+
+def partial_logits(q_partial: torch.Tensor, k_partial: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """q_partial (..., G, r) against k_partial (..., n, r) -> (..., G, n) float32 logits, scaled by the full
+    head dim as attention's are."""
+    return torch.matmul(q_partial, k_partial.transpose(-1, -2)).float().mul_(1 / math.sqrt(head_dim))
 
 
 def choose_victims(
@@ -126,12 +136,14 @@ class Rehearsal:
         dtype = weight.dtype if weight.is_floating_point() else torch.float32
         eye = torch.eye(cfg.hidden_size, dtype=dtype, device=weight.device)
         zero = torch.zeros(1, cfg.hidden_size, dtype=dtype, device=weight.device)
-        self.weights, self.biases = [], []
+        self.weights, self.packed, self.biases = [], [], []
         with torch.inference_mode():
             for layer in model.layers:
                 proj = layer.self_attn.qkv_proj
-                bias = proj(zero)[:, : cfg.q_size]  # (1, q_size)
-                self.weights.append((proj(eye)[:, : cfg.q_size] - bias).contiguous())  # (hidden, q_size) = W_q^T
+                bias = proj(zero)[0, : cfg.q_size]  # (q_size,)
+                weight = (proj(eye)[:, : cfg.q_size] - bias).t().contiguous()  # (q_size, hidden): W_q
+                self.weights.append(weight)
+                self.packed.append(prepack(weight))
                 self.biases.append(bias if bool(bias.any()) else None)
         self.skew = skew_partial.to(dtype=dtype, device=weight.device)  # (L, Hkv, D, r)
 
@@ -141,11 +153,7 @@ class Rehearsal:
 
     def partial_query(self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x (N, hidden), the attention input of layer - 1 -> (N, Hkv, G, r) skewed partial queries of ``layer``."""
-        from kvserve.models.layers import RotaryEmbedding  # models/ imports attention/, not the other way
-
-        q = x @ self.weights[layer]
-        if self.biases[layer] is not None:
-            q = q + self.biases[layer]
+        q = dense_linear(x, self.weights[layer], self.packed[layer], self.biases[layer])  # (N, H * D)
         q = RotaryEmbedding.apply(q.view(x.shape[0], -1, self.head_dim), rope)  # (N, H, D)
         q = q.view(x.shape[0], self.num_kv_heads, self.group, self.head_dim)
         return torch.matmul(q, self.skew[layer])  # (N, Hkv, G, D) @ (Hkv, D, r)
