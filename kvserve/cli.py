@@ -122,6 +122,18 @@ def cmd_tune_runahead(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_infinigen_setup(args: argparse.Namespace) -> int:
+    from kvserve.policies.skewing import skewing_for
+
+    loaded = load_from_args(args)
+    directory = Path(args.output).expanduser() if args.output else None
+    skewing, file = skewing_for(loaded, directory, refresh=args.refresh)
+    layers, heads, dim = skewing.ranking.shape
+    print(f"infinigen-setup: {loaded.path.name}: skewing for {layers} layers x {heads} KV heads (head dim {dim}) "
+          f"in {file}")  # fmt: skip
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="KV-cache-centred LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -155,6 +167,16 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--output", default=None, help="table file (default: $KVSERVE_RUNAHEAD_TABLE or "
                       "~/.cache/kvserve/runahead-table.json, which engines load)")  # fmt: skip
     tune.set_defaults(func=cmd_tune_runahead)
+
+    setup = sub.add_parser(
+        "infinigen-setup", help="compute InfiniGen's skewing matrices for a model and cache them (engines with "
+        "--kv-policy infinigen otherwise do it on first use)",
+    )  # fmt: skip
+    add_model_args(setup)
+    setup.add_argument("--output", default=None, help="folder (default: $KVSERVE_INFINIGEN_DIR or "
+                       "~/.cache/kvserve/infinigen)")  # fmt: skip
+    setup.add_argument("--refresh", action="store_true", help="recompute even if a cached file exists")
+    setup.set_defaults(func=cmd_infinigen_setup)
 
     worker = sub.add_parser(
         "prefill-worker", help="a parallel prefill worker joining a group torchrun-style (RANK, WORLD_SIZE, "

@@ -6,6 +6,8 @@ import argparse
 from dataclasses import asdict
 
 from kvserve.config import (
+    KV_OFFLOAD_MODES,
+    POOL_EVICTIONS,
     PREEMPTION_MODES,
     PREFILL_PARTITIONS,
     PROMPT_CACHE_ENCODES,
@@ -94,7 +96,8 @@ def add_kv_policy_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kv-policy", choices=KV_POLICY_NAMES, default="full",
         help="full (lossless, default), pyramid (PyramidInfer), local (sinks + recent window), h2o (heavy hitters); "
-        "any but full gives each layer its own KV blocks, and requests may then pick their own policy",
+        "any of those but full gives each layer its own KV blocks, and requests may then pick their own policy; "
+        "with --kv-offload: full (fetch everything), int4 (fetch 4-bit KV) or infinigen (fetch predicted rows)",
     )  # fmt: skip
     group.add_argument(
         "--kv-budget", type=float, default=None, help="fraction of the full KV cache kept (default 0.5; full: 1)"
@@ -104,9 +107,30 @@ def add_kv_policy_args(parser: argparse.ArgumentParser) -> None:
         help="pyramid: recent-token share of a layer's budget (0.4); h2o: recent share (0.5)",
     )  # fmt: skip
 
+    offload = parser.add_argument_group("KV offloading (InfiniGen)")
+    offload.add_argument(
+        "--kv-offload", choices=KV_OFFLOAD_MODES, default="none",
+        help="keep the full KV in host memory or a memory-mapped file (sized by --kv-cache-memory); the device "
+        "reads per step what --kv-policy fetches",
+    )  # fmt: skip
+    offload.add_argument("--kv-offload-path", default=None, help="disk tier: folder of the mapped file (temp dir)")
+    offload.add_argument("--infinigen-alpha", type=float, default=4.0,
+                         help="fetch tokens whose speculated logit is within alpha of the best (4)")  # fmt: skip
+    offload.add_argument("--infinigen-partial-ratio", type=float, default=0.3,
+                         help="share of skewed query/key dimensions the rehearsal uses (0.3)")  # fmt: skip
+    offload.add_argument("--kv-pool-limit", type=float, default=1.0,
+                         help="infinigen: slots per sequence, share of prompt + max_tokens")  # fmt: skip
+    offload.add_argument("--kv-pool-eviction", choices=POOL_EVICTIONS, default="counter",
+                         help="victim when the pool is full: counter (least selected), lru or fifo")  # fmt: skip
+
 
 def kv_policy_options(args: argparse.Namespace) -> dict[str, object]:
-    return {"kv_policy": args.kv_policy, "kv_budget": args.kv_budget, "recent_ratio": args.recent_ratio}
+    return {
+        "kv_policy": args.kv_policy, "kv_budget": args.kv_budget, "recent_ratio": args.recent_ratio,
+        "kv_offload": args.kv_offload, "kv_offload_path": args.kv_offload_path,
+        "infinigen_alpha": args.infinigen_alpha, "infinigen_partial_ratio": args.infinigen_partial_ratio,
+        "kv_pool_limit": args.kv_pool_limit, "kv_pool_eviction": args.kv_pool_eviction,
+    }  # fmt: skip
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

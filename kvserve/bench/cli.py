@@ -102,6 +102,20 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     cmp.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/policies/efficiency)")
     cmp.set_defaults(func=cmd_bench_compression)
 
+    off = bench_sub.add_parser(
+        "offload", help="decode with offloaded KV: InfiniGen vs fetch-everything vs INT4 vs H2O, latency and bytes"
+    )
+    add_model_args(off)
+    off.add_argument("--contexts", default="2048,4096,8192", help="prompt lengths in tokens")
+    off.add_argument("--batches", default="8,4,1", help="batch sizes (the first prefills the prompts)")
+    off.add_argument("--policies", default="full,infinigen,int4,h2o", help="comma-separated; h2o is not offloaded")
+    off.add_argument("--tiers", default="host,disk", help="slower tiers: host, disk")
+    off.add_argument("--steps", type=int, default=8, help="measured decode steps per cell")
+    off.add_argument("--kv-cache-memory", default="4GiB", help="the slower tier's size")
+    off.add_argument("--kv-offload-path", default=None, help="disk tier folder (default: the temp dir)")
+    off.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/infinigen/decode)")
+    off.set_defaults(func=cmd_bench_offload)
+
     pc = bench_sub.add_parser(
         "prompt-cache", help="time to first token: Prompt Cache (device, host) vs no cache vs prefix caching"
     )
@@ -472,6 +486,59 @@ def cmd_bench_compression(args: argparse.Namespace) -> int:
     out = Path(args.output or "benchmarks/policies/efficiency")
     write_report(out, report, markdown(report))
     plot_compression(report, out.with_suffix(".png"))
+    return 0
+
+
+def cmd_bench_offload(args: argparse.Namespace) -> int:
+    from kvserve.bench import offload
+    from kvserve.bench.plots import plot_offload
+    from kvserve.cli import load_from_args
+    from kvserve.config import EngineConfig
+    from kvserve.engine import LLMEngine
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    loaded = load_from_args(args)
+    contexts = [int(n) for n in args.contexts.split(",")]
+    batches = sorted((int(n) for n in args.batches.split(",")), reverse=True)
+    text = loaded.tokenizer.encode(AUSTEN.read_text(errors="replace"), add_special_tokens=False)
+    prompts = {c: [text[i * c : (i + 1) * c] for i in range(batches[0])] for c in contexts}
+    if len(prompts[max(contexts)][-1]) < max(contexts):
+        raise ValueError(f"the sample text has {len(text)} tokens, too few for {batches[0]} x {max(contexts)}")
+    cells = []
+    for tier in args.tiers.split(","):
+        for policy in args.policies.split(","):
+            if policy == "h2o" and cells and any(c.policy == "h2o" for c in cells):
+                continue  # not offloaded: once is enough
+            offloaded = policy != "h2o"
+            config = EngineConfig(
+                dtype=args.dtype, device=args.device, weights=args.weights, kv_cache_memory=args.kv_cache_memory,
+                max_num_batched_tokens=max(contexts), kv_policy=policy, kv_budget=0.2 if policy == "h2o" else None,
+                kv_offload=tier if offloaded else "none",
+                kv_offload_path=args.kv_offload_path if offloaded and tier == "disk" else None,
+            )  # fmt: skip
+            engine = LLMEngine(config, loaded)
+            log(f"bench offload: {policy} ({engine.kv_summary})")
+            try:
+                for context in contexts:
+                    log(f"  context {context}")
+                    for batch in batches:
+                        ms, per_token = offload.measure(engine, prompts[context][:batch], args.steps, log)
+                        where = tier if offloaded else "memory"
+                        cells.append(offload.DecodeCell(where, policy, context, batch, ms, per_token, args.steps))
+            finally:
+                engine.close()
+    report = new_report(
+        "offload", model=loaded.path.name, dtype=args.dtype, weights=args.weights,
+        threads=torch.get_num_threads(), kv_cache_memory=args.kv_cache_memory, policies=args.policies.split(","),
+        note="Prompts: Jane Austen's Emma cut into distinct pieces; greedy, EOS ignored; h2o at a 20% budget, "
+        "not offloaded (its KV is gathered from host memory each step).",
+        results=offload.as_rows(cells),
+    )  # fmt: skip
+    out = Path(args.output or "benchmarks/infinigen/decode")
+    write_report(out, report, offload.markdown(report))
+    plot_offload(report, out.with_suffix(".png"))
     return 0
 
 

@@ -201,3 +201,39 @@ def plot_prompt_cache(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_offload(report: dict, path: Path) -> None:
+    """Decode ms per step and MB fetched per token against context, one panel per tier and batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = report["results"]
+    tiers = sorted({c["tier"] for c in cells if c["tier"] != "memory"})
+    batches = sorted({c["batch"] for c in cells})
+    fig, axes = plt.subplots(2 * len(tiers), len(batches), figsize=(4.2 * len(batches), 3.4 * 2 * len(tiers)),
+                             squeeze=False)  # fmt: skip
+    for t, tier in enumerate(tiers):
+        for b, batch in enumerate(batches):
+            for metric, row, label in (
+                ("ms_per_step", 2 * t, "ms per step"),
+                ("bytes_per_token", 2 * t + 1, "MB/token"),
+            ):
+                ax = axes[row][b]
+                for policy in report["policies"]:
+                    where = "memory" if policy == "h2o" else tier
+                    points = sorted((c["context"], c[metric]) for c in cells
+                                    if (c["tier"], c["policy"], c["batch"]) == (where, policy, batch))  # fmt: skip
+                    if points:
+                        scale = 1e-6 if metric == "bytes_per_token" else 1.0
+                        ax.plot([p[0] for p in points], [p[1] * scale for p in points], marker="o", label=policy)
+                ax.set_title(f"{tier} tier, batch {batch}: {label}", fontsize=9)
+                ax.set_xlabel("context (tokens)")
+                ax.set_yscale("log")
+                ax.legend(fontsize=7)
+    fig.suptitle(f"{report['model']}, {report['dtype']}, {report['threads']} threads", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

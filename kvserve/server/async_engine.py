@@ -21,11 +21,21 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvserve.attention.offloaded import OffloadedKVCache
 from kvserve.engine import LLMEngine
 from kvserve.log import get_logger
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.metrics import EngineSnapshot, ServerMetrics
+
+
+def offload_counters(engine: LLMEngine) -> dict[str, int]:
+    """Bytes an offloading engine has moved between its tiers (none for the others)."""
+    cache = engine.runner.cache
+    if not isinstance(cache, OffloadedKVCache):
+        return {}
+    stats = cache.queue.stats
+    return {"kv_offload_bytes_fetched": stats.bytes_fetched, "kv_offload_bytes_stored": stats.bytes_stored}
 
 
 class QueueFullError(Exception):
@@ -392,6 +402,7 @@ class AsyncEngine:
                 prompt_cache_bytes=store.memory_bytes(),
                 prompt_cache_encoded_tokens=store.stats.encoded_tokens,
                 prompt_cache_evictions=store.stats.evictions,
+                **offload_counters(self.engine),
             )
         )
 

@@ -42,6 +42,8 @@ class EngineSnapshot:
     prompt_cache_bytes: int = 0  # their KV in their tier
     prompt_cache_encoded_tokens: int = 0  # cumulative: module tokens prefilled to encode them
     prompt_cache_evictions: int = 0  # cumulative
+    kv_offload_bytes_fetched: int = 0  # cumulative: offloaded KV moved to the device (kv_offload)
+    kv_offload_bytes_stored: int = 0  # cumulative: new KV moved to the slower tier
 
 
 class ServerMetrics:
@@ -76,6 +78,12 @@ class ServerMetrics:
             "prompt_cache_encoded_tokens", "Module tokens prefilled to encode Prompt Cache modules."
         )
         self.prompt_cache_evictions = counter("prompt_cache_evictions", "Prompt Cache modules evicted (LRU).")
+        self.kv_offload_bytes_fetched = counter(
+            "kv_offload_fetched_bytes", "Bytes of offloaded KV fetched from the slower tier to the device."
+        )
+        self.kv_offload_bytes_stored = counter(
+            "kv_offload_stored_bytes", "Bytes of new KV stored from the device to the slower tier."
+        )
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Time from arrival to the first generated token.", TTFT_BUCKETS
         )
@@ -110,6 +118,8 @@ class ServerMetrics:
             max(0, snap.prompt_cache_encoded_tokens - last.prompt_cache_encoded_tokens)
         )
         self.prompt_cache_evictions.inc(max(0, snap.prompt_cache_evictions - last.prompt_cache_evictions))
+        self.kv_offload_bytes_fetched.inc(max(0, snap.kv_offload_bytes_fetched - last.kv_offload_bytes_fetched))
+        self.kv_offload_bytes_stored.inc(max(0, snap.kv_offload_bytes_stored - last.kv_offload_bytes_stored))
         self._last = snap
 
     def on_first_token(self, ttft: float, num_prompt_tokens: int) -> None:

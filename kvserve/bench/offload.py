@@ -1,0 +1,117 @@
+"""Decode with the KV cache offloaded: latency and bytes fetched per token, InfiniGen against its baselines.
+
+One engine per (tier, policy), KV in the host tier or a memory-mapped file (``kv_offload``), prefix caching
+on. Per context length, eight distinct prompts (prose cut at different places) are prefilled once by the
+batch-8 run; the batch-4 and batch-1 runs reuse their cached blocks, so only decoding is repeated. Each
+run decodes a few warm-up tokens, then ``steps`` measured ones; a measured step is one in which every
+sequence of the batch decodes. Reported per cell: the median step time (the per-token decode latency of
+that batch) and the KV bytes the step moved from the slower tier, per sequence.
+
+- ``full``: fetch-everything (FlexGen-style: each layer's whole KV fetched while the layer before runs);
+- ``int4``: the same with 4-bit group-wise KV (the tier holds codes and scales);
+- ``infinigen``: the rows layer i's rehearsal selects, fetched while layer i - 1 runs;
+- ``h2o``: H2O at a 20% budget through the compressed cache (no offload: the kept KV lives in host
+  memory and each layer gathers it per step, which on a CPU is the same memory traffic); its bytes per
+  token are the rows it holds, read once per layer.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+from kvserve.attention.offloaded import OffloadedKVCache
+from kvserve.engine import LLMEngine
+from kvserve.sampling_params import SamplingParams
+
+WARMUP_TOKENS = 2
+
+
+@dataclass
+class DecodeCell:
+    tier: str  # host | disk | memory (h2o: not offloaded)
+    policy: str
+    context: int
+    batch: int
+    ms_per_step: float  # median over measured steps: every sequence decodes one token
+    bytes_per_token: float  # KV moved from the slower tier per sequence and step
+    steps: int
+
+
+def measure(
+    engine: LLMEngine, prompts: Sequence[list[int]], steps: int, log: Callable[[str], None]
+) -> tuple[float, float]:
+    """Decode ``steps`` tokens for every prompt at once after the warm-up; (median ms/step, bytes/token)."""
+    params = SamplingParams(max_tokens=WARMUP_TOKENS + steps, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(p, params, add_special_tokens=False) for p in prompts]
+    produced = dict.fromkeys(ids, 0)
+    times, fetched = [], 0
+    cache = engine.runner.cache
+    while engine.has_unfinished_requests():
+        measured = min(produced.values()) >= WARMUP_TOKENS and all(i in engine.requests for i in ids)
+        before = _fetched(cache)
+        start = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - start
+        for out in outputs:
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+        if measured and len(outputs) == len(ids):
+            times.append(elapsed)
+            fetched += _fetched(cache) - before
+    if not isinstance(cache, OffloadedKVCache):  # h2o: what each layer holds, read once per step
+        fetched = _compressed_bytes(engine, prompts, steps) * len(times)
+    median = statistics.median(times) if times else float("nan")
+    per_token = fetched / max(1, len(times)) / len(prompts)
+    log(f"    batch {len(prompts)}: {median * 1e3:.1f} ms/step, {per_token / 1e6:.2f} MB/token ({len(times)} steps)")
+    return median * 1e3, per_token
+
+
+def _fetched(cache: object) -> int:
+    return cache.queue.stats.bytes_fetched if isinstance(cache, OffloadedKVCache) else 0
+
+
+def _compressed_bytes(engine: LLMEngine, prompts: Sequence[list[int]], steps: int) -> float:
+    """Bytes of KV an H2O step reads per step for the batch: its budget of every prompt, every layer."""
+    cfg = engine.loaded.config
+    row = engine.kv_block_bytes // engine.config.block_size  # one token of one layer
+    kept = sum(engine.kv_policy.capacity(0, cfg.num_layers, len(p) + WARMUP_TOKENS + steps) for p in prompts)
+    return kept * row * cfg.num_layers
+
+
+def as_rows(cells: list[DecodeCell]) -> list[dict]:
+    return [asdict(c) for c in cells]
+
+
+def markdown(report: dict) -> str:
+    cells = report["results"]
+    tiers = sorted({c["tier"] for c in cells if c["policy"] != "h2o"})
+    policies = [p for p in report["policies"] if any(c["policy"] == p for c in cells)]
+    lines = [
+        f"# Decode with offloaded KV: {report['model']}, {report['dtype']}, {report['threads']} threads",
+        "",
+        f"`{report['command']}`",
+        "",
+        f"Machine: {report['machine']}. {report['note']}",
+        "",
+    ]
+    for tier in tiers:
+        lines += [f"## KV in the {tier} tier", "", "ms per decode step (every sequence of the batch decodes one "
+                  "token) and MB fetched per token; speed-up of InfiniGen over fetch-everything.", ""]  # fmt: skip
+        head = " | ".join(f"{p} ms | {p} MB/tok" for p in policies)
+        lines += [f"| context | batch | {head} | InfiniGen vs full |", "|" + " ---: |" * (2 + 2 * len(policies) + 1)]
+        keys = sorted({(c["context"], c["batch"]) for c in cells})
+        for context, batch in keys:
+            row, by = [], {}
+            for p in policies:
+                where = "memory" if p == "h2o" else tier
+                by[p] = next((c for c in cells if (c["tier"], c["policy"], c["context"], c["batch"]) ==
+                              (where, p, context, batch)), None)  # fmt: skip
+                row += [f"{by[p]['ms_per_step']:.1f}", f"{by[p]['bytes_per_token'] / 1e6:.2f}"] if by[p] else ["", ""]
+            ratio = ""
+            if by.get("full") and by.get("infinigen"):
+                ratio = f"{by['full']['ms_per_step'] / by['infinigen']['ms_per_step']:.2f}x"
+            lines.append(f"| {context:,} | {batch} | " + " | ".join(row) + f" | {ratio} |")
+        lines.append("")
+    return "\n".join(lines)
