@@ -34,6 +34,8 @@ from kvserve.policies.base import KVPolicy
 from kvserve.policies.infinigen import InfiniGen, Rehearsal, choose_victims, partial_logits, speculate
 from kvserve.policies.quant import Int4KV, dequantize_int4, quantize_int4
 
+_SELECT_ROWS = 256  # rows of a chunk speculated at once
+
 
 @dataclass
 class _Fetch:
@@ -160,7 +162,8 @@ class OffloadedKVCache(AttentionBackend):
 
     def begin_step(self, metadata: OffloadAttentionMetadata) -> None:
         """Plan the step's decode batch (candidate slots, blocks) once for every layer."""
-        decodes = [i for i, n in enumerate(metadata.query_lens) if n == 1]
+        # One new row over a cache: batched and fetched ahead. A one-token prompt has nothing to fetch.
+        decodes = [i for i, n in enumerate(metadata.query_lens) if n == 1 and metadata.context_lens[i] > 0]
         held = [self._held(metadata, i) for i in decodes]
         width = max(held, default=0)
         bs = self.block_size
@@ -220,8 +223,9 @@ class OffloadedKVCache(AttentionBackend):
         if step.decodes:
             rows = torch.tensor([starts[i] for i in step.decodes], dtype=torch.long, device=q.device)
             out.index_copy_(0, rows, self._decode(layer, q[rows], k[rows], v[rows], metadata))
+        batched = set(step.decodes)
         for i, n in enumerate(metadata.query_lens):
-            if n > 1:
+            if i not in batched:
                 rows = slice(starts[i], starts[i] + n)
                 out[rows] = self._chunk(layer, q[rows], k[rows], v[rows], metadata, i, rows)
         return out
@@ -287,7 +291,7 @@ class OffloadedKVCache(AttentionBackend):
         self._count(layer, int(selection.counts.sum()), int(step.candidate_valid.sum()))
         if self.pool is not None:
             now = torch.tensor([meta.context_lens[i] for i in step.decodes], dtype=torch.int32, device=slots.device)
-            self._note_selected(layer, slots, selection.chosen, now)
+            self._note_selected(layer, slots[..., :-1], selection.chosen, now)  # the selected, not the spare row
         out = {name: self.staging.get(name, layer, batch * top) for name in self.rows}  # (B * K) x every head
 
         def copy() -> None:
@@ -325,8 +329,12 @@ class OffloadedKVCache(AttentionBackend):
         cap = self._capacity(meta, i)
         bulk = max(0, min(m, cap - context))  # rows that still find a free slot of their own
         out = torch.empty_like(q)
-        if bulk:
-            out[:bulk] = self._chunk_rows(layer, q[:bulk], k[:bulk], v[:bulk], meta, i, rows.start)
+        # In pieces when InfiniGen selects per row: its (rows, H, keys) speculation stays small, and a piece
+        # reads the rows before it from the tier like any cached row.
+        piece = _SELECT_ROWS if isinstance(self.policy, InfiniGen) and layer > 0 else max(bulk, 1)
+        for a in range(0, bulk, piece):
+            b = min(a + piece, bulk)
+            out[a:b] = self._chunk_rows(layer, q[a:b], k[a:b], v[a:b], meta, i, rows.start + a)
         for j in range(bulk, m):  # a full pool: each row selects, attends and replaces a victim in turn
             out[j : j + 1] = self._chunk_rows(layer, q[j : j + 1], k[j : j + 1], v[j : j + 1], meta, i, rows.start + j)
         return out
@@ -365,13 +373,18 @@ class OffloadedKVCache(AttentionBackend):
         partial_k = torch.cat((cached, self.rehearsal.partial_key(layer, k).transpose(0, 1)), dim=1)  # (Hkv, h + m, r)
         row = torch.arange(m, device=self.device)
         earlier = torch.arange(held + m, device=self.device)[None, :] < held + row[:, None]  # (m, h + m)
-        logits = partial_logits(partial_q, partial_k[None], self.head_dim)  # (m, Hkv, G, h + m)
+        grouped = partial_q.permute(1, 0, 2, 3).flatten(1, 2)  # (Hkv, m * G, r): one matmul per KV head
+        logits = partial_logits(grouped, partial_k, self.head_dim).view(self.num_kv_heads, m, -1, held + m)
+        logits = logits.transpose(0, 1)  # (m, Hkv, G, h + m)
         selection = speculate(logits, earlier, self.policy.alpha)
         allowed = torch.zeros((m, self.num_kv_heads, held + m), dtype=torch.bool, device=self.device)
         allowed.scatter_(2, selection.index, selection.chosen[:, None, :].expand_as(selection.index))
         allowed[row, :, held + row] = True  # a row always reads its own key, as a decode step does
         cached_picks = allowed[:, :, :held]
-        self._count(layer, int(cached_picks.sum()) // self.num_kv_heads, held * m)
+        # Per row: rows selected among the h + j before it (every KV head), against all of them.
+        self._count(
+            layer, (int(allowed.sum()) - m * self.num_kv_heads) // self.num_kv_heads, held * m + m * (m - 1) // 2
+        )
         if self.pool is not None:
             last_row = torch.tensor([token + m - 1], dtype=torch.int32, device=self.device)
             every = slots[None, None, :].expand(1, self.num_kv_heads, held)
