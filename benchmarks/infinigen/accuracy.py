@@ -10,8 +10,10 @@ Three sweeps, each point one engine with its KV offloaded to the host tier (``kv
 Every configuration goes through the eval tools' scorer (``EngineScorer``): a window's context runs in
 steps of its own, then its scored continuation is computed as one chunk in which every row attends
 only to the cached rows its own rehearsal selects (plus itself), as decoding it token by token would.
-The fetch fraction is the share of cached rows the rehearsal selected, averaged over rows and layers
-(layer 0 always reads everything): the bytes InfiniGen moves relative to fetching everything.
+The fetch fraction is the share of earlier rows the rehearsal selected, averaged over rows and layers
+(layer 0 always reads everything): the bytes InfiniGen moves relative to fetching everything. H2O's is
+the share of earlier rows its scored rows read (``h2o_read_fraction``): more than its budget, since a
+scored chunk also reads its own earlier rows uncompressed.
 
     python benchmarks/infinigen/accuracy.py --threads 2
 
@@ -35,7 +37,7 @@ from kvserve.engine import LLMEngine
 from kvserve.eval.data import WIKITEXT2
 from kvserve.eval.loglikelihood import EngineScorer
 from kvserve.eval.multiple_choice import evaluate_multiple_choice, load_questions
-from kvserve.eval.perplexity import evaluate_perplexity
+from kvserve.eval.perplexity import evaluate_perplexity, sliding_windows
 from kvserve.models import load_model
 from kvserve.models.dtype import DTYPE_NAMES, DTYPES, resolve_dtype_name
 
@@ -60,6 +62,24 @@ def points(args: argparse.Namespace) -> list[dict]:
         out.append({"label": f"pool 80% {eviction}", "sweep": "pool", "kv_policy": "infinigen", "kv_offload": "host",
                     "kv_pool_limit": 0.8, "kv_pool_eviction": eviction, "ppl_only": True})  # fmt: skip
     return out
+
+
+def h2o_read_fraction(engine: LLMEngine, num_tokens: int) -> float:
+    """The share of earlier tokens an H2O-scored row reads, averaged over the scored rows.
+
+    A window's context is compressed to the policy's capacity before its continuation is scored as one
+    chunk, whose rows also see the chunk's rows before them: row j of a window with context c reads
+    kept(c) + j of its c + j predecessors (the first window's 1-token context is never compressed).
+    """
+    policy, layers = engine.kv_policy, engine.loaded.config.num_layers
+    read = total = 0
+    for window in sliding_windows(num_tokens, 2048, 512):
+        context = window.scored_from - window.begin
+        kept = policy.capacity(0, layers, context)
+        rows = window.end - window.scored_from
+        read += rows * kept + rows * (rows - 1) // 2
+        total += rows * context + rows * (rows - 1) // 2
+    return read / total
 
 
 def main() -> int:
@@ -104,7 +124,7 @@ def main() -> int:
             row["fetch_fraction"] = sum(fractions) / len(fractions)
             row["fetch_fraction_per_layer"] = fractions
         elif options["kv_policy"] == "h2o":
-            row["fetch_fraction"] = options["kv_budget"]
+            row["fetch_fraction"] = h2o_read_fraction(engine, len(tokens))
         else:
             row["fetch_fraction"] = 1.0
         if not point.get("ppl_only"):
