@@ -53,11 +53,9 @@ class _Fetch:
 @dataclass
 class _Step:
     decodes: list[int]  # sequences (metadata order) decoding one token, batched
-    candidates: torch.Tensor  # (Bd, n) long slot ids of each decode sequence's cached rows (padded with 0)
-    candidate_valid: torch.Tensor  # (Bd, n) bool
     block_index: torch.Tensor  # (Bd, W) long block ids covering each decode sequence's rows and the next one
     own: torch.Tensor  # (Bd,) long: the rows each decode sequence has cached, i.e. where its new row goes
-    padded: bool  # some decode sequence has fewer candidates than the longest
+    candidate_valid: torch.Tensor  # (Bd, W * block_size) bool: the rows of block_index that are cached
     pending: dict[int, _Fetch] = field(default_factory=dict)  # layer -> its fetch
     partial_queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (N, Hkv, G, r)
 
@@ -161,26 +159,20 @@ class OffloadedKVCache(AttentionBackend):
     # ----- a step -----
 
     def begin_step(self, metadata: OffloadAttentionMetadata) -> None:
-        """Plan the step's decode batch (candidate slots, blocks) once for every layer."""
+        """Plan the step's decode batch (the blocks its rows are in) once for every layer."""
         # One new row over a cache: batched and fetched ahead. A one-token prompt has nothing to fetch.
         decodes = [i for i, n in enumerate(metadata.query_lens) if n == 1 and metadata.context_lens[i] > 0]
         held = [self._held(metadata, i) for i in decodes]
         width = max(held, default=0)
         bs = self.block_size
-        candidates = torch.zeros((len(decodes), max(width, 1)), dtype=torch.long)
         # Whole blocks up to and including each sequence's next row: its own key/value goes there once fetched.
         blocks = torch.zeros((len(decodes), math.ceil((width + 1) / bs)), dtype=torch.long)
         for b, (i, h) in enumerate(zip(decodes, held, strict=True)):
             table = torch.tensor(metadata.block_tables[i][: h // bs + 1], dtype=torch.long)
             blocks[b, : table.numel()] = table
-            candidates[b, :h] = (table[:, None] * bs + torch.arange(bs)).view(-1)[:h]
         own = torch.tensor(held, dtype=torch.long)
-        valid = torch.arange(candidates.shape[1])[None, :] < own[:, None]
-        padded = min(held, default=0) < width
-        step = _Step(
-            decodes, candidates.to(self.device), valid.to(self.device), blocks.to(self.device), own.to(self.device),
-            padded,
-        )  # fmt: skip
+        valid = torch.arange(blocks.shape[1] * bs)[None, :] < own[:, None]
+        step = _Step(decodes, blocks.to(self.device), own.to(self.device), valid.to(self.device))
         object.__setattr__(metadata, "state", step)
         if decodes:
             self.stats.decode_steps += 1
@@ -260,7 +252,8 @@ class OffloadedKVCache(AttentionBackend):
         blocks = step.block_index.view(-1)
         num_rows = blocks.numel() * self.block_size
         batch = step.block_index.shape[0]
-        valid = torch.arange(num_rows // batch, device=self.device)[None, :] <= step.own[:, None]
+        valid = step.candidate_valid.clone()
+        valid[torch.arange(batch, device=self.device), step.own] = True  # the step's own row
         self._count(layer, int(step.candidate_valid.sum()), int(step.candidate_valid.sum()))
         out = {name: self.staging.get(name, layer, num_rows) for name in self.rows}
 
@@ -277,12 +270,16 @@ class OffloadedKVCache(AttentionBackend):
         """The rows layer ``layer``'s rehearsal selects for each decode sequence (InfiniGen)."""
         rows = self._decode_rows(step, meta)
         partial_q = step.partial_queries[layer].index_select(0, rows).transpose(0, 1)  # (Hkv, B, G, r)
-        cands = step.candidates  # (B, n)
-        batch, n = cands.shape
-        partial_k = self.partial_keys[layer].index_select(1, cands.view(-1)).view(self.num_kv_heads, batch, n, -1)
-        logits = partial_logits(partial_q, partial_k, self.head_dim).transpose(0, 1)  # (B, Hkv, G, n)
-        selection = speculate(logits, step.candidate_valid if step.padded else None, self.policy.alpha)
-        slots = cands.gather(1, selection.index.flatten(1)).view_as(selection.index)  # (B, Hkv, K)
+        blocks = step.block_index  # (B, W)
+        batch, width = blocks.shape
+        bs = self.block_size
+        # Whole blocks of partial keys (a block's rows are contiguous per head): (Hkv, B, W * bs, r).
+        by_block = self.partial_keys[layer].view(self.num_kv_heads, self.num_blocks, -1)
+        partial_k = by_block.index_select(1, blocks.view(-1)).view(self.num_kv_heads, batch, width * bs, -1)
+        logits = partial_logits(partial_q, partial_k, self.head_dim).transpose(0, 1)  # (B, Hkv, G, W * bs)
+        selection = speculate(logits, step.candidate_valid, self.policy.alpha)
+        index = selection.index.flatten(1)  # (B, Hkv * K) rows of the blocks
+        slots = (blocks.gather(1, index // bs) * bs + index % bs).view_as(selection.index)  # (B, Hkv, K)
         # One more row per (sequence, head), any row: the step's own key/value goes there once fetched.
         slots = F.pad(slots, (0, 1))
         heads = torch.arange(self.num_kv_heads, device=slots.device)[None, :, None]
@@ -378,7 +375,9 @@ class OffloadedKVCache(AttentionBackend):
         logits = logits.transpose(0, 1)  # (m, Hkv, G, h + m)
         selection = speculate(logits, earlier, self.policy.alpha)
         allowed = torch.zeros((m, self.num_kv_heads, held + m), dtype=torch.bool, device=self.device)
-        allowed.scatter_(2, selection.index, selection.chosen[:, None, :].expand_as(selection.index))
+        chosen = selection.chosen[:, None, :].expand_as(selection.index)
+        # Only the chosen entries: past a row's count the index holds placeholders (speculate's zeros).
+        allowed.scatter_(2, selection.index.where(chosen, selection.index[..., :1]), True)
         allowed[row, :, held + row] = True  # a row always reads its own key, as a decode step does
         cached_picks = allowed[:, :, :held]
         # Per row: rows selected among the h + j before it (every KV head), against all of them.

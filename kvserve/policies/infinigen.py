@@ -87,10 +87,16 @@ def speculate(logits: torch.Tensor, valid: torch.Tensor | None, alpha: float) ->
     counts = torch.minimum(counts, valid.sum(dim=-1)) if valid is not None else counts.clamp(max=n)
     kv_logits = logits.amax(dim=2)  # (R, Hkv, n): a token is wanted if any query head of the group wants it
     top = int(counts.max()) if counts.numel() else 0
-    # Rows choose their first counts[r] of the top K: that needs them in order unless every count is K.
-    in_order = bool((counts != top).any())
-    index = kv_logits.topk(top, dim=-1, sorted=in_order).indices  # (R, Hkv, K)
-    chosen = torch.arange(top, device=counts.device)[None, :] < counts[:, None]
+    chosen = torch.arange(top, device=counts.device)[None, :] < counts[:, None]  # a row's first counts[r]
+    distinct = counts.unique().tolist()
+    if len(distinct) <= 1:
+        return Selection(kv_logits.topk(top, dim=-1, sorted=False).indices, chosen, counts)
+    index = torch.zeros((*kv_logits.shape[:2], top), dtype=torch.long, device=logits.device)  # (R, Hkv, K)
+    for count in distinct:  # an unsorted top-k per count: cheaper than sorting every row's top K
+        rows = (counts == count).nonzero().squeeze(1)
+        index[rows, :, :count] = kv_logits.index_select(0, rows).topk(count, dim=-1, sorted=False).indices
+    index = index.masked_fill(~chosen[:, None, :], torch.iinfo(torch.long).max).sort(dim=-1).values
+    index = index.masked_fill(~chosen[:, None, :], 0)
     return Selection(index, chosen, counts)
 
 
