@@ -17,6 +17,7 @@ from kvserve.bench.latency import KVServeEngine, TransformersEngine, measure
 from kvserve.bench.prefill import METHODS as PREFILL_METHODS
 from kvserve.bench.report import new_report, write_report
 from kvserve.bench.workload import AUSTEN
+from kvserve.engine_args import add_kv_policy_args, kv_policy_options
 from kvserve.models import gguf_file
 from kvserve.models.dtype import resolve_dtype
 from kvserve.models.loader import default_model_path
@@ -76,6 +77,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     thr.add_argument("--batch-sizes", default="1,4,16,64", help="decode-scaling batch sizes")
     thr.add_argument("--decode-tokens", type=int, default=32, help="tokens per request in the decode-scaling runs")
     thr.add_argument("--no-peer", action="store_true", help="measure kvserve only")
+    add_kv_policy_args(thr)  # e.g. --kv-offload host --kv-policy infinigen
     thr.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/throughput-DTYPE)")
     thr.set_defaults(func=cmd_bench_throughput)
 
@@ -557,6 +559,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     config = EngineConfig(
         dtype=args.dtype, device=args.device, weights=args.weights, kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        **kv_policy_options(args),
     )  # fmt: skip
     engine = LLMEngine(config, loaded)
     log(f"bench throughput: {loaded.path.name}, {args.dtype}, {torch.get_num_threads()} threads; {engine.kv_summary}")
