@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.config import PREFILL_PARTITIONS, WEIGHT_MODES
+from kvserve.config import PREFILL_PARTITIONS, WEIGHT_MODES, EngineConfig
 from kvserve.engine_args import add_kv_policy_args, add_prompt_cache_args, add_schema_arg
 from kvserve.errors import KVServeError
 from kvserve.generation import Generator
@@ -62,8 +62,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.pml_prompt is None else args.pml_prompt
     if args.chat:
         prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-    if args.prefill_parallel > 1 or args.kv_policy != "full" or args.pml_prompt is not None:
-        stream = _engine_stream(loaded, args, prompt, params)
+    config = _engine_config(loaded, args)  # validates every engine flag, also where the Generator runs instead
+    engine_only = args.prefill_parallel > 1 or args.kv_policy != "full" or args.kv_offload != "none"
+    if engine_only or args.pml_prompt is not None:
+        stream = _engine_stream(loaded, config, args.schema, prompt, params)
     else:
         stream = Generator(loaded, args.device).stream(prompt, params)
     if not args.chat and args.pml_prompt is None:
@@ -75,21 +77,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine_stream(loaded: LoadedModel, args: argparse.Namespace, prompt: str | list[int], params: SamplingParams):  # noqa: ANN202
-    """Text deltas of one request through the paged engine (a parallel prefill, a KV policy, Prompt Cache)."""
-    from kvserve.config import EngineConfig
-    from kvserve.engine import LLMEngine
-    from kvserve.engine_args import kv_policy_options, prompt_cache_options, register_schemas
+def _engine_config(loaded: LoadedModel, args: argparse.Namespace) -> EngineConfig:
+    """The engine options of ``generate`` (validated on construction)."""
+    from kvserve.engine_args import kv_policy_options, prompt_cache_options
 
-    config = EngineConfig(
+    return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, weights=args.weights,
         max_num_batched_tokens=loaded.config.max_position_embeddings,  # the whole prompt in one parallel step
         prefill_parallel=args.prefill_parallel, prefill_partition=args.prefill_partition,
         **kv_policy_options(args), **prompt_cache_options(args),
     )  # fmt: skip
+
+
+def _engine_stream(  # noqa: ANN202
+    loaded: LoadedModel, config: EngineConfig, schemas: list[str], prompt: str | list[int], params: SamplingParams
+):
+    """Text deltas of one request through the paged engine (a parallel prefill, a KV policy or offloading,
+    Prompt Cache)."""
+    from kvserve.engine import LLMEngine
+    from kvserve.engine_args import register_schemas
+
     engine = LLMEngine(config, loaded)
     try:
-        register_schemas(engine, args.schema)
+        register_schemas(engine, schemas)
         engine.add_request(prompt, params, add_special_tokens=isinstance(prompt, str))
         shown = 0
         while engine.has_unfinished_requests():

@@ -97,6 +97,8 @@ class EngineConfig:
     def _check_offload(self, offload_only: bool) -> None:
         if self.kv_offload not in KV_OFFLOAD_MODES:
             raise ValueError(f"kv_offload must be one of {list(KV_OFFLOAD_MODES)}, got {self.kv_offload!r}")
+        if self.kv_offload_path is not None and self.kv_offload != "disk":
+            raise ValueError(f"kv_offload_path is the disk tier's folder; kv_offload is {self.kv_offload!r}")
         if self.kv_offload == "none":
             if offload_only:
                 raise ValueError(
@@ -124,8 +126,6 @@ class EngineConfig:
             )
         if self.prefill_parallel > 1:
             raise ValueError(f"kv_offload={self.kv_offload!r} runs prefill in this process; prefill_parallel must be 1")
-        if self.kv_offload_path is not None and self.kv_offload != "disk":
-            raise ValueError(f"kv_offload_path is the disk tier's folder; kv_offload is {self.kv_offload!r}")
 
     @property
     def kv_policy_knobs(self) -> dict[str, float | str]:

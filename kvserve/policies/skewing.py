@@ -7,9 +7,9 @@ columns of Q A and K A predict the attention scores well. Those columns are rank
 of |Q A| + |K A| on the sample (the authors' partial-weight setup); a run keeps the top
 ``partial_ratio`` of them.
 
-``skewing_for`` computes this once per model (about a second for SmolLM2-135M) and caches it in
-``~/.cache/kvserve/infinigen/`` (``$KVSERVE_INFINIGEN_DIR``), keyed by a hash of the model's weights;
-``kvserve infinigen-setup`` runs it ahead of time.
+``skewing_for`` computes this once per model (2-8 s for SmolLM2-135M on 2 CPU threads, mostly the SVDs)
+and caches it in ``~/.cache/kvserve/infinigen/`` (``$KVSERVE_INFINIGEN_DIR``), keyed by a hash of the
+model's weights; ``kvserve infinigen-setup`` runs it ahead of time.
 """
 
 from __future__ import annotations
