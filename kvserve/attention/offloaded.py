@@ -56,6 +56,9 @@ class _Step:
     block_index: torch.Tensor  # (Bd, W) long block ids covering each decode sequence's rows and the next one
     own: torch.Tensor  # (Bd,) long: the rows each decode sequence has cached, i.e. where its new row goes
     candidate_valid: torch.Tensor  # (Bd, W * block_size) bool: the rows of block_index that are cached
+    rows: torch.Tensor  # (Bd,) long: the decode sequences' rows in the step's tokens
+    tokens: torch.Tensor  # (Bd,) int32: their new tokens' indices in their sequences
+    write_slots: torch.Tensor | None  # (Bd, Hkv) long: where the new rows go, unless a full pool evicts
     pending: dict[int, _Fetch] = field(default_factory=dict)  # layer -> its fetch
     partial_queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (N, Hkv, G, r)
 
@@ -172,7 +175,18 @@ class OffloadedKVCache(AttentionBackend):
             blocks[b, : table.numel()] = table
         own = torch.tensor(held, dtype=torch.long)
         valid = torch.arange(blocks.shape[1] * bs)[None, :] < own[:, None]
-        step = _Step(decodes, blocks.to(self.device), own.to(self.device), valid.to(self.device))
+        starts = [sum(metadata.query_lens[:i]) for i in decodes]
+        tokens = [metadata.context_lens[i] for i in decodes]
+        evicting = any(t >= self._capacity(metadata, i) for i, t in zip(decodes, tokens, strict=True))
+        write = None
+        if not evicting:  # each new row at its own slot, in every layer
+            own_slots = [metadata.block_tables[i][t // bs] * bs + t % bs for i, t in zip(decodes, tokens, strict=True)]
+            write = torch.tensor(own_slots, dtype=torch.long, device=self.device)[:, None].expand(-1, self.num_kv_heads)
+        step = _Step(
+            decodes, blocks.to(self.device), own.to(self.device), valid.to(self.device),
+            torch.tensor(starts, dtype=torch.long, device=self.device),
+            torch.tensor(tokens, dtype=torch.int32, device=self.device), write,
+        )  # fmt: skip
         object.__setattr__(metadata, "state", step)
         if decodes:
             self.stats.decode_steps += 1
@@ -268,8 +282,7 @@ class OffloadedKVCache(AttentionBackend):
 
     def _fetch_selected(self, layer: int, step: _Step, meta: OffloadAttentionMetadata) -> _Fetch:
         """The rows layer ``layer``'s rehearsal selects for each decode sequence (InfiniGen)."""
-        rows = self._decode_rows(step, meta)
-        partial_q = step.partial_queries[layer].index_select(0, rows).transpose(0, 1)  # (Hkv, B, G, r)
+        partial_q = step.partial_queries[layer].index_select(0, step.rows).transpose(0, 1)  # (Hkv, B, G, r)
         blocks = step.block_index  # (B, W)
         batch, width = blocks.shape
         bs = self.block_size
@@ -287,8 +300,9 @@ class OffloadedKVCache(AttentionBackend):
         top = slots.shape[-1]
         self._count(layer, int(selection.counts.sum()), int(step.candidate_valid.sum()))
         if self.pool is not None:
-            now = torch.tensor([meta.context_lens[i] for i in step.decodes], dtype=torch.int32, device=slots.device)
-            self._note_selected(layer, slots[..., :-1], selection.chosen, now)  # the selected, not the spare row
+            self._note_selected(
+                layer, slots[..., :-1], selection.chosen, step.tokens
+            )  # the selected, not the spare row
         out = {name: self.staging.get(name, layer, batch * top) for name in self.rows}  # (B * K) x every head
 
         def copy() -> None:
@@ -301,18 +315,13 @@ class OffloadedKVCache(AttentionBackend):
         shape = (batch, self.num_kv_heads, top, self.head_dim)
         return _Fetch(self.queue.fetch(copy, nbytes), "rows", valid, out, shape)
 
-    def _decode_rows(self, step: _Step, meta: OffloadAttentionMetadata) -> torch.Tensor:
-        starts = [0]
-        for n in meta.query_lens:
-            starts.append(starts[-1] + n)
-        return torch.tensor([starts[i] for i in step.decodes], dtype=torch.long, device=self.device)
-
     def _store_decodes(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: OffloadAttentionMetadata) -> None:
         """The decode rows' keys/values (B, Hkv, D) to the tier: at their own slot, or over a victim's."""
         step = meta.state
-        slots = torch.cat([self._write_slots(layer, meta, i, meta.context_lens[i]) for i in step.decodes])  # (B, Hkv)
-        tokens = torch.tensor([meta.context_lens[i] for i in step.decodes], dtype=torch.int32, device=self.device)
-        self._store(layer, slots, k, v, tokens)
+        slots = step.write_slots
+        if slots is None:  # some pool is full: victims differ per layer
+            slots = torch.cat([self._write_slots(layer, meta, i, meta.context_lens[i]) for i in step.decodes])
+        self._store(layer, slots, k, v, step.tokens)  # slots (B, Hkv)
 
     # ----- several rows of one sequence -----
 
