@@ -95,6 +95,7 @@ def main() -> int:
     parser.add_argument("--h2o-budgets", default="0.1,0.2,0.3")
     parser.add_argument("--evictions", default="counter,lru,fifo")
     parser.add_argument("--only", default=None, help="comma-separated labels to run (default: all)")
+    parser.add_argument("--mc-sweeps", default="baseline,alpha", help="sweeps that also run multiple choice")
     parser.add_argument("--output", type=Path, default=HERE / "accuracy.json")
     args = parser.parse_args()
     if args.threads:
@@ -127,7 +128,7 @@ def main() -> int:
             row["fetch_fraction"] = h2o_read_fraction(engine, len(tokens))
         else:
             row["fetch_fraction"] = 1.0
-        if not point.get("ppl_only"):
+        if not point.get("ppl_only") and point.get("sweep", "baseline") in args.mc_sweeps.split(","):
             for task, questions in tasks.items():
                 mc = evaluate_multiple_choice(scorer, loaded.tokenizer, task, questions)
                 row[task] = mc["acc"]

@@ -526,9 +526,9 @@ def cmd_bench_offload(args: argparse.Namespace) -> int:
                 for context in contexts:
                     log(f"  context {context}")
                     for batch in batches:
-                        ms, per_token = offload.measure(engine, prompts[context][:batch], args.steps, log)
+                        ms, per_token, steps = offload.measure(engine, prompts[context][:batch], args.steps, log)
                         where = tier if offloaded else "memory"
-                        cells.append(offload.DecodeCell(where, policy, context, batch, ms, per_token, args.steps))
+                        cells.append(offload.DecodeCell(where, policy, context, batch, ms, per_token, steps))
             finally:
                 engine.close()
     report = new_report(

@@ -17,6 +17,7 @@ that batch) and the KV bytes the step moved from the slower tier, per sequence.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -37,19 +38,25 @@ class DecodeCell:
     batch: int
     ms_per_step: float  # median over measured steps: every sequence decodes one token
     bytes_per_token: float  # KV moved from the slower tier per sequence and step
-    steps: int
+    steps: int  # measured: fewer than asked only if the sequences never decoded together that often
 
 
 def measure(
     engine: LLMEngine, prompts: Sequence[list[int]], steps: int, log: Callable[[str], None]
-) -> tuple[float, float]:
-    """Decode ``steps`` tokens for every prompt at once after the warm-up; (median ms/step, bytes/token)."""
-    params = SamplingParams(max_tokens=WARMUP_TOKENS + steps, temperature=0.0, ignore_eos=True)
+) -> tuple[float, float, int]:
+    """Decode every prompt at once until ``steps`` steps in which all of them decode are measured (after the
+    warm-up), then abort them; (median ms/step, bytes/token, steps measured).
+
+    Prompts that do not fit one step's token budget are prefilled over several steps, so the sequences
+    start decoding up to that many steps apart: each may make that many more tokens than warm-up + steps.
+    """
+    prefill_steps = len(prompts) + math.ceil(sum(map(len, prompts)) / engine.config.max_num_batched_tokens)
+    params = SamplingParams(max_tokens=WARMUP_TOKENS + steps + prefill_steps, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(p, params, add_special_tokens=False) for p in prompts]
     produced = dict.fromkeys(ids, 0)
     times, fetched = [], 0
     cache = engine.runner.cache
-    while engine.has_unfinished_requests():
+    while engine.has_unfinished_requests() and len(times) < steps:
         measured = min(produced.values()) >= WARMUP_TOKENS and all(i in engine.requests for i in ids)
         before = _fetched(cache)
         start = time.perf_counter()
@@ -60,23 +67,27 @@ def measure(
         if measured and len(outputs) == len(ids):
             times.append(elapsed)
             fetched += _fetched(cache) - before
+    for request_id in ids:  # those still decoding (finished ones are ignored)
+        engine.abort_request(request_id)
     if not isinstance(cache, OffloadedKVCache):  # h2o: what each layer holds, read once per step
-        fetched = _compressed_bytes(engine, prompts, steps) * len(times)
+        lengths = [len(p) + produced[i] for p, i in zip(prompts, ids, strict=True)]
+        fetched = _compressed_bytes(engine, lengths) * len(times)
     median = statistics.median(times) if times else float("nan")
     per_token = fetched / max(1, len(times)) / len(prompts)
     log(f"    batch {len(prompts)}: {median * 1e3:.1f} ms/step, {per_token / 1e6:.2f} MB/token ({len(times)} steps)")
-    return median * 1e3, per_token
+    return median * 1e3, per_token, len(times)
 
 
 def _fetched(cache: object) -> int:
     return cache.queue.stats.bytes_fetched if isinstance(cache, OffloadedKVCache) else 0
 
 
-def _compressed_bytes(engine: LLMEngine, prompts: Sequence[list[int]], steps: int) -> float:
-    """Bytes of KV an H2O step reads per step for the batch: its budget of every prompt, every layer."""
+def _compressed_bytes(engine: LLMEngine, lengths: Sequence[int]) -> float:
+    """Bytes of KV an H2O step reads per step for the batch: its budget of every sequence (at the lengths
+    they reached), every layer."""
     cfg = engine.loaded.config
     row = engine.kv_block_bytes // engine.config.block_size  # one token of one layer
-    kept = sum(engine.kv_policy.capacity(0, cfg.num_layers, len(p) + WARMUP_TOKENS + steps) for p in prompts)
+    kept = sum(engine.kv_policy.capacity(0, cfg.num_layers, n) for n in lengths)
     return kept * row * cfg.num_layers
 
 
