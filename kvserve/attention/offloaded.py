@@ -256,6 +256,9 @@ class OffloadedKVCache(AttentionBackend):
         else:  # (B, Hkv, K + 1, D)
             keys[:, :, -1], values[:, :, -1] = k, v
         mask = fetch.valid[:, None, None, :]  # (B, 1, 1, T)
+        if batch == 1:  # its valid rows are a prefix: cut the rest off instead of masking (SDPA is faster unmasked)
+            keep = int(fetch.valid[0].sum())
+            keys, values, mask = keys[:, :, :keep], values[:, :, :keep], None
         qg = q.view(batch, hkv, num_heads // hkv, head_dim)  # query head h reads KV head h // G
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)  # (B, Hkv, G, D)
         self._store_decodes(layer, k, v, meta)
@@ -289,8 +292,11 @@ class OffloadedKVCache(AttentionBackend):
         # Whole blocks of partial keys (a block's rows are contiguous per head): (Hkv, B, W * bs, r).
         by_block = self.partial_keys[layer].view(self.num_kv_heads, self.num_blocks, -1)
         partial_k = by_block.index_select(1, blocks.view(-1)).view(self.num_kv_heads, batch, width * bs, -1)
+        valid = step.candidate_valid
+        if batch == 1:  # its candidates are a prefix: cut the rest off instead of masking them
+            partial_k, valid = partial_k[:, :, : int(step.own[0])], None
         logits = partial_logits(partial_q, partial_k, self.head_dim).transpose(0, 1)  # (B, Hkv, G, W * bs)
-        selection = speculate(logits, step.candidate_valid, self.policy.alpha)
+        selection = speculate(logits, valid, self.policy.alpha)
         index = selection.index.flatten(1)  # (B, Hkv * K) rows of the blocks
         slots = (blocks.gather(1, index // bs) * bs + index % bs).view_as(selection.index)  # (B, Hkv, K)
         # One more row per (sequence, head), any row: the step's own key/value goes there once fetched.
