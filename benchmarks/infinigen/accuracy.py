@@ -97,7 +97,11 @@ def main() -> int:
     parser.add_argument("--only", default=None, help="comma-separated labels to run (default: all)")
     parser.add_argument("--mc-sweeps", default="baseline,alpha", help="sweeps that also run multiple choice")
     parser.add_argument("--output", type=Path, default=HERE / "accuracy.json")
+    parser.add_argument("--combine", type=Path, nargs="+", default=None,
+                        help="only merge these reports (parts of the sweep) into --output and plot")  # fmt: skip
     args = parser.parse_args()
+    if args.combine:
+        return combine(args.combine, args.output)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = resolve_dtype_name(args.dtype, "cpu")
@@ -156,6 +160,17 @@ def main() -> int:
     args.output.write_text(json.dumps(report, indent=2))
     plot(report, args.output.with_suffix(".png"))
     print(f"wrote {args.output} and {args.output.with_suffix('.png')}", file=sys.stderr)
+    return 0
+
+
+def combine(parts: list[Path], output: Path) -> int:
+    """One report from several runs of parts of the sweep (same settings), in the order given."""
+    reports = [json.loads(p.read_text()) for p in parts]
+    merged = {**reports[0], "command": [r["command"] for r in reports],
+              "results": [row for r in reports for row in r["results"]]}  # fmt: skip
+    output.write_text(json.dumps(merged, indent=2))
+    plot(merged, output.with_suffix(".png"))
+    print(f"wrote {output} and {output.with_suffix('.png')}", file=sys.stderr)
     return 0
 
 

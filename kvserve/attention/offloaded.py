@@ -75,7 +75,8 @@ class OffloadAttentionMetadata(AttentionMetadata):
 
 @dataclass
 class OffloadStats:
-    """Rows fetched for decode steps against rows a full fetch would have moved, per layer."""
+    """Per layer: rows selected (InfiniGen) or fetched against the rows before them, over decode steps and
+    scored chunks (a row of a chunk counts the rows before it)."""
 
     fetched_rows: list[int]
     cached_rows: list[int]
