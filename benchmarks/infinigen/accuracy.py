@@ -198,6 +198,8 @@ def plot(report: dict, path: Path) -> None:
                 ax.axhline(full[metric], color="gray", linestyle="--", label="full cache")
             ax.set_xlabel(xlabel)
             ax.set_ylabel(metric)
+            if metric == "perplexity":
+                ax.set_yscale("log")
             ax.legend(fontsize=8)
         ax = axes[m][2]
         for name, select in (("infinigen", lambda r: r["kv_policy"] == "infinigen" and r.get("sweep") != "pool"),
@@ -208,6 +210,8 @@ def plot(report: dict, path: Path) -> None:
             ax.axhline(full[metric], color="gray", linestyle="--", label="full cache")
         ax.set_xlabel("KV fetched per step (share of the full cache)")
         ax.set_ylabel(metric)
+        if metric == "perplexity":
+            ax.set_yscale("log")
         ax.legend(fontsize=8)
     fig.suptitle(
         f"InfiniGen accuracy: {report['model']}, {report['dtype']}, WikiText-2 {report['ppl']['tokens']:,} tokens"

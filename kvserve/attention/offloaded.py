@@ -12,8 +12,10 @@ KV manager hands out; the device holds only what a step reads. Per decode step a
    store of its new keys/values (behind any fetch already queued, so a later fetch reads them).
 
 Sequences with several new rows (a prompt, a chunk, a scored continuation) run one at a time: their
-cached rows are fetched whole, and under InfiniGen each row attends only to the cached rows its own
-rehearsal selects (plus the chunk's rows before it), which is what decoding them one by one would do.
+cached rows are fetched whole. A prompt's rows attend to everything before them (InfiniGen speculates
+for decoding, not prefill); under InfiniGen each row of a *scored* chunk (prompt logprobs, how the eval
+tools score a continuation) attends only to the rows its own rehearsal selects among the rows before it,
+plus itself, which is what decoding them one by one would read.
 With a KV pool limit, a row past the pool's capacity is computed on its own: it selects, attends, and
 its keys/values overwrite the victim's slot (per KV head) with its partial key and counters.
 """
@@ -69,6 +71,9 @@ class OffloadAttentionMetadata(AttentionMetadata):
 
     block_tables: tuple[tuple[int, ...], ...] = ()
     full_lengths: tuple[int, ...] = ()
+    # Per sequence: its chunk's rows are scored (prompt logprobs), so each row reads what decoding it would;
+    # a plain prompt chunk attends to everything before it, as InfiniGen's prefill does.
+    scored_rows: tuple[bool, ...] = ()
     block_size: int = 16
     state: _Step = field(default=None)  # type: ignore[assignment]  # set by OffloadedKVCache.begin_step
 
@@ -344,7 +349,8 @@ class OffloadedKVCache(AttentionBackend):
         out = torch.empty_like(q)
         # In pieces when InfiniGen selects per row: its (rows, H, keys) speculation stays small, and a piece
         # reads the rows before it from the tier like any cached row.
-        piece = _SELECT_ROWS if isinstance(self.policy, InfiniGen) and layer > 0 else max(bulk, 1)
+        selecting = self._selects_rows(meta, i, layer)
+        piece = _SELECT_ROWS if selecting else max(bulk, 1)
         for a in range(0, bulk, piece):
             b = min(a + piece, bulk)
             out[a:b] = self._chunk_rows(layer, q[a:b], k[a:b], v[a:b], meta, i, rows.start + a)
@@ -365,7 +371,7 @@ class OffloadedKVCache(AttentionBackend):
             slots = self._slots(meta.block_tables[i], held)  # (h,) the pool's slots
             keys, values = self._fetch_rows(layer, slots)  # (h, Hkv, D)
             keys, values = torch.cat((keys, k)), torch.cat((values, v))
-            if isinstance(self.policy, InfiniGen) and layer > 0:
+            if self._selects_rows(meta, i, layer):
                 allowed = self._select_rows(layer, slots, k, meta, first_row, m, token)
         else:
             keys, values = k, v
@@ -405,6 +411,14 @@ class OffloadedKVCache(AttentionBackend):
             every = slots[None, None, :].expand(1, self.num_kv_heads, held)
             self._note_selected(layer, every, cached_picks.any(dim=0)[None], last_row, cached_picks.sum(dim=0)[None])
         return allowed
+
+    def _selects_rows(self, meta: OffloadAttentionMetadata, i: int, layer: int) -> bool:
+        """Whether sequence i's chunk rows read only what InfiniGen selects for them in ``layer``: scored rows
+        do, and so does a row past a full pool (it replaces a victim either way)."""
+        if not isinstance(self.policy, InfiniGen) or layer == 0:
+            return False
+        scored = meta.scored_rows[i] if meta.scored_rows else True
+        return scored or meta.context_lens[i] + meta.query_lens[i] > self._capacity(meta, i)
 
     # ----- the pool -----
 

@@ -108,7 +108,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
         "offload", help="decode with offloaded KV: InfiniGen vs fetch-everything vs INT4 vs H2O, latency and bytes"
     )
     add_model_args(off)
-    off.add_argument("--contexts", default="2048,4096,8192", help="prompt lengths in tokens")
+    off.add_argument("--contexts", default="2048,4096,8000", help="prompt lengths in tokens (below the context)")
     off.add_argument("--batches", default="8,4,1", help="batch sizes (the first prefills the prompts)")
     off.add_argument("--policies", default="full,infinigen,int4,h2o", help="comma-separated; h2o is not offloaded")
     off.add_argument("--tiers", default="host,disk", help="slower tiers: host, disk")

@@ -296,10 +296,8 @@ def test_infinigen_generates_what_the_written_out_selection_does(loaded) -> None
         assert out.outputs[0].token_ids == greedy_reference(loaded, reference, prompt, MAX_TOKENS)[0]
 
 
-def test_infinigen_chunked_prefill_selects_as_decoding_one_by_one(loaded) -> None:
-    """A prompt in chunks of 16: past the first chunk each row attends to what its own rehearsal selects
-    among the rows before it, as if it were decoded alone."""
-    prompt = prompt_ids(40, seed=9)
+def _chunked_infinigen(loaded, params: SamplingParams) -> tuple:
+    """A 40-token prompt in chunks of 16 under InfiniGen at alpha 0.5: (output, chunk sizes, cache)."""
     engine = make_engine(
         loaded, kv_offload="host", kv_policy="infinigen", infinigen_alpha=0.5, max_num_batched_tokens=16
     )
@@ -311,16 +309,37 @@ def test_infinigen_chunked_prefill_selects_as_decoding_one_by_one(loaded) -> Non
         begin(metadata)
 
     engine.runner.cache.begin_step = spy
-    (out,) = run(engine, [prompt], greedy())
+    (out,) = run(engine, [prompt_ids(40, seed=9)], params)
     engine.close()
+    return out, chunks, engine.runner.cache
+
+
+def _reference(loaded, cache) -> ContiguousKVCache:
+    reference = reference_cache(loaded, InfiniGenReference, 40 + MAX_TOKENS)
+    reference.rehearsal, reference.alpha = cache.rehearsal, 0.5
+    return reference
+
+
+def test_infinigen_chunked_prompt_attends_to_everything_like_a_whole_prefill(loaded) -> None:
+    """A plain prompt in chunks of 16: every prompt row reads all rows before it (InfiniGen speculates for
+    decoding), so the tokens are those of the whole prompt in one step, then selective decoding."""
+    out, chunks, cache = _chunked_infinigen(loaded, greedy())
     assert chunks[:3] == [16, 16, 8]
-    assert 0 < engine.runner.cache.stats.fetch_fraction()[1] < 0.5
-    reference = reference_cache(loaded, InfiniGenReference, len(prompt) + MAX_TOKENS)
-    reference.rehearsal, reference.alpha = engine.runner.cache.rehearsal, 0.5
+    assert 0 < cache.stats.fetch_fraction()[1] < 0.5  # decoding did select
+    prompt = prompt_ids(40, seed=9)
+    assert out.outputs[0].token_ids == greedy_reference(loaded, _reference(loaded, cache), prompt, MAX_TOKENS)[0]
+
+
+def test_infinigen_scored_chunks_select_as_decoding_one_by_one(loaded) -> None:
+    """With prompt logprobs (how the eval tools score), past the first chunk each row attends to what its
+    own rehearsal selects among the rows before it, as if it were decoded alone."""
+    out, chunks, cache = _chunked_infinigen(loaded, greedy(prompt_logprobs=1))
+    assert chunks[:3] == [16, 16, 8]
+    prompt = prompt_ids(40, seed=9)
+    reference = _reference(loaded, cache)
     assert out.outputs[0].token_ids == greedy_reference(loaded, reference, prompt, MAX_TOKENS, first=16)[0]
     # Not what one whole-prompt step gives: the chunks' rows did select.
-    whole = reference_cache(loaded, InfiniGenReference, len(prompt) + MAX_TOKENS)
-    whole.rehearsal, whole.alpha = engine.runner.cache.rehearsal, 0.5
+    whole = _reference(loaded, cache)
     assert out.outputs[0].token_ids != greedy_reference(loaded, whole, prompt, MAX_TOKENS)[0]
 
 
