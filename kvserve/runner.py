@@ -66,7 +66,10 @@ class ModelRunner:
                 context_lens=tuple(s.num_computed_tokens for s in scheduled),
                 block_tables=tuple(s.block_tables[0] for s in scheduled),
                 full_lengths=tuple(max(s.full_length, s.num_computed_tokens + len(s.token_ids)) for s in scheduled),
-                scored_rows=tuple(s.seq_id in rows_from for s in scheduled),
+                scored_from=tuple(
+                    max(0, s.score_from - s.num_computed_tokens) if s.seq_id in rows_from else len(s.token_ids)
+                    for s in scheduled
+                ),
                 block_size=self.cache.block_size,
             )
             hidden = self.model(input_ids.to(self.device), positions.to(self.device), self.cache, metadata)

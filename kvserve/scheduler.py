@@ -43,6 +43,7 @@ class ScheduledSequence:
     group_targets: tuple[int, ...] = ()
     positions: tuple[int, ...] = ()  # position ids of token_ids; empty: num_computed_tokens onwards
     full_length: int = 0  # prompt + max_tokens: the KV the sequence may reach (an offloaded pool's limit scales it)
+    score_from: int = 0  # the request's first scored token (Request.score_from; the eval tools set it)
 
 
 @dataclass(frozen=True)
@@ -279,6 +280,7 @@ class Scheduler:
                     samples=start + n == seq.num_tokens,
                     positions=request.positions(start, start + n),
                     full_length=seq.num_prompt_tokens + request.params.max_tokens,
+                    score_from=request.score_from,
                     **self._policy_fields(request, seq, n),
                 )
             )

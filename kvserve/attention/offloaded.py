@@ -71,9 +71,10 @@ class OffloadAttentionMetadata(AttentionMetadata):
 
     block_tables: tuple[tuple[int, ...], ...] = ()
     full_lengths: tuple[int, ...] = ()
-    # Per sequence: its chunk's rows are scored (prompt logprobs), so each row reads what decoding it would;
-    # a plain prompt chunk attends to everything before it, as InfiniGen's prefill does.
-    scored_rows: tuple[bool, ...] = ()
+    # Per sequence: the first row of its chunk that is a scored continuation token (prompt logprobs, how the
+    # eval tools score): from there on a row reads what decoding it would. Prompt rows before it attend to
+    # everything before them, as InfiniGen's prefill does. () or the chunk length: a plain prompt chunk.
+    scored_from: tuple[int, ...] = ()
     block_size: int = 16
     state: _Step = field(default=None)  # type: ignore[assignment]  # set by OffloadedKVCache.begin_step
 
@@ -344,25 +345,31 @@ class OffloadedKVCache(AttentionBackend):
         """m rows of sequence i: q (m, H, D), k/v (m, Hkv, D) -> (m, H, D)."""
         m = q.shape[0]
         context = meta.context_lens[i]
-        cap = self._capacity(meta, i)
-        bulk = max(0, min(m, cap - context))  # rows that still find a free slot of their own
+        bulk = max(0, min(m, self._capacity(meta, i) - context))  # rows that still find a free slot of their own
+        selective = isinstance(self.policy, InfiniGen) and layer > 0
+        first_scored = min(meta.scored_from[i], bulk) if meta.scored_from and selective else 0
         out = torch.empty_like(q)
-        # In pieces when InfiniGen selects per row: its (rows, H, keys) speculation stays small, and a piece
-        # reads the rows before it from the tier like any cached row.
-        selecting = self._selects_rows(meta, i, layer)
-        piece = _SELECT_ROWS if selecting else max(bulk, 1)
-        for a in range(0, bulk, piece):
+        if first_scored:  # prompt rows: attend to everything before them, in one piece
+            out[:first_scored] = self._chunk_rows(layer, q[:first_scored], k[:first_scored], v[:first_scored],
+                                                  meta, i, rows.start, select=False)  # fmt: skip
+        # Selecting rows go in pieces: the (rows, H, keys) speculation stays small, and a piece reads the rows
+        # before it from the tier like any cached row.
+        piece = _SELECT_ROWS if selective else max(bulk, 1)
+        for a in range(first_scored, bulk, piece):
             b = min(a + piece, bulk)
-            out[a:b] = self._chunk_rows(layer, q[a:b], k[a:b], v[a:b], meta, i, rows.start + a)
+            out[a:b] = self._chunk_rows(layer, q[a:b], k[a:b], v[a:b], meta, i, rows.start + a, selective)
         for j in range(bulk, m):  # a full pool: each row selects, attends and replaces a victim in turn
-            out[j : j + 1] = self._chunk_rows(layer, q[j : j + 1], k[j : j + 1], v[j : j + 1], meta, i, rows.start + j)
+            out[j : j + 1] = self._chunk_rows(
+                layer, q[j : j + 1], k[j : j + 1], v[j : j + 1], meta, i, rows.start + j, selective
+            )
         return out
 
     def _chunk_rows(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: OffloadAttentionMetadata, i: int,
-        first_row: int,
+        first_row: int, select: bool,
     ) -> torch.Tensor:  # fmt: skip
-        """Rows of sequence i that all fit the pool (or one row that evicts): attend, then store."""
+        """Rows of sequence i that all fit the pool (or one row that evicts): attend (each only to the rows
+        InfiniGen selects for it, if ``select``), then store."""
         m = q.shape[0]
         token = meta.context_lens[i] + (first_row - _row_start(meta, i))  # the first row's index in its sequence
         held = min(token, self._capacity(meta, i))
@@ -371,7 +378,7 @@ class OffloadedKVCache(AttentionBackend):
             slots = self._slots(meta.block_tables[i], held)  # (h,) the pool's slots
             keys, values = self._fetch_rows(layer, slots)  # (h, Hkv, D)
             keys, values = torch.cat((keys, k)), torch.cat((values, v))
-            if self._selects_rows(meta, i, layer):
+            if select:
                 allowed = self._select_rows(layer, slots, k, meta, first_row, m, token)
         else:
             keys, values = k, v
@@ -411,14 +418,6 @@ class OffloadedKVCache(AttentionBackend):
             every = slots[None, None, :].expand(1, self.num_kv_heads, held)
             self._note_selected(layer, every, cached_picks.any(dim=0)[None], last_row, cached_picks.sum(dim=0)[None])
         return allowed
-
-    def _selects_rows(self, meta: OffloadAttentionMetadata, i: int, layer: int) -> bool:
-        """Whether sequence i's chunk rows read only what InfiniGen selects for them in ``layer``: scored rows
-        do, and so does a row past a full pool (it replaces a victim either way)."""
-        if not isinstance(self.policy, InfiniGen) or layer == 0:
-            return False
-        scored = meta.scored_rows[i] if meta.scored_rows else True
-        return scored or meta.context_lens[i] + meta.query_lens[i] > self._capacity(meta, i)
 
     # ----- the pool -----
 
