@@ -234,7 +234,7 @@ class OffloadedKVCache(AttentionBackend):
             return self._decode(layer, q, k, v, metadata)
         out = torch.empty_like(q)  # (N, H, D)
         if step.decodes:
-            rows = torch.tensor([starts[i] for i in step.decodes], dtype=torch.long, device=q.device)
+            rows = step.rows
             out.index_copy_(0, rows, self._decode(layer, q[rows], k[rows], v[rows], metadata))
         batched = set(step.decodes)
         for i, n in enumerate(metadata.query_lens):
@@ -351,27 +351,27 @@ class OffloadedKVCache(AttentionBackend):
         out = torch.empty_like(q)
         if first_scored:  # prompt rows: attend to everything before them, in one piece
             out[:first_scored] = self._chunk_rows(layer, q[:first_scored], k[:first_scored], v[:first_scored],
-                                                  meta, i, rows.start, select=False)  # fmt: skip
+                                                  meta, i, rows.start, context, select=False)  # fmt: skip
         # Selecting rows go in pieces: the (rows, H, keys) speculation stays small, and a piece reads the rows
         # before it from the tier like any cached row.
         piece = _SELECT_ROWS if selective else max(bulk, 1)
         for a in range(first_scored, bulk, piece):
             b = min(a + piece, bulk)
-            out[a:b] = self._chunk_rows(layer, q[a:b], k[a:b], v[a:b], meta, i, rows.start + a, selective)
+            out[a:b] = self._chunk_rows(layer, q[a:b], k[a:b], v[a:b], meta, i, rows.start + a, context + a, selective)
         for j in range(bulk, m):  # a full pool: each row selects, attends and replaces a victim in turn
             out[j : j + 1] = self._chunk_rows(
-                layer, q[j : j + 1], k[j : j + 1], v[j : j + 1], meta, i, rows.start + j, selective
+                layer, q[j : j + 1], k[j : j + 1], v[j : j + 1], meta, i, rows.start + j, context + j, selective
             )
         return out
 
     def _chunk_rows(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: OffloadAttentionMetadata, i: int,
-        first_row: int, select: bool,
+        first_row: int, token: int, select: bool,
     ) -> torch.Tensor:  # fmt: skip
-        """Rows of sequence i that all fit the pool (or one row that evicts): attend (each only to the rows
-        InfiniGen selects for it, if ``select``), then store."""
+        """Rows of sequence i that all fit the pool (or one row that evicts), the first being row ``first_row``
+        of the step and token ``token`` of its sequence: attend (each only to the rows InfiniGen selects for
+        it, if ``select``), then store."""
         m = q.shape[0]
-        token = meta.context_lens[i] + (first_row - _row_start(meta, i))  # the first row's index in its sequence
         held = min(token, self._capacity(meta, i))
         allowed = None
         if held:
@@ -532,10 +532,6 @@ class OffloadedKVCache(AttentionBackend):
         return (blocks[:, None] * bs + torch.arange(bs, device=self.device)).view(-1)[
             begin - first * bs : end - first * bs
         ]
-
-
-def _row_start(meta: OffloadAttentionMetadata, i: int) -> int:
-    return sum(meta.query_lens[:i])
 
 
 def offload_block_bytes(
