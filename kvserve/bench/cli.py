@@ -20,7 +20,7 @@ from kvserve.bench.workload import AUSTEN
 from kvserve.engine_args import add_kv_policy_args, kv_policy_options
 from kvserve.models import gguf_file
 from kvserve.models.dtype import resolve_dtype
-from kvserve.models.loader import default_model_path
+from kvserve.models.catalog import default_model_path, resolve_model_path
 from kvserve.tokenizer import Tokenizer
 
 
@@ -167,7 +167,7 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     text_path = Path(args.text)
     if not text_path.is_file():
         raise ValueError(f"--text {text_path} does not exist")
-    model_path = Path(args.model) if args.model else default_model_path()
+    model_path = resolve_model_path(args.model)
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -316,7 +316,7 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
     llamacpp_python = speed.find_llamacpp_python(args.llamacpp_python) if "llamacpp" in peers else None
     lengths = [int(x) for x in args.prefill_lengths.split(",")]
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
-    model_path = Path(args.model) if args.model else default_model_path()
+    model_path = resolve_model_path(args.model)
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

@@ -1,8 +1,9 @@
 """Model definitions and loaders."""
 
+from kvserve.models.catalog import default_model_path, resolve_model_path
 from kvserve.models.config import ModelConfig, RopeScaling
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.loader import LoadedModel, default_model_path, load_model
+from kvserve.models.loader import LoadedModel, load_model
 
 __all__ = [
     "LlamaForCausalLM",
@@ -11,4 +12,5 @@ __all__ = [
     "RopeScaling",
     "default_model_path",
     "load_model",
+    "resolve_model_path",
 ]

