@@ -18,8 +18,8 @@ import torch
 from kvserve.bench import speed
 from kvserve.bench.cli import _speed_table
 from kvserve.bench.plots import plot_speed_ratios
-from kvserve.models.config import ModelConfig
 from kvserve.models.catalog import default_model_path
+from kvserve.models.config import ModelConfig
 from kvserve.models.loader import load_model
 
 

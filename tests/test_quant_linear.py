@@ -19,8 +19,8 @@ from kvserve.config import EngineConfig
 from kvserve.engine_args import describe_config
 from kvserve.models import dtype as dtype_module
 from kvserve.models import gguf_file, loader
-from kvserve.models.dtype import resolve_dtype
 from kvserve.models.catalog import default_model_path
+from kvserve.models.dtype import resolve_dtype
 from kvserve.models.loader import load_model
 from kvserve.models.quant_linear import INT4_MAX_ROWS, Int4Weight, Int8PlanesLinear, QuantEmbedding, QuantLinear
 from tests.test_gguf_loader import GQA, checkpoint, random_ids, write_gguf

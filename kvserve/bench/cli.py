@@ -19,8 +19,8 @@ from kvserve.bench.report import new_report, write_report
 from kvserve.bench.workload import AUSTEN
 from kvserve.engine_args import add_kv_policy_args, kv_policy_options
 from kvserve.models import gguf_file
-from kvserve.models.dtype import resolve_dtype
 from kvserve.models.catalog import default_model_path, resolve_model_path
+from kvserve.models.dtype import resolve_dtype
 from kvserve.tokenizer import Tokenizer
 
 

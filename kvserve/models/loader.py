@@ -49,7 +49,8 @@ def load_model(
 ) -> LoadedModel:
     """Load ``path`` (a .gguf file or a folder with config.json + *.safetensors + tokenizer.json).
 
-    ``None`` loads the default model; a shipped model's short name (``models/catalog.py``) loads that one. ``progress(done, total)`` is called per tensor.
+    ``None`` loads the default model; a shipped model's short name (``models/catalog.py``) loads that one.
+    ``progress(done, total)`` is called per tensor.
     ``weights="native"`` runs a GGUF file's Q4_0 / Q4_1 projections as int4 when ``dtype`` is bfloat16
     on CPU for batches of up to ``INT4_MAX_ROWS`` rows, and a dequantised copy for larger ones;
     ``"int4"`` keeps the int4 form only (other types, dtypes and devices are dequantised, and the log

@@ -6,7 +6,6 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from kvserve.engine_args import add_engine_args, add_schema_arg, engine_config_from_args, register_schemas
 
