@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,10 +20,16 @@ class AttentionMetadata:
     seq_ids: tuple[int, ...]
     query_lens: tuple[int, ...]
     context_lens: tuple[int, ...]
+    # Per layer, how many positions a query sees (its own included; sliding-window layers), or None for
+    # the whole context; () means every layer sees everything (``ModelConfig.layer_windows``).
+    layer_windows: tuple[int | None, ...] = field(default=(), kw_only=True)
 
     @property
     def num_tokens(self) -> int:
         return sum(self.query_lens)
+
+    def window_of(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
 
     def __post_init__(self) -> None:
         if not len(self.seq_ids) == len(self.query_lens) == len(self.context_lens):

@@ -6,8 +6,11 @@ from dataclasses import dataclass
 
 from kvserve.errors import UnsupportedModelError
 
-# Architectures that share the Llama block (RMSNorm, RoPE, GQA, SwiGLU); Qwen2 adds q/k/v bias.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# Architectures that share the Llama block (RMSNorm, RoPE, GQA, SwiGLU); Qwen2 adds q/k/v bias. Gemma 3
+# has its own block (models/gemma3.py).
+LLAMA_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = (*LLAMA_ARCHITECTURES, "gemma3")
+SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_types names
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -49,6 +52,12 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     attention_bias: bool = False  # bias on q, k and v
     o_proj_bias: bool = False  # bias on the attention output too (Llama's attention_bias)
+    # Sliding-window attention: a layer of type SLIDING sees the last ``sliding_window`` positions
+    # (its own included); ``layer_types`` () means every layer is FULL.
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3); None: rope_theta
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this); None: head_dim
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -59,6 +68,22 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
+        self._check_windows()
+
+    def _check_windows(self) -> None:
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise UnsupportedModelError(f"{len(self.layer_types)} layer_types for {self.num_layers} layers")
+        unknown = sorted(set(self.layer_types) - {SLIDING, FULL})
+        if unknown:
+            raise UnsupportedModelError(f"layer types {unknown} are not supported (supported: {SLIDING}, {FULL})")
+        if SLIDING in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+            raise UnsupportedModelError(f"sliding-window layers need a sliding_window >= 1, got {self.sliding_window}")
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer, the positions a query sees (its own included), or None for the whole context."""
+        types = self.layer_types or (FULL,) * self.num_layers
+        return tuple(self.sliding_window if t == SLIDING else None for t in types)
 
     @property
     def q_size(self) -> int:
@@ -72,6 +97,9 @@ class ModelConfig:
     def from_hf_config(cls, cfg: dict) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dictionary."""
         model_type = cfg.get("model_type", "")
+        if model_type == "gemma3" and "text_config" in cfg:
+            raise UnsupportedModelError("Gemma 3 with a vision tower is not supported; use the text-only checkpoint")
+        model_type = {"gemma3_text": "gemma3"}.get(model_type, model_type)
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError("mlp_bias=true (biases on the MLP projections) is not supported")
         num_heads = cfg["num_attention_heads"]
@@ -94,6 +122,7 @@ class ModelConfig:
                 )
             )
         return cls(
+            **_window_fields(cfg, model_type, cfg["num_hidden_layers"]),
             architecture=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -110,3 +139,19 @@ class ModelConfig:
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias")),
             o_proj_bias=model_type != "qwen2" and bool(cfg.get("attention_bias")),
         )
+
+
+def _window_fields(cfg: dict, model_type: str, num_layers: int) -> dict:
+    """Sliding-window fields of a Hugging Face config: Gemma 3's ``layer_types`` (or its older
+    ``sliding_window_pattern``), or Mistral's ``sliding_window`` over every layer."""
+    window = cfg.get("sliding_window")
+    fields: dict = {"query_pre_attn_scalar": cfg.get("query_pre_attn_scalar")}
+    if model_type == "gemma3":
+        fields["rope_local_theta"] = float(cfg.get("rope_local_base_freq", 10000.0))
+    if window is None or (model_type == "qwen2" and not cfg.get("use_sliding_window")):
+        return fields
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = cfg.get("sliding_window_pattern", 6 if model_type == "gemma3" else 1)
+        types = [FULL if pattern > 1 and (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
+    return {**fields, "sliding_window": int(window), "layer_types": tuple(types)}

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
-from kvserve.models.config import ModelConfig, RopeScaling
+from kvserve.models.config import FULL, SLIDING, ModelConfig, RopeScaling
 from kvserve.models.quant_linear import INT4_TYPES, Int4Weight
 
 # Tensor types we read; every one is dequantised by ggml's reference code in the gguf package.
@@ -57,6 +57,20 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3's names where they differ: its "ffn_norm" is the norm before the MLP, and it has norms after
+# attention and MLP and on q and k per head.
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# llama.cpp builds Gemma 3 with every sixth layer global and a RoPE base of 10,000 on the others
+# (llama-model.cpp); the file does not store either.
+_GEMMA3_SWA_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # llama.cpp's converter permutes Q/K rows of these architectures for its interleaved rotary layout.
 _PERMUTED_QK_ARCHITECTURES = ("llama", "mistral")
 
@@ -120,6 +134,7 @@ def read_config(reader: GGUFReader) -> ModelConfig:
             original_max_position_embeddings=int(meta("rope.scaling.original_context_length", 8192)),
         )
     return ModelConfig(
+        **_window_fields(reader, str(arch), int(meta("block_count")), hidden, num_heads),
         architecture=str(arch),
         vocab_size=int(vocab_size),
         hidden_size=hidden,
@@ -138,13 +153,28 @@ def read_config(reader: GGUFReader) -> ModelConfig:
     )
 
 
+def _window_fields(reader: GGUFReader, arch: str, num_layers: int, hidden: int, num_heads: int) -> dict:
+    """Sliding-window fields: Gemma 3's pattern (every sixth layer global), or a window over every layer."""
+    window = field(reader, f"{arch}.attention.sliding_window")
+    if arch != "gemma3":
+        return {} if window is None else {"sliding_window": int(window), "layer_types": (SLIDING,) * num_layers}
+    # llama.cpp scales Gemma 3 27B's queries by its hidden size per head, every other size by head_dim.
+    head_dim = int(field(reader, f"{arch}.attention.key_length", hidden // num_heads))
+    scalar = hidden // num_heads if num_layers == 62 else head_dim
+    fields = {"rope_local_theta": _GEMMA3_LOCAL_ROPE_BASE, "query_pre_attn_scalar": float(scalar)}
+    if window is None:
+        return fields
+    types = tuple(FULL if (i + 1) % _GEMMA3_SWA_PATTERN == 0 else SLIDING for i in range(num_layers))
+    return {**fields, "sliding_window": int(window), "layer_types": types}
+
+
 def tensor_sources(reader: GGUFReader, config: ModelConfig) -> dict[str, Callable[[], torch.Tensor]]:
     """Hugging Face name -> a function that dequantises that tensor to float32 (out, in)."""
     sources: dict[str, Callable[[], torch.Tensor]] = {}
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":  # read by rope_freq_factors()
             continue
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, config.architecture)
         if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
             raise UnsupportedModelError(
                 f"tensor {tensor.name} uses quantisation type {tensor.tensor_type.name}, which kvserve does not "
@@ -168,7 +198,7 @@ def int4_sources(reader: GGUFReader, config: ModelConfig) -> dict[str, Callable[
     for tensor in reader.tensors:
         if tensor.tensor_type not in INT4_TYPES or len(tensor.data.shape) != 2:
             continue
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, config.architecture)
         heads = _permuted_heads(name, config)
         sources[name] = _int4_loader(tensor, heads)
     return sources
@@ -185,7 +215,8 @@ def embedding_int8_planes(reader: GGUFReader) -> Callable[[], Int4Weight] | None
 
 def tensor_type_names(reader: GGUFReader) -> dict[str, str]:
     """Hugging Face name -> the GGUF tensor type's name (for reports)."""
-    return {_hf_name(t.name): t.tensor_type.name for t in reader.tensors}
+    arch = str(field(reader, "general.architecture"))
+    return {_hf_name(t.name, arch): t.tensor_type.name for t in reader.tensors}
 
 
 def rope_freq_factors(reader: GGUFReader) -> torch.Tensor | None:
@@ -195,13 +226,14 @@ def rope_freq_factors(reader: GGUFReader) -> torch.Tensor | None:
     return None
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, arch: str) -> str:
     """The Hugging Face name; a tensor we do not know keeps its GGUF name (and is reported as unused)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     parts = gguf_name.split(".", 2)
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
     return gguf_name
 
 

@@ -27,6 +27,7 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.qk_size = config.q_size + config.kv_size
+        self.qkv_sizes = (config.q_size, config.kv_size, config.kv_size)
 
     def forward(
         self,
@@ -37,17 +38,28 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         backend.observe_input(self.layer, x, rope, metadata)
+        q, k, v = self.project(x, rope)
+        out = backend.forward(self.layer, q, k, v, metadata)  # (N, H, D)
+        return self.o_proj(out.reshape(n, -1))
+
+    def project(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, hidden) -> rotated q (N, H, D), rotated k and v (N, Hkv, D)."""
+        n = x.shape[0]
         qkv = self.qkv_proj(x)
         # q and k are adjacent rows of the fused projection: rotate them in one go.
         qk = qkv[:, : self.qk_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = RotaryEmbedding.apply(qk, rope)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)  # (N, H, D), (N, Hkv, D)
         v = qkv[:, self.qk_size :].view(n, self.num_kv_heads, self.head_dim)
-        out = backend.forward(self.layer, q, k, v, metadata)  # (N, H, D)
-        return self.o_proj(out.reshape(n, -1))
+        return q, k, v
 
 
 class DecoderLayer(nn.Module):
+    # Per-layer norm weights a checkpoint provides (Hugging Face names under model.layers.{i}.).
+    NORMS = ("input_layernorm", "post_attention_layernorm")
+
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -70,6 +82,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_class = DecoderLayer
+
     def __init__(self, config: ModelConfig, rope_freq_factors: torch.Tensor | None = None) -> None:
         super().__init__()
         self.config = config
@@ -77,7 +91,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(
             config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling, rope_freq_factors)
         self.rotary = RotaryEmbedding(inv_freq, config.max_position_embeddings)

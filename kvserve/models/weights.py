@@ -13,6 +13,7 @@ import torch
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.models.config import ModelConfig
+from kvserve.models.gemma3 import Gemma3ForCausalLM
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.quant_linear import Int4Weight, Int8PlanesLinear, QuantEmbedding, QuantLinear
 
@@ -41,6 +42,7 @@ def build_model(
     ``head_planes()``, for a tied 8-bit embedding, gives its codes as two int4 planes: the LM head
     reads those (``Int8PlanesLinear``) and the dequantised embedding only above ``INT4_MAX_ROWS`` rows.
     """
+    model_class = model_class_for(config)
     used: set[str] = set()
     total = len(names)
     int4 = int4 or {}
@@ -93,8 +95,8 @@ def build_model(
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         attn = hf + "self_attn."
-        state[ours + "input_layernorm.weight"] = get(hf + "input_layernorm.weight")
-        state[ours + "post_attention_layernorm.weight"] = get(hf + "post_attention_layernorm.weight")
+        for norm in model_class.layer_class.NORMS:
+            state[f"{ours}{norm}.weight"] = get(f"{hf}{norm}.weight")
         qkv_bias = [attn + f"{p}_proj.bias" for p in "qkv"] if config.attention_bias else None
         linear(ours + "self_attn.qkv_proj", [attn + f"{p}_proj.weight" for p in "qkv"], qkv_bias)
         o_bias = [attn + "o_proj.bias"] if config.o_proj_bias else None
@@ -111,7 +113,7 @@ def build_model(
             f"the checkpoint has {len(unused)} tensors this architecture does not use, e.g. {unused[:3]}; "
             "kvserve would compute a different model than the checkpoint describes"
         )
-    model = LlamaForCausalLM(config, rope_freq_factors)
+    model = model_class(config, rope_freq_factors)
     for name, module in modules.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, module)
@@ -119,6 +121,11 @@ def build_model(
     _check_shapes(model, state)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)
+
+
+def model_class_for(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The module that computes ``config.architecture``."""
+    return Gemma3ForCausalLM if config.architecture == "gemma3" else LlamaForCausalLM
 
 
 def _check_shapes(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) -> None:
