@@ -35,7 +35,7 @@ class Pair:
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, block_size: int, num_seqs: int, max_len: int, seed: int = 0,
-        consecutive: bool = False,
+        consecutive: bool = False, windows: tuple[int | None, ...] = (), release: bool = False,
     ):  # fmt: skip
         self.num_heads, self.num_kv_heads, self.block_size = num_heads, num_kv_heads, block_size
         num_blocks = num_seqs * math.ceil(max_len / block_size) + 3
@@ -52,6 +52,12 @@ class Pair:
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
         self.gen = torch.Generator().manual_seed(seed + 2)
+        # Sliding windows per layer; with ``release``, blocks no layer's window can see any more are
+        # replaced in the tables by a trash block of large values, as a window KV group releases them.
+        self.windows, self.release = windows, release
+        self.trash = self.free.pop()
+        self.paged.k[:, self.trash] = 1e4
+        self.paged.v[:, self.trash] = -1e4
 
     def step(self, batch: list[tuple[int, int]]) -> float:
         """Run one step of (seq, query_len) through both caches; return the largest difference."""
@@ -63,9 +69,16 @@ class Pair:
             while len(table) * self.block_size < c + n:
                 table.append(self.free.pop())
             self.lens[s] = c + n
-        meta = PagedAttentionMetadata.build(seqs, q_lens, ctx, [self.tables[s] for s in seqs], self.block_size, "cpu")
+        if self.release:
+            for s, c in zip(seqs, ctx, strict=True):
+                self._release_out_of_window(s, c)
+        meta = PagedAttentionMetadata.build_grouped(
+            seqs, q_lens, ctx, [[self.tables[s] for s in seqs]], self.block_size, "cpu", layer_windows=self.windows
+        )
         self.last_plan = meta.plan
-        ref_meta = AttentionMetadata(seq_ids=tuple(seqs), query_lens=tuple(q_lens), context_lens=tuple(ctx))
+        ref_meta = AttentionMetadata(
+            seq_ids=tuple(seqs), query_lens=tuple(q_lens), context_lens=tuple(ctx), layer_windows=self.windows
+        )
         worst = 0.0
         n = sum(q_lens)
         for layer in range(NUM_LAYERS):
@@ -78,6 +91,13 @@ class Pair:
             worst = max(worst, (got - want).abs().max().item())
         return worst
 
+    def _release_out_of_window(self, seq: int, num_computed: int) -> None:
+        """Blocks wholly before the widest window of a query at ``num_computed`` go to the trash block."""
+        first_visible = num_computed - max(self.windows) + 1
+        table = self.tables[seq]
+        for j in range(max(0, first_visible) // self.block_size):
+            table[j] = self.trash
+
 
 @pytest.mark.parametrize("consecutive", [True, False], ids=["consecutive-blocks", "shuffled-blocks"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -87,7 +107,7 @@ def test_single_sequence_decode_reads_consecutive_blocks_as_a_view(block_size: i
     assert pair.step([(0, 21)]) < ATOL
     for _ in range(6):
         assert pair.step([(0, 1)]) < ATOL
-        run = pair.last_plan.decode_runs[0]
+        run = pair.last_plan.decode_views[(0, None)].run
         assert run == (pair.tables[0][0] if consecutive else None)
 
 
@@ -283,3 +303,42 @@ def test_default_model_batched_greedy_equals_generator(default_model) -> None:
             g.append(t)
         lens = [n + 1 for n in lens]
     assert got == want
+
+
+WINDOW_STEPS = [
+    [(0, 13), (1, 7), (2, 1)],  # fresh prefills longer and shorter than the windows
+    [(0, 1), (1, 9), (2, 17)],  # decode past the window, chunked prefills crossing it
+    [(3, 23), (0, 1), (1, 1), (2, 1)],  # a fresh prompt several windows long beside decodes
+    [(0, 6), (3, 1), (1, 1)],
+    [(0, 1), (1, 1), (2, 1), (3, 1)],
+    [(0, 1), (1, 1), (2, 1), (3, 1)],
+]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize(
+    ("windows", "release"),
+    [((5, None), False), ((3, 7), False), ((3, 7), True)],  # a global layer sees every block: none is released
+    ids=["window-and-global", "two-windows", "two-windows-released-blocks"],
+)
+def test_sliding_window_layers_match_contiguous(windows: tuple, release: bool, block_size: int) -> None:
+    """Sliding-window layers over the paged cache equal the masked contiguous reference, in decodes,
+    fresh and chunked prefills; and blocks wholly outside every window are never read."""
+    pair = Pair(*HEADS["gqa_6_2"], block_size=block_size, num_seqs=4, max_len=64, windows=windows, release=release)
+    for step in WINDOW_STEPS:
+        assert pair.step(step) < ATOL
+
+
+def test_windowed_prefill_in_chunks_matches_one_masked_call() -> None:
+    """A prompt many windows long is attended chunk by chunk; the result is the full masked attention."""
+    from kvserve.attention.masks import causal_mask
+    from kvserve.attention.paged import attend_prefill
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(70 + 30 * (i > 0), h, HEAD_DIM, generator=gen) for i, h in enumerate((6, 2, 2)))
+    got = attend_prefill(q, k, v, ctx_len=30, window=9)
+    mask = causal_mask(70, 30, 9)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True
+    )[0].transpose(0, 1)
+    assert (got - want).abs().max().item() < ATOL

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.attention.masks import causal_mask, window_binds
 
 BlockTable = Sequence[int]
 
@@ -52,19 +53,26 @@ class _Prefill:
 
 
 @dataclass(frozen=True)
+class _DecodeView:
+    """The keys the step's decode rows read in one KV group, for one window size."""
+
+    table: torch.Tensor  # (Bd * blocks,) long: each decode row's blocks, from its first visible one
+    run: int | None  # one decode row whose blocks are consecutive ids: the first, read as a slice
+    length: int  # keys per row (padded): row i's key j sits at position first_block_i * block_size + j
+    mask: torch.Tensor | None  # (Bd, 1, 1, length) bool, True = attend; None if every key is visible
+
+
+@dataclass(frozen=True)
 class _StepPlan:
     """How a step splits into batched decodes and per-sequence prefills; built once, used by every layer."""
 
     decode_only: bool  # every sequence decodes one token: rows are already in sequence order
     decode_rows: torch.Tensor  # (Bd,) long rows of the decode tokens in the step (empty if none)
-    decode_len: int  # longest decode sequence (context + 1); keys are padded to this length
-    decode_mask: torch.Tensor | None  # (Bd, 1, 1, decode_len) bool, True = attend; None if no padding
-    decode_tables: tuple[torch.Tensor, ...]  # per group: (Bd * blocks,) long, the decode rows' tables
-    # Per group: for a single decode sequence whose blocks are consecutive ids (the usual case for one
-    # user), the first block id, so its keys are read as a slice of the cache instead of a gather.
-    decode_runs: tuple[int | None, ...]
+    decodes: tuple[int, ...]  # indices of the decode sequences in the metadata's lists
     prefills: tuple[_Prefill, ...]
     prefill_tables: tuple[tuple[torch.Tensor, ...], ...]  # per group, per prefill: (blocks,) long
+    # (group, window) -> the decode view, made on first use (a step may hold several windows per group)
+    decode_views: dict[tuple[int, int | None], _DecodeView] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -130,6 +138,7 @@ class PagedAttentionMetadata(AttentionMetadata):
         block_size: int,
         device: torch.device | str = "cpu",
         layer_to_group: Sequence[int] = (),
+        layer_windows: Sequence[int | None] = (),
     ) -> PagedAttentionMetadata:
         """Metadata with one block table per KV group: ``group_block_tables[g][i]`` is sequence i's table in group g."""
         if block_size < 1:
@@ -152,6 +161,7 @@ class PagedAttentionMetadata(AttentionMetadata):
             seq_lens=seq_lens,
             block_size=block_size,
             layer_to_group=tuple(layer_to_group),
+            layer_windows=tuple(layer_windows),
         )
 
     @property
@@ -202,24 +212,12 @@ def _make_plan(meta: PagedAttentionMetadata) -> _StepPlan:
     starts = [0]
     for q_len in meta.query_lens:
         starts.append(starts[-1] + q_len)
-    decodes = [i for i, (q, c) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)) if q == 1]
+    decodes = tuple(i for i, (q, c) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)) if q == 1)
     prefills = tuple(
         _Prefill(i, starts[i], q, c)
         for i, (q, c) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True))
         if q > 1
     )
-    decode_len = max((meta.seq_lens[i] for i in decodes), default=0)
-    decode_blocks = math.ceil(decode_len / meta.block_size)
-    decode_idx = torch.tensor(decodes, dtype=torch.long, device=device)
-    decode_tables = tuple(
-        t.index_select(0, decode_idx)[:, :decode_blocks].reshape(-1).long() for t in meta.block_tables
-    )
-    decode_runs = tuple(_consecutive_start(t) if len(decodes) == 1 else None for t in decode_tables)
-    decode_mask = None
-    lens = [meta.seq_lens[i] for i in decodes]
-    if any(n != decode_len for n in lens):
-        lens_t = torch.tensor(lens, device=device)
-        decode_mask = (torch.arange(decode_len, device=device) < lens_t[:, None]).view(len(lens), 1, 1, decode_len)
     prefill_tables = tuple(
         tuple(t[p.index, : math.ceil(meta.seq_lens[p.index] / meta.block_size)].long() for p in prefills)
         for t in meta.block_tables
@@ -227,13 +225,37 @@ def _make_plan(meta: PagedAttentionMetadata) -> _StepPlan:
     return _StepPlan(
         decode_only=not prefills,
         decode_rows=torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device),
-        decode_len=decode_len,
-        decode_mask=decode_mask,
-        decode_tables=decode_tables,
-        decode_runs=decode_runs,
+        decodes=decodes,
         prefills=prefills,
         prefill_tables=prefill_tables,
     )
+
+
+def _decode_view(meta: PagedAttentionMetadata, decodes: tuple[int, ...], group: int, window: int | None) -> _DecodeView:
+    """Each decode row's visible keys in ``group``: from the block holding its first visible position
+    (0 without a window) to its last, padded to the longest; a mask hides padding and positions before
+    the window."""
+    table, bs = meta.block_tables[group], meta.block_size
+    device = table.device
+    lens = [meta.seq_lens[i] for i in decodes]
+    firsts = [max(0, n - window) // bs if window else 0 for n in lens]  # first visible block per row
+    spans = [n - f * bs for n, f in zip(lens, firsts, strict=True)]  # keys from each row's first block
+    length = max(spans, default=0)
+    width = math.ceil(length / bs)
+    rows = torch.tensor(decodes, dtype=torch.long, device=device)
+    cols = torch.tensor(firsts, dtype=torch.long, device=device).unsqueeze(1) + torch.arange(width, device=device)
+    padded = torch.nn.functional.pad(table, (0, width))  # a row's last window may reach past its table
+    blocks = padded.index_select(0, rows).gather(1, cols).reshape(-1).long()  # (Bd * width,)
+    run = _consecutive_start(blocks) if len(decodes) == 1 else None
+    mask = None
+    if any(n != length for n in spans) or any(window_binds(window, n) for n in lens):
+        ends = torch.tensor(spans, device=device)  # (Bd,)
+        key = torch.arange(length, device=device)
+        mask = key < ends[:, None]
+        if window is not None:
+            mask &= key >= (ends - window)[:, None]
+        mask = mask.view(len(lens), 1, 1, length)
+    return _DecodeView(blocks, run, length, mask)
 
 
 def _consecutive_start(table: torch.Tensor) -> int | None:
@@ -365,46 +387,60 @@ class PagedKVCache(AttentionBackend):
         slots = metadata.slot_mappings[group]
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)  # (slots, Hkv, D)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
-        plan = metadata.plan
+        plan, window = metadata.plan, metadata.window_of(layer)
+        view = self._decode_view(metadata, group, window) if plan.decodes else None
         if plan.decode_only:
-            return self._decode(q, k_cache, v_cache, plan, group)
+            return self._decode(q, k_cache, v_cache, view)
         out = torch.empty_like(q)  # (N, H, D)
-        if plan.decode_rows.numel():
+        if view is not None:
             rows = plan.decode_rows
-            out.index_copy_(0, rows, self._decode(q.index_select(0, rows), k_cache, v_cache, plan, group))
+            out.index_copy_(0, rows, self._decode(q.index_select(0, rows), k_cache, v_cache, view))
         for p, table in zip(plan.prefills, plan.prefill_tables[group], strict=True):
             rows = slice(p.start, p.start + p.query_len)
             if p.context_len == 0:  # the whole sequence is this step's keys: no gather needed
-                keys, values = k[rows], v[rows]
-            else:
-                seq_len = p.context_len + p.query_len
-                keys = k_cache.index_select(0, table).flatten(0, 1)[:seq_len]  # (seq_len, Hkv, D)
-                values = v_cache.index_select(0, table).flatten(0, 1)[:seq_len]
-            out[rows] = attend_prefill(q[rows], keys, values, p.context_len)
+                out[rows] = attend_prefill(q[rows], k[rows], v[rows], 0, window)
+                continue
+            # Blocks wholly before the first query's window are not read (a window group released them).
+            first = max(0, p.context_len - window + 1) // self.block_size if window else 0
+            offset = first * self.block_size
+            seq_len = p.context_len + p.query_len - offset
+            keys = k_cache.index_select(0, table[first:]).flatten(0, 1)[:seq_len]  # (seq_len, Hkv, D)
+            values = v_cache.index_select(0, table[first:]).flatten(0, 1)[:seq_len]
+            out[rows] = attend_prefill(q[rows], keys, values, p.context_len - offset, window)
         return out
 
-    def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _StepPlan, group: int
-    ) -> torch.Tensor:
+    @staticmethod
+    def _decode_view(metadata: PagedAttentionMetadata, group: int, window: int | None) -> _DecodeView:
+        views, key = metadata.plan.decode_views, (group, window)
+        if key not in views:
+            views[key] = _decode_view(metadata, metadata.plan.decodes, group, window)
+        return views[key]
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, view: _DecodeView) -> torch.Tensor:
         """q (B, H, D), one query per decode sequence, over their gathered blocks -> (B, H, D)."""
         batch, num_heads, head_dim = q.shape
         hkv = self.num_kv_heads
-        table, length, run = plan.decode_tables[group], plan.decode_len, plan.decode_runs[group]
-        if run is not None:  # one sequence in consecutive blocks: a view, no copy
-            keys, values = k_cache[run : run + table.numel()], v_cache[run : run + table.numel()]
+        if view.run is not None:  # one sequence in consecutive blocks: a view, no copy
+            keys = k_cache[view.run : view.run + view.table.numel()]
+            values = v_cache[view.run : view.run + view.table.numel()]
         else:
-            keys, values = k_cache.index_select(0, table), v_cache.index_select(0, table)
-        keys = keys.view(batch, -1, hkv, head_dim)[:, :length].transpose(1, 2)
-        values = values.view(batch, -1, hkv, head_dim)[:, :length].transpose(1, 2)
+            keys, values = k_cache.index_select(0, view.table), v_cache.index_select(0, view.table)
+        keys = keys.view(batch, -1, hkv, head_dim)[:, : view.length].transpose(1, 2)
+        values = values.view(batch, -1, hkv, head_dim)[:, : view.length].transpose(1, 2)
         # (B, Hkv, T, D). Query head h reads KV head h // G: fold the G heads of a group into query rows.
         qg = q.reshape(batch, hkv, num_heads // hkv, head_dim)  # (B, Hkv, G, D)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=plan.decode_mask)  # (B, Hkv, G, D)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=view.mask)  # (B, Hkv, G, D)
         return out.reshape(batch, num_heads, head_dim)
 
 
-def attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int) -> torch.Tensor:
-    """q (T, H, D) at cache positions ctx_len.. over k, v (ctx_len + T, Hkv, D) -> (T, H, D)."""
+def attend_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, window: int | None = None
+) -> torch.Tensor:
+    """q (T, H, D) at cache positions ctx_len.. over k, v (ctx_len + T, Hkv, D) -> (T, H, D); with a
+    ``window``, each query sees only the last ``window`` positions (its own included)."""
     q_len = q.shape[0]
+    if window_binds(window, ctx_len + q_len):
+        return _attend_windowed(q, k, v, ctx_len, window)
     qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, T, D)
     kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx + T, D)
     if ctx_len == 0:
@@ -412,11 +448,25 @@ def attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: i
     elif q.device.type == "cpu" and q_len > 1:
         out = _attend_context_then_chunk(qh, kh, vh, ctx_len)
     else:
-        # Query i sits at cache position ctx_len + i and sees keys up to there.
-        rows = torch.arange(q_len, device=q.device).unsqueeze(1) + ctx_len
-        mask = torch.arange(ctx_len + q_len, device=q.device).unsqueeze(0) <= rows  # (T, ctx + T)
+        mask = causal_mask(q_len, ctx_len, device=q.device)  # (T, ctx + T)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)  # (T, H, D)
+
+
+def _attend_windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, window: int) -> torch.Tensor:
+    """Sliding-window attention in chunks of ``window`` queries, each over the keys its window reaches:
+    O(T * window) work instead of the O(T * (ctx + T)) of one masked call."""
+    out = torch.empty_like(q)  # (T, H, D)
+    for start in range(0, q.shape[0], window):
+        end = min(start + window, q.shape[0])
+        first = max(0, ctx_len + start - window + 1)  # the chunk's first query sees no key before this
+        rows = slice(first, ctx_len + end)
+        mask = causal_mask(end - start, ctx_len + start - first, window, q.device)  # (chunk, keys)
+        qh = q[start:end].transpose(0, 1).unsqueeze(0)  # (1, H, chunk, D)
+        kh, vh = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
+        chunk = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+        out[start:end] = chunk.squeeze(0).transpose(0, 1)
+    return out
 
 
 def _attend_context_then_chunk(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, ctx_len: int) -> torch.Tensor:
