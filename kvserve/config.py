@@ -36,6 +36,9 @@ class EngineConfig:
     kv_cache_memory: str | int = "1GiB"
     swap_space: str | int = "1GiB"  # host tier for preemption by swapping
     block_size: int = 16
+    # Sliding-window layers (Gemma 3, Mistral) in KV groups of their own that keep only the blocks their
+    # window sees (kv/layout.py); False keeps every layer's whole context (the windows still apply).
+    kv_window_groups: bool = True
     enable_prefix_caching: bool = True
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

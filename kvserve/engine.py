@@ -21,6 +21,7 @@ from kvserve.attention.offloaded import OffloadedKVCache, offload_block_bytes
 from kvserve.attention.paged import PagedKVCache
 from kvserve.config import EngineConfig
 from kvserve.detokenizer import IncrementalDetokenizer
+from kvserve.kv.layout import KVLayout, single_group_layout, window_group_layout
 from kvserve.kv.manager import KVCacheManager, KVGroupSpec, KVUsage
 from kvserve.kv.sizing import kv_block_bytes
 from kvserve.log import get_logger
@@ -53,7 +54,8 @@ class LLMEngine:
         # A compressing policy keeps different slots per layer: one KV group (block table) per layer.
         self.per_layer_groups = self.kv_policy.per_layer_groups
         self.offloaded = config.kv_offload != "none"  # the KV pool is a slower tier (kv/tiers.py)
-        block_layers = 1 if self.per_layer_groups else cfg.num_layers
+        self.layout = self._kv_layout()
+        block_layers = 1 if self.per_layer_groups else self.layout.rows
         if self.offloaded:
             block_bytes = offload_block_bytes(
                 self.kv_policy, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.loaded.dtype, config.block_size
@@ -69,6 +71,7 @@ class LLMEngine:
             )
         num_host_blocks = 0 if self.offloaded else config.swap_space_bytes // block_bytes
         groups = [KVGroupSpec((layer,)) for layer in range(cfg.num_layers)] if self.per_layer_groups else None
+        groups = groups or self.layout.groups
         # A pool limit overwrites victims' slots in place, so blocks are no longer what their hash says.
         in_place = self.offloaded and config.kv_pool_limit < 1
         self.kv = KVCacheManager(
@@ -80,7 +83,7 @@ class LLMEngine:
         self.parallel_prefill = self._start_parallel_prefill() if config.prefill_parallel > 1 else None
         self.runner = ModelRunner(
             self.loaded.model, cache, host, num_groups=len(self.kv.groups), device=config.device,
-            parallel_prefill=self.parallel_prefill,
+            parallel_prefill=self.parallel_prefill, layer_to_group=self.layout.layer_to_group,
         )  # fmt: skip
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -108,21 +111,40 @@ class LLMEngine:
         self._request_ids = itertools.count()
         tokens = num_blocks * config.block_size * block_layers // cfg.num_layers
         where = f"offloaded to the {config.kv_offload} tier" if self.offloaded else "on the device"
+        depth = " (one layer each)" if self.per_layer_groups else ""
+        if self.layout.windowed:
+            depth = f" ({block_layers} layers each, {len(self.kv.groups)} groups; window groups keep their window)"
         self.kv_summary = (
-            f"KV cache: {num_blocks} blocks x {config.block_size} tokens"
-            f"{' (one layer each)' if self.per_layer_groups else ''} = {tokens:,} full-cache tokens {where} "
+            f"KV cache: {num_blocks} blocks x {config.block_size} tokens{depth} = {tokens:,} full-cache tokens {where} "
             f"({num_blocks * block_bytes / 2**30:.2f} GiB, {self.loaded.dtype}); policy {self.kv_policy.name} "
             f"(budget {self.kv_policy.budget:g}); host tier for swapping: {num_host_blocks} blocks"
         )
         get_logger().info(self.kv_summary)
 
+    def _kv_layout(self) -> KVLayout:
+        """Window groups for a model with sliding-window layers (unless switched off), else one group;
+        refuses the techniques that do not run over window groups, with the reason."""
+        cfg, config = self.loaded.config, self.config
+        if not any(w is not None for w in cfg.layer_windows):
+            return single_group_layout(cfg.num_layers)
+        refusal = windowed_model_refusal(config, self.kv_policy)
+        if refusal:
+            raise ValueError(f"{cfg.architecture} has sliding-window layers: {refusal}")
+        if not config.kv_window_groups:
+            return single_group_layout(cfg.num_layers)
+        return window_group_layout(cfg.layer_windows)
+
     def _make_cache(self, num_blocks: int) -> PagedKVCache | OffloadedKVCache:
         cfg, config = self.loaded.config, self.config
-        if not self.offloaded:
-            cache_type = CompressedKVCache if self.per_layer_groups else PagedKVCache
-            return cache_type(
+        if self.per_layer_groups:
+            return CompressedKVCache(
                 cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, self.loaded.dtype,
                 config.device,
+            )  # fmt: skip
+        if not self.offloaded:
+            return PagedKVCache(
+                cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, self.loaded.dtype,
+                config.device, layer_rows=self.layout.layer_rows,
             )  # fmt: skip
         rehearsal = None
         if isinstance(self.kv_policy, InfiniGen):
@@ -169,6 +191,12 @@ class LLMEngine:
             raise ValueError(
                 f"Prompt Cache shares module blocks across requests, which a compressing kv_policy "
                 f"({self.kv_policy.name!r}) rewrites per sequence; start the engine with kv_policy='full'"
+            )
+        if len(self.kv.groups) > 1:
+            raise ValueError(
+                "Prompt Cache shares a module's blocks as the first blocks of one block table; this model's "
+                f"sliding-window layers keep their KV in {len(self.kv.groups)} groups that release blocks as "
+                "sequences grow: start the engine with kv_window_groups=False (--no-kv-window-groups)"
             )
 
     # ----- requests -----
@@ -559,6 +587,20 @@ class LLMEngine:
             finish_reason=seq.finish_reason if seq.finish_reason != "pruned" else "stop",
             stop_reason=seq.stop_reason,
         )
+
+
+def windowed_model_refusal(config: EngineConfig, policy: KVPolicy) -> str | None:
+    """Why an engine over a model with sliding-window layers cannot run ``config``, or None."""
+    if policy.per_layer_groups:
+        return (
+            f"kv_policy={policy.name!r} keeps its own slots per layer, and a sliding-window layer would need both "
+            "its window and the policy's choice; use kv_policy='full' (window groups already keep only the window)"
+        )
+    if config.kv_offload != "none":
+        return f"kv_offload={config.kv_offload!r} tiers every layer's whole context; use kv_offload='none'"
+    if config.prefill_parallel > 1:
+        return "parallel prefill (KV-Runahead) passes whole caches between processes without windows; use 1"
+    return None
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

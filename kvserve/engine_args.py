@@ -28,6 +28,11 @@ def add_engine_args(parser: argparse.ArgumentParser, kv_cache_memory: str = "1Gi
     group.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    group.add_argument(
+        "--no-kv-window-groups", action="store_true",
+        help="keep every layer's whole context, also in sliding-window layers (Gemma 3, Mistral), instead of "
+        "KV groups that keep only the blocks a window sees",
+    )  # fmt: skip
     group.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
     group.add_argument(
         "--prefill-parallel", type=int, default=1,
@@ -138,6 +143,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, device=args.device, weights=args.weights,
         kv_cache_memory=args.kv_cache_memory,
         swap_space=args.swap_space, block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+        kv_window_groups=not args.no_kv_window_groups,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         preemption_mode=args.preemption_mode, max_model_len=args.max_model_len,
         prefill_parallel=args.prefill_parallel, prefill_partition=args.prefill_partition,

@@ -38,8 +38,13 @@ class ModelRunner:
         num_groups: int = 1,
         device: torch.device | str = "cpu",
         parallel_prefill: ParallelPrefill | None = None,
+        layer_to_group: tuple[int, ...] = (),
     ) -> None:
         self.model = model
+        self.layer_to_group = layer_to_group  # () : every layer in group 0
+        # Sliding-window layers' windows (() when the model has none), for the attention metadata.
+        windows = model.config.layer_windows
+        self.layer_windows = windows if any(w is not None for w in windows) else ()
         self.parallel_prefill = parallel_prefill
         self.cache = cache
         self.host_cache = host_cache
@@ -81,6 +86,8 @@ class ModelRunner:
             group_block_tables=[[s.block_tables[g] for s in scheduled] for g in range(self.num_groups)],
             block_size=self.cache.block_size,
             device=self.device,
+            layer_to_group=self.layer_to_group,
+            layer_windows=self.layer_windows,
         )
         if self._parallel_prefill_qualifies(out, rows_from):
             (seq,) = scheduled

@@ -279,7 +279,10 @@ class PagedKVCache(AttentionBackend):
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         pin_memory: bool = False,
+        layer_rows: Sequence[int] = (),
     ) -> None:
+        """``layer_rows``: per layer, its row of a block when KV groups share block storage (``kv/layout.py``);
+        () gives every layer a row of its own."""
         sizes = dict(
             num_layers=num_layers,
             num_blocks=num_blocks,
@@ -290,7 +293,10 @@ class PagedKVCache(AttentionBackend):
         bad = {name: value for name, value in sizes.items() if value < 1}
         if bad:
             raise ValueError(f"cache sizes must be >= 1, got {bad}")
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.layer_rows = tuple(layer_rows) or tuple(range(num_layers))
+        if len(self.layer_rows) != num_layers:
+            raise ValueError(f"layer_rows names {len(self.layer_rows)} layers; the model has {num_layers}")
+        shape = (max(self.layer_rows) + 1, num_blocks, block_size, num_kv_heads, head_dim)
         # Zeros, not empty: padding reads masked slots, which must not hold NaN.
         self.k = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
         self.v = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
@@ -308,6 +314,7 @@ class PagedKVCache(AttentionBackend):
             self.k.dtype,
             "cpu",
             pin_memory=self.k.is_cuda,
+            layer_rows=self.layer_rows,
         )
 
     # ----- block movement -----
@@ -331,21 +338,27 @@ class PagedKVCache(AttentionBackend):
         src_t = torch.tensor(src, dtype=torch.long, device=self.k.device)
         dst_t = torch.tensor(dst, dtype=torch.long, device=self.k.device)
         for cache in (self.k, self.v):
-            flat = cache.view(self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)
+            flat = cache.view(cache.shape[0], self.num_slots, self.num_kv_heads, self.head_dim)
             flat.index_copy_(1, dst_t, flat.index_select(1, src_t))
 
     def read_slots(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``slots`` in every layer, each (L, n, Hkv, D), as new tensors."""
+        self._check_layer_per_row()
         index = torch.tensor(list(slots), dtype=torch.long, device=self.k.device)
         shape = (self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)
         return self.k.view(shape).index_select(1, index), self.v.view(shape).index_select(1, index)
 
     def write_slots(self, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Write (L, n, Hkv, D) keys and values into ``slots`` of every layer."""
+        self._check_layer_per_row()
         index = torch.tensor(list(slots), dtype=torch.long, device=self.k.device)
         shape = (self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)
         self.k.view(shape).index_copy_(1, index, k.to(self.k.device, non_blocking=True))
         self.v.view(shape).index_copy_(1, index, v.to(self.v.device, non_blocking=True))
+
+    def _check_layer_per_row(self) -> None:
+        if self.layer_rows != tuple(range(self.num_layers)):
+            raise ValueError("slots name one token of every layer only when each layer has a block row of its own")
 
     @property
     def num_slots(self) -> int:
@@ -366,11 +379,11 @@ class PagedKVCache(AttentionBackend):
         _transfer(host_cache, self, pairs)
 
     def _check_peer(self, other: PagedKVCache) -> None:
-        mine = (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.k.dtype)
-        theirs = (other.num_layers, other.block_size, other.num_kv_heads, other.head_dim, other.k.dtype)
+        mine = (self.layer_rows, self.block_size, self.num_kv_heads, self.head_dim, self.k.dtype)
+        theirs = (other.layer_rows, other.block_size, other.num_kv_heads, other.head_dim, other.k.dtype)
         if mine != theirs:
             raise ValueError(
-                f"caches differ in (layers, block_size, kv_heads, head_dim, dtype): {mine} against {theirs}"
+                f"caches differ in (layer rows, block_size, kv_heads, head_dim, dtype): {mine} against {theirs}"
             )
 
     # ----- attention -----
@@ -382,8 +395,8 @@ class PagedKVCache(AttentionBackend):
             raise TypeError(f"PagedKVCache needs PagedAttentionMetadata, got {type(metadata).__name__}")
         if metadata.block_size != self.block_size:
             raise ValueError(f"metadata is for blocks of {metadata.block_size} tokens, the cache has {self.block_size}")
-        group = metadata.group_of(layer)
-        k_cache, v_cache = self.k[layer], self.v[layer]  # (num_blocks, block_size, Hkv, D)
+        group, row = metadata.group_of(layer), self.layer_rows[layer]
+        k_cache, v_cache = self.k[row], self.v[row]  # (num_blocks, block_size, Hkv, D)
         slots = metadata.slot_mappings[group]
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)  # (slots, Hkv, D)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
