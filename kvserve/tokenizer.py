@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
@@ -16,10 +16,17 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
+from kvserve.sentencepiece import sentencepiece_backend
 
 # GGUF token types (llama.cpp's llama_token_type).
+_NORMAL = 1
+_UNKNOWN = 2
 _CONTROL = 3
 _USER_DEFINED = 4
+
+_GGUF_TOKENIZER_KINDS = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}
+# End-of-turn token texts llama.cpp looks for when tokenizer.ggml.eot_token_id is absent (llama-vocab.cpp).
+_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>", "_<EOT>")
 
 # Pre-tokenizer splits by ``tokenizer.ggml.pre``; these mirror llama.cpp's llama-vocab.cpp.
 _LLAMA3_SPLIT = (
@@ -99,38 +106,32 @@ class Tokenizer:
         kind = get("ggml.model")
         if kind is None:
             raise ModelLoadError("the GGUF file has no tokenizer (tokenizer.ggml.model is missing)")
-        if kind != "gpt2":
+        if kind not in _GGUF_TOKENIZER_KINDS:
+            supported = ", ".join(f"{k!r} ({what})" for k, what in _GGUF_TOKENIZER_KINDS.items())
             raise UnsupportedModelError(
-                f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level BPE); "
+                f"GGUF tokenizer model {kind!r} is not supported (supported: {supported}); "
                 "load the model from a Hugging Face folder with tokenizer.json instead"
             )
         tokens: list[str] = get("ggml.tokens")
-        token_types: list[int] = get("ggml.token_type") or [1] * len(tokens)
+        token_types: list[int] = get("ggml.token_type") or [_NORMAL] * len(tokens)
         if len(token_types) != len(tokens):
             raise ModelLoadError(f"the GGUF tokenizer has {len(tokens)} tokens but {len(token_types)} token types")
-        backend = _byte_level_bpe(tokens, get("ggml.merges") or [], str(get("ggml.pre", "default")))
-        backend.add_special_tokens(
-            [
-                AddedToken(t, special=True, normalized=False)
-                for t, k in zip(tokens, token_types, strict=True)
-                if k == _CONTROL
-            ]
-        )
-        backend.add_tokens(
-            [
-                AddedToken(t, special=False, normalized=False)
-                for t, k in zip(tokens, token_types, strict=True)
-                if k == _USER_DEFINED
-            ]
-        )
-        bos, eos, eot = get("ggml.bos_token_id"), get("ggml.eos_token_id"), get("ggml.eot_token_id")
+        if kind == "gpt2":
+            backend = _byte_level_bpe(tokens, get("ggml.merges") or [], str(get("ggml.pre", "default")))
+            _add_gguf_special_tokens(backend, tokens, token_types, special_types=(_CONTROL,))
+            eot = get("ggml.eot_token_id")
+        else:
+            backend = _sentencepiece_from_gguf(get, tokens, token_types)
+            eot = get("ggml.eot_token_id", _eot_by_text(tokens))
+        bos, eos = get("ggml.bos_token_id"), get("ggml.eos_token_id")
         eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
         strings = {name: tokens[i] for name, i in (("bos_token", bos), ("eos_token", eos)) if i is not None}
         return cls(
             backend=backend,
             bos_token_id=bos,
             eos_token_ids=eos_ids,
-            add_bos_token=bool(get("ggml.add_bos_token", False)),
+            # llama.cpp adds BOS by default for SentencePiece vocabularies, not for GPT-2 ones.
+            add_bos_token=bool(get("ggml.add_bos_token", kind == "llama")),
             chat_template=get("chat_template"),
             special_token_strings=strings,
         )
@@ -165,6 +166,36 @@ class Tokenizer:
             chat_template=template,
             special_token_strings=strings,
         )
+
+
+def _sentencepiece_from_gguf(get: Callable[..., object], tokens: list[str], token_types: list[int]) -> BackendTokenizer:
+    """llama.cpp's SPM tokenizer: merges by score, byte fallback, control and unknown tokens matched in text."""
+    scores = get("ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        found = "none" if scores is None else len(scores)
+        raise ModelLoadError(
+            f"the GGUF SentencePiece tokenizer has {len(tokens)} tokens but {found} scores (tokenizer.ggml.scores); "
+            "it needs one score per token to merge"
+        )
+    # llama.cpp prepends a space to each piece of text when the key is absent.
+    add_space_prefix = bool(get("ggml.add_space_prefix", True))
+    backend = sentencepiece_backend(tokens, scores, add_space_prefix, get("ggml.unknown_token_id"))
+    _add_gguf_special_tokens(backend, tokens, token_types, special_types=(_CONTROL, _UNKNOWN))
+    return backend
+
+
+def _add_gguf_special_tokens(
+    backend: BackendTokenizer, tokens: list[str], token_types: list[int], special_types: tuple[int, ...]
+) -> None:
+    """Tokens matched in raw text before the model runs: ``special_types`` (skipped on decode) and user-defined."""
+    kinds = list(zip(tokens, token_types, strict=True))
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in kinds if k in special_types])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in kinds if k == _USER_DEFINED])
+
+
+def _eot_by_text(tokens: list[str]) -> int | None:
+    """llama.cpp's guess at the end-of-turn token when the file names none (Gemma's ``<end_of_turn>``)."""
+    return next((i for i, t in enumerate(tokens) if t in _EOT_TEXTS), None)
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre_type: str) -> BackendTokenizer:
