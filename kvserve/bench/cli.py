@@ -133,6 +133,23 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
                     "ttft-behind-parameter)")  # fmt: skip
     pc.set_defaults(func=cmd_bench_prompt_cache)
 
+    win = bench_sub.add_parser(
+        "window", help="sliding-window KV groups vs every layer full: KV per sequence, sequences in one KV memory"
+    )
+    add_model_args(win)
+    win.set_defaults(model="gemma3-270m", dtype="bfloat16", threads=2, func=cmd_bench_window)
+    win.add_argument("--context", type=int, default=8192, help="part 1: tokens of the long sequence (prompt + new)")
+    win.add_argument("--context-new-tokens", type=int, default=16, help="part 1: tokens it generates")
+    win.add_argument("--prefill-chunk", type=int, default=2048, help="part 1: max_num_batched_tokens")
+    win.add_argument("--seq-tokens", type=int, default=4096, help="part 2: tokens of each sequence (prompt + new)")
+    win.add_argument("--max-tokens", type=int, default=32, help="part 2: tokens each sequence generates")
+    win.add_argument("--kv-cache-memory", default="1GiB", help="KV memory of every engine")
+    win.add_argument("--max-num-batched-tokens", type=int, default=8192, help="part 2: tokens a step computes")
+    win.add_argument("--max-num-seqs", type=int, default=256, help="part 2: the scheduler's sequence limit")
+    win.add_argument("--max-sequences", type=int, default=64, help="part 2: at most this many requests")
+    win.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    win.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/window/window)")
+
     srv = bench_sub.add_parser("serve", help="load generator against any OpenAI-compatible server (streaming)")
     srv.add_argument("--base-url", required=True, help="the server's API root, e.g. http://127.0.0.1:8000/v1")
     srv.add_argument("--model", default=None, help="model name to request (default: the first in GET /models)")
@@ -741,6 +758,36 @@ def cmd_bench_prompt_cache(args: argparse.Namespace) -> int:
     out = Path(args.output or f"benchmarks/prompt_cache/{default}")
     write_report(out, report, markdown(report))
     plot_prompt_cache(report, out.with_suffix(".png"))
+    return 0
+
+
+def cmd_bench_window(args: argparse.Namespace) -> int:
+    from kvserve.bench import window
+    from kvserve.bench.plots import plot_window
+    from kvserve.cli import load_from_args
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    bench = window.WindowBench(
+        engine_options=dict(dtype=args.dtype, device=args.device, weights=args.weights,
+                            kv_cache_memory=args.kv_cache_memory, block_size=args.block_size),
+        context_tokens=args.context, context_new_tokens=args.context_new_tokens, prefill_chunk=args.prefill_chunk,
+        seq_tokens=args.seq_tokens, max_tokens=args.max_tokens, batch_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, max_sequences=args.max_sequences,
+    )  # fmt: skip
+    loaded = load_from_args(args)
+    log(f"bench window: {loaded.path.name}, {args.dtype}, {torch.get_num_threads()} threads")
+    results = window.run(loaded, bench, log)
+    settings = {k: v for k, v in dataclasses.asdict(bench).items() if k != "engine_options"}
+    report = new_report(
+        "window", model=loaded.path.name, dtype=args.dtype, weights=args.weights, threads=torch.get_num_threads(),
+        kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, settings=settings, results=results,
+    )  # fmt: skip
+    report["cpu"] = window.cpu_label(report["machine"])
+    out = Path(args.output or "benchmarks/window/window")
+    write_report(out, report, window.markdown(report))
+    plot_window(report, out.with_suffix(".png"))
     return 0
 
 

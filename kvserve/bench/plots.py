@@ -237,3 +237,37 @@ def plot_offload(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plot_window(report: dict, path: Path) -> None:
+    """Window KV groups vs every layer full: KV per sequence at a long context, sequences at once in one KV memory."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = report["results"]["configurations"]
+    names = [c["name"] for c in configs]
+    colours = ["#3b7dd8", "#888888"]
+    seq, conc = configs[0]["sequence"], configs[0]["concurrency"]
+    context = seq["prompt_tokens"] + seq["new_tokens"]
+    panels = [
+        (f"KV per sequence in decode (MB), {context:,} tokens", [c["sequence"]["decode_bytes"] / 1e6 for c in configs]),
+        (f"KV peak in prefill (MB), {context:,} tokens", [c["sequence"]["prefill_peak_bytes"] / 1e6 for c in configs]),
+        (f"sequences at once, {conc['prompt_tokens'] + conc['max_tokens']:,} tokens in {report['kv_cache_memory']}",
+         [c["concurrency"]["peak_running"] for c in configs]),
+        ("output tokens/s (same requests)", [c["concurrency"]["output_tokens_per_s"] for c in configs]),
+    ]  # fmt: skip
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.9))
+    for ax, (title, values) in zip(axes, panels, strict=True):
+        ax.bar(names, values, color=colours)
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(axis="x", labelsize=8)
+        for i, v in enumerate(values):
+            ax.annotate(f"{v:.3g}", (i, v), ha="center", va="bottom", fontsize=8)
+    fig.suptitle(
+        f"{report['model']}, {report['dtype']}, {report['threads']} threads; {report['cpu']}", fontsize=9
+    )  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
