@@ -338,21 +338,22 @@ class KVCacheManager:
         host = self._host()
         seq = self._resident(seq_id)
         plan = self._move(seq, self.pool, host, seq_id)
-        for table in seq.tables:
-            table.num_cached = 0
-        seq.swapped = True
+        seq.swapped = True  # each table's num_cached still counts its written blocks, for swap_in
         return plan
 
     def can_swap_in(self, seq_id: int) -> AllocationStatus:
         return self._status(self._num_blocks_of(self._swapped(seq_id)), self.pool)
 
     def swap_in(self, seq_id: int) -> list[tuple[int, int]]:
-        """Move a swapped sequence back; returns ``(host_block, device_block)`` copies. Its known full
-        blocks are hashed again, since their contents arrive before the next forward."""
+        """Move a swapped sequence back; returns ``(host_block, device_block)`` copies. Its blocks that
+        were registered before the swap are hashed again, since their contents arrive before the next
+        forward (not every full block of the prompt: a prefill swapped out between chunks has not
+        written the rest)."""
         seq = self._swapped(seq_id)
         plan = self._move(seq, self._host(), self.pool, seq_id)
         for table in seq.tables:
-            self._register(table, min(len(table.hashes), table.num_slots // self.block_size))
+            written, table.num_cached = table.num_cached, 0
+            self._register(table, min(written, len(table.hashes)))
         seq.swapped = False
         return plan
 

@@ -418,3 +418,17 @@ def test_slots_follow_the_block_table():
     m.allocate(1, list(range(6)))
     assert m.block_table(1) == [1, 2]
     assert m.slots(1, 2, 6) == [6, 7, 8, 9]  # block 1 offsets 2-3, then block 2 offsets 0-1
+
+
+def test_swap_in_rehashes_only_the_blocks_written_before_the_swap():
+    """A prefill swapped out between chunks: its later prompt blocks hold nothing yet, so a hit on them
+    after the swap-in would read garbage."""
+    m = _manager(num_host_blocks=6)
+    m.allocate(0, PROMPT)
+    m.cache_full_blocks(0, PROMPT[:5])  # the first chunk wrote block 0 only
+    m.swap_out(0)
+    m.allocate(1, list(range(100, 140)))  # every device block: the cached copy of block 0 is evicted
+    m.free(1)
+    assert m.cached_prefix_tokens(PROMPT) == 0
+    m.swap_in(0)
+    assert m.cached_prefix_tokens(PROMPT) == 4
