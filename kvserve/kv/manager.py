@@ -20,7 +20,20 @@ Choices, each following vLLM:
   ``fork``) gives the writer a fresh block and queues ``(src, dst)`` for the runner to copy.
 - Swapping copies each sequence's blocks on its own: a block shared with a sequence that stays resident
   keeps its device copy for that sequence and gets a host copy for the swapped one, so a swap plan lists
-  every block of the sequence exactly once.
+  every block the sequence holds exactly once.
+
+Sliding-window groups (``KVGroupSpec(sliding_window=W)``, vLLM's hybrid KV cache manager): a query at
+position p sees keys p-W+1..p only, so such a group gives back, from the front, the blocks no later query
+sees (``release_out_of_window``). Its table stays position-indexed: released entries read as block 0,
+which attention masks. Freed, they keep their hash like any freed cached block.
+
+- Lazy allocation: ``allocate(step_tokens=n)`` gives a window group blocks only for its first step (the
+  hit's window and ``n`` tokens past it), and the caller grows each group to a target token count
+  (``reserve``) as chunks are computed. A window group of an 8k prompt prefilled in 2k chunks holds
+  about (W + 2k) / block_size blocks, not 8k / block_size. Global groups still get the whole prompt.
+- A prefix hit of L blocks holds for a window group when the blocks the first uncomputed token sees
+  (positions L*bs-W+1 .. L*bs-1) are cached; the group takes only those. The hit is the longest L that
+  holds for every group (vLLM v1's ``SlidingWindowManager.find_longest_cache_hit``).
 """
 
 from __future__ import annotations
@@ -44,6 +57,12 @@ class KVGroupSpec:
     """Layers that hold the same token slots and so share one block table."""
 
     layer_ids: tuple[int, ...] = ()  # () = every layer
+    sliding_window: int | None = None  # keys a query sees, itself included; None = all before it
+
+    def __post_init__(self) -> None:
+        w = self.sliding_window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ValueError(f"sliding_window must be an integer >= 1 or None, got {w!r}")
 
 
 @dataclass(frozen=True)
@@ -72,13 +91,21 @@ class KVUsage:
 
 @dataclass
 class _GroupTable:
+    """Entries are position-indexed (entry j holds tokens j*bs ..): the first ``released`` entries were
+    given back (a sliding window no longer sees them), ``blocks`` holds the rest."""
+
     blocks: list[Block]
-    num_slots: int
+    num_slots: int  # token slots the entries cover, released ones included
     hashes: list[int | None] = field(default_factory=list)  # chained hashes of full blocks, as far as known
-    num_cached: int = 0  # leading blocks already offered to the pool's hash map
+    num_cached: int = 0  # leading entries already offered to the pool's hash map
+    released: int = 0
+
+    @property
+    def num_entries(self) -> int:
+        return self.released + len(self.blocks)
 
     def copy(self) -> _GroupTable:
-        return _GroupTable(list(self.blocks), self.num_slots, list(self.hashes), self.num_cached)
+        return _GroupTable(list(self.blocks), self.num_slots, list(self.hashes), self.num_cached, self.released)
 
 
 @dataclass
@@ -122,37 +149,72 @@ class KVCacheManager:
     # ----- new sequences -----
 
     def can_allocate(
-        self, num_tokens: int, token_ids: Sequence[int] | None = None, extra: tuple = (), shared: Sequence[int] = ()
+        self,
+        num_tokens: int,
+        token_ids: Sequence[int] | None = None,
+        extra: tuple = (),
+        shared: Sequence[int] = (),
+        step_tokens: int | None = None,
     ) -> AllocationStatus:
         """Whether a new sequence of ``num_tokens`` fits; pass its ``token_ids`` to count cached prefix blocks
-        (and its ``shared`` leading blocks, see ``allocate``)."""
+        (and its ``shared`` leading blocks, see ``allocate``). ``step_tokens``: the most tokens one step
+        computes for it (the scheduler's token budget; None: all at once). OK/LATER counts what ``allocate``
+        takes for the first step; NEVER, the most blocks the sequence ever holds (``blocks_needed``)."""
         if not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
-        total = len(self.groups) * self.blocks_for(num_tokens)
-        if total > self.pool.num_blocks:
+        if self.blocks_needed(num_tokens, step_tokens) > self.pool.num_blocks:
             return AllocationStatus.NEVER
-        hits = self._lookup(token_ids, extra, len(shared))[1] if token_ids else [[] for _ in self.groups]
-        return self._status(total - len(shared) - _count_held(hits), self.pool)
+        num_hit, hits = self._lookup(token_ids, extra, len(shared))[1:] if token_ids else (0, self._no_hits())
+        covers = self._covers(num_tokens, (len(shared) + num_hit) * self.block_size, step_tokens)
+        return self._status(self._free_needed(covers, len(shared), num_hit, hits), self.pool)
+
+    def blocks_needed(self, num_tokens: int, step_tokens: int | None = None, num_shared: int = 0) -> int:
+        """The most device blocks a sequence of ``num_tokens`` holds at once, summed over groups, while it
+        is computed in steps of at most ``step_tokens`` (None: all at once). A window group holds what
+        its window sees plus one step's tokens; a global group every block, less ``num_shared`` leading
+        blocks another sequence holds already."""
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an integer >= 0, got {num_tokens!r}")
+        step = num_tokens if step_tokens is None else min(self._check_step(step_tokens), num_tokens)
+        return sum(self._group_peak(spec, num_tokens, step, num_shared) for spec in self.groups)
+
+    def _group_peak(self, spec: KVGroupSpec, num_tokens: int, step: int, num_shared: int) -> int:
+        if spec.sliding_window is None:
+            return self.blocks_for(num_tokens) - num_shared
+        span = spec.sliding_window - 1 + step  # tokens a step's queries see, from the first one's window start
+        return min(self.blocks_for(num_tokens), (span + self.block_size - 2) // self.block_size + 1)
 
     def cached_prefix_tokens(self, token_ids: Sequence[int], extra: tuple = ()) -> int:
         """Prompt tokens ``allocate`` would find cached now (no side effects)."""
-        return len(self._lookup(token_ids, extra)[1][0]) * self.block_size
+        return self._lookup(token_ids, extra)[1] * self.block_size
 
-    def allocate(self, seq_id: int, token_ids: Sequence[int], extra: tuple = (), shared: Sequence[int] = ()) -> int:
+    def allocate(
+        self,
+        seq_id: int,
+        token_ids: Sequence[int],
+        extra: tuple = (),
+        shared: Sequence[int] = (),
+        step_tokens: int | None = None,
+    ) -> int:
         """Blocks for a new sequence's prompt, reusing cached prefix blocks; returns the prompt tokens
         already computed (whole blocks, never the last token). ``extra`` salts the hashes (LoRA, modules).
 
+        Global groups get blocks for the whole prompt. A window group gets the cached blocks its window
+        still sees and blocks for ``step_tokens`` tokens past the hit (None: the whole prompt); the caller
+        grows it with ``reserve`` as the prompt is computed.
+
         ``shared``: full device blocks another holder keeps (Prompt Cache modules) that become this
         sequence's first blocks as they are; they count as computed and are not hashed: the hash chain
-        starts after them, so ``extra`` must identify what they hold. One KV group only."""
+        starts after them, so ``extra`` must identify what they hold. One KV group only, without a window."""
         if seq_id in self._seqs:
             raise KVCacheError(f"sequence {seq_id} already has KV blocks; free it before allocating again")
         if not token_ids:
             raise ValueError(f"sequence {seq_id}: cannot allocate KV blocks for an empty prompt")
         lead = self._shared_blocks(shared, len(token_ids))
-        hashes, hits = self._lookup(token_ids, extra, len(lead))
-        num_blocks = self.blocks_for(len(token_ids))
-        needed = len(self.groups) * num_blocks - len(lead) - _count_held(hits)
+        hashes, num_hit, hits = self._lookup(token_ids, extra, len(lead))
+        computed = (len(lead) + num_hit) * self.block_size
+        covers = self._covers(len(token_ids), computed, step_tokens)
+        needed = self._free_needed(covers, len(lead), num_hit, hits)
         if needed > self.pool.num_free:
             raise NoFreeBlocksError(
                 f"sequence {seq_id} needs {needed} free blocks; {self.pool.num_free} of {self.pool.num_blocks} are free"
@@ -161,21 +223,44 @@ class KVCacheManager:
         for group_hits in hits:  # take every hit before allocating, so allocation cannot evict one
             self.pool.touch(group_hits)
         tables = []
-        for group_hashes, group_hits in zip(hashes, hits, strict=True):
-            blocks = lead + group_hits + self.pool.allocate(num_blocks - len(lead) - len(group_hits))
-            cached = len(lead) + len(group_hits)
-            tables.append(_GroupTable(blocks, len(token_ids), group_hashes, num_cached=cached))
+        for group_hashes, group_hits, cover in zip(hashes, hits, covers, strict=True):
+            new = self.pool.allocate(self.blocks_for(cover) - len(lead) - num_hit)
+            released = num_hit - len(group_hits)  # hit blocks out of a window group's sight
+            cached = len(lead) + num_hit
+            tables.append(_GroupTable(lead + group_hits + new, cover, group_hashes, cached, released))
         self._seqs[seq_id] = _Sequence(tables, tuple(extra))
-        hit_tokens = len(hits[0]) * self.block_size
         self._query_tokens += len(token_ids) - len(lead) * self.block_size
-        self._hit_tokens += hit_tokens
-        return (len(lead) + len(hits[0])) * self.block_size
+        self._hit_tokens += num_hit * self.block_size
+        return computed
+
+    def _covers(self, num_tokens: int, computed: int, step_tokens: int | None) -> list[int]:
+        """Token slots each group gets at allocation: a window group only up to the first step's end."""
+        if step_tokens is None:
+            return [num_tokens] * len(self.groups)
+        step = self._check_step(step_tokens)
+        return [num_tokens if g.sliding_window is None else min(num_tokens, computed + step) for g in self.groups]
+
+    def _free_needed(self, covers: list[int], num_lead: int, num_hit: int, hits: list[list[Block]]) -> int:
+        """Free blocks an allocation takes: new blocks, and hit blocks no sequence holds."""
+        new = sum(self.blocks_for(cover) - num_lead - num_hit for cover in covers)
+        return new + sum(1 for group_hits in hits for block in group_hits if block.ref_count == 0)
+
+    @staticmethod
+    def _check_step(step_tokens: int) -> int:
+        if not isinstance(step_tokens, int) or step_tokens < 1:
+            raise ValueError(f"step_tokens must be an integer >= 1 or None, got {step_tokens!r}")
+        return step_tokens
 
     def _shared_blocks(self, shared: Sequence[int], num_tokens: int) -> list[Block]:
         if not shared:
             return []
         if len(self.groups) != 1:
             raise KVCacheError(f"shared leading blocks need a single KV group; this manager has {len(self.groups)}")
+        if self.groups[0].sliding_window is not None:
+            raise KVCacheError(
+                f"shared leading blocks need a KV group without a sliding window; "
+                f"this one has sliding_window={self.groups[0].sliding_window}"
+            )
         if len(shared) * self.block_size > num_tokens:
             raise KVCacheError(f"{len(shared)} shared blocks hold more than the sequence's {num_tokens} tokens")
         blocks = [self.pool.blocks[b] for b in shared]
@@ -184,29 +269,57 @@ class KVCacheManager:
             raise KVCacheError(f"shared blocks {unheld} are free; their holder must keep them while they are shared")
         return blocks
 
+    def _no_hits(self) -> list[list[Block]]:
+        return [[] for _ in self.groups]
+
     def _lookup(
         self, token_ids: Sequence[int], extra: tuple, skip: int = 0
-    ) -> tuple[list[list[int]], list[list[Block]]]:
-        """Per group: the hashes of all full prompt blocks, and the cached blocks of the longest hit.
+    ) -> tuple[list[list[int | None]], int, list[list[Block]]]:
+        """Per group, the hashes of all full prompt blocks; the longest hit (in blocks after ``skip``) valid
+        for every group; per group, the hit blocks it takes (a window group only those its window sees).
         The first ``skip`` blocks (shared as they are) get no hash (None); the chain starts after them."""
         if not self.enable_prefix_caching:
-            return [[] for _ in self.groups], [[] for _ in self.groups]
-        max_hit = (len(token_ids) - 1) // self.block_size
+            return self._no_hits(), 0, self._no_hits()
         rest = token_ids[skip * self.block_size :]
         hashes = [
             [None] * skip + hash_prompt_blocks(rest, self.block_size, (g, *extra)) for g in range(len(self.groups))
         ]
-        hits = []
-        for group_hashes in hashes:
-            blocks = []
-            for block_hash in group_hashes[skip:max_hit]:
-                block = self.pool.lookup(block_hash)
-                if block is None:
-                    break
-                blocks.append(block)
-            hits.append(blocks)
-        num_hit = min(len(blocks) for blocks in hits)
-        return hashes, [blocks[:num_hit] for blocks in hits]
+        bound = max(0, (len(token_ids) - 1) // self.block_size - skip)
+        found: list[list[Block | None]] = [[] for _ in self.groups]
+        for g in sorted(range(len(self.groups)), key=lambda g: self.groups[g].sliding_window is not None):
+            found[g] = self._find_cached(hashes[g][skip : skip + bound], self.groups[g])
+            if self.groups[g].sliding_window is None:  # global groups first: a hit needs their whole chain
+                bound = len(found[g])
+        num_hit = self._longest_hit(found, bound)
+        hits = [
+            blocks[:num_hit] if spec.sliding_window is None else blocks[num_hit - self._seen(spec, num_hit) : num_hit]
+            for blocks, spec in zip(found, self.groups, strict=True)
+        ]
+        return hashes, num_hit, hits
+
+    def _find_cached(self, group_hashes: list[int | None], spec: KVGroupSpec) -> list[Block | None]:
+        """A global group's cached blocks up to its first miss; a window group's per block (None: missing)."""
+        blocks: list[Block | None] = []
+        for block_hash in group_hashes:
+            block = self.pool.lookup(block_hash)
+            if block is None and spec.sliding_window is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def _longest_hit(self, found: list[list[Block | None]], bound: int) -> int:
+        """The longest hit, at most ``bound`` blocks, each window group can take: one whose next query
+        sees only cached blocks."""
+        windows = [(spec, blocks) for spec, blocks in zip(self.groups, found, strict=True) if spec.sliding_window]
+        runs = [(spec, _cached_runs(blocks)) for spec, blocks in windows]
+        for num_hit in range(bound, 0, -1):
+            if all(run[num_hit - 1] >= self._seen(spec, num_hit) for spec, run in runs):
+                return num_hit
+        return 0
+
+    def _seen(self, spec: KVGroupSpec, num_hit: int) -> int:
+        """Of ``num_hit`` computed blocks, the trailing ones a window group's next query still sees."""
+        return min(num_hit, -(-(spec.sliding_window - 1) // self.block_size))
 
     def allocate_empty(self, seq_id: int) -> None:
         """A new sequence holding no slot yet in any group: a compressing policy then reserves per group."""
@@ -218,7 +331,8 @@ class KVCacheManager:
 
     def reserve(self, seq_id: int, group_slots: Sequence[int]) -> bool:
         """Grow each group to at least ``group_slots[g]`` slots; False, changing nothing, if the free
-        blocks do not suffice. Groups already holding more keep what they hold (see ``shrink``)."""
+        blocks do not suffice. Groups already holding more keep what they hold (see ``shrink``).
+        With window groups, call ``release_out_of_window`` first, so the blocks it frees count."""
         tables = self._resident(seq_id).tables
         grow = [max(0, n - t.num_slots) for t, n in zip(tables, self._check_group_slots(group_slots), strict=True)]
         if sum(self._blocks_needed(t, n) for t, n in zip(tables, grow, strict=True)) > self.pool.num_free:
@@ -231,6 +345,8 @@ class KVCacheManager:
         """Keep only the first ``num_slots`` slots of a group (a policy compacted the ones it keeps there)
         and return the blocks past them to the pool."""
         table = self._resident(seq_id).tables[self._group_index(group)]
+        if self.groups[group].sliding_window is not None:
+            raise KVCacheError(f"KV group {group} has a sliding window; only groups without one can shrink")
         if not isinstance(num_slots, int) or not 0 <= num_slots <= table.num_slots:
             raise ValueError(
                 f"sequence {seq_id} group {group} holds {table.num_slots} slots; cannot shrink to {num_slots!r}"
@@ -248,8 +364,9 @@ class KVCacheManager:
         return slots
 
     def append_slots(self, seq_id: int, num_new_tokens: int, group: int | None = None) -> bool:
-        """Room for ``num_new_tokens`` more slots in every group (or one ``group``); False, changing
-        nothing, if the free blocks do not suffice. Shared partial last blocks are copied on write."""
+        """Room for ``num_new_tokens`` more slots in every group (or one ``group``), each past its own
+        count; False, changing nothing, if the free blocks do not suffice. Shared partial last blocks
+        are copied on write. (Window groups allocated lazily lag behind: grow them with ``reserve``.)"""
         if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be an integer >= 0, got {num_new_tokens!r}")
         tables = self._resident(seq_id).tables
@@ -262,7 +379,7 @@ class KVCacheManager:
         return True
 
     def _blocks_needed(self, table: _GroupTable, num_new: int) -> int:
-        grow = self.blocks_for(table.num_slots + num_new) - len(table.blocks)
+        grow = self.blocks_for(table.num_slots + num_new) - table.num_entries
         return grow + self._must_copy(table, num_new)
 
     def _must_copy(self, table: _GroupTable, num_new: int) -> bool:
@@ -276,7 +393,30 @@ class KVCacheManager:
             table.blocks[-1] = dst
             self._pending_copies.append((src.block_id, dst.block_id))
         table.num_slots += num_new
-        table.blocks += self.pool.allocate(self.blocks_for(table.num_slots) - len(table.blocks))
+        table.blocks += self.pool.allocate(self.blocks_for(table.num_slots) - table.num_entries)
+
+    def release_out_of_window(self, seq_id: int, num_computed_tokens: int) -> int:
+        """Give back, in each window group, the blocks no query at a position >= ``num_computed_tokens``
+        sees (their last token is before ``num_computed_tokens - W + 1``); returns the table entries
+        released. Freed blocks keep their hash. Idempotent; groups without a window keep everything."""
+        if not isinstance(num_computed_tokens, int) or num_computed_tokens < 0:
+            raise ValueError(f"num_computed_tokens must be an integer >= 0, got {num_computed_tokens!r}")
+        released = 0
+        for spec, table in zip(self.groups, self._resident(seq_id).tables, strict=True):
+            if spec.sliding_window is not None:
+                unseen = max(0, (num_computed_tokens - spec.sliding_window + 1) // self.block_size)
+                released += self._release(table, min(unseen, table.num_slots // self.block_size))
+        return released
+
+    def _release(self, table: _GroupTable, num_released: int) -> int:
+        """Release the table's entries up to ``num_released`` (full blocks only), each batch back to front."""
+        n = num_released - table.released
+        if n <= 0:
+            return 0
+        self.pool.free(reversed(table.blocks[:n]))
+        del table.blocks[:n]
+        table.released = num_released
+        return n
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write copies ``(src_block, dst_block)`` the runner must do before the next forward."""
@@ -301,9 +441,9 @@ class KVCacheManager:
             table.hashes.append(hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], extra))
 
     def _register(self, table: _GroupTable, num_full: int) -> None:
-        for i in range(table.num_cached, num_full):
+        for i in range(max(table.num_cached, table.released), num_full):  # released blocks are not held
             if table.hashes[i] is not None:  # shared leading blocks have none
-                self.pool.cache(table.blocks[i], table.hashes[i])
+                self.pool.cache(table.blocks[i - table.released], table.hashes[i])
         table.num_cached = max(table.num_cached, num_full)
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
@@ -374,14 +514,27 @@ class KVCacheManager:
     # ----- queries -----
 
     def block_table(self, seq_id: int, group: int = 0) -> list[int]:
-        return [block.block_id for block in self._resident(seq_id).tables[self._group_index(group)].blocks]
+        """Block ids by position (entry j holds tokens j*block_size ..); released window entries read 0."""
+        table = self._resident(seq_id).tables[self._group_index(group)]
+        return [0] * table.released + [block.block_id for block in table.blocks]
+
+    def held_blocks(self, seq_id: int) -> list[int]:
+        """Device blocks a resident sequence holds, group after group (released window entries are not held)."""
+        return [block.block_id for table in self._resident(seq_id).tables for block in table.blocks]
 
     def slots(self, seq_id: int, start: int, end: int, group: int = 0) -> list[int]:
         """Device slots (``block * block_size + offset``) of the sequence's tokens ``start .. end - 1``."""
         table, bs = self.block_table(seq_id, group), self.block_size
+        first_held = self._resident(seq_id).tables[group].released * bs
+        if start < first_held and start < end:
+            raise KVCacheError(
+                f"sequence {seq_id} group {group}: token {start} is out of the sliding window; "
+                f"tokens before {first_held} were released"
+            )
         return [table[i // bs] * bs + i % bs for i in range(start, end)]
 
     def num_slots(self, seq_id: int, group: int = 0) -> int:
+        """Token slots a group's table covers, released window entries included."""
         return self._get(seq_id).tables[self._group_index(group)].num_slots
 
     def is_swapped(self, seq_id: int) -> bool:
@@ -401,7 +554,7 @@ class KVCacheManager:
             host_total_blocks=host.num_blocks if host else 0,
             host_used_blocks=host.num_blocks - host.num_free if host else 0,
             num_sequences=len(self._seqs),
-            waste_slots=sum(len(t.blocks) * self.block_size - t.num_slots for seq in resident for t in seq.tables),
+            waste_slots=sum(t.num_entries * self.block_size - t.num_slots for seq in resident for t in seq.tables),
             prefix_query_tokens=self._query_tokens,
             prefix_hit_tokens=self._hit_tokens,
         )
@@ -454,6 +607,10 @@ class KVCacheManager:
         return self.host_pool
 
 
-def _count_held(hits: list[list[Block]]) -> int:
-    """Hit blocks some sequence already holds: sharing them takes no free block."""
-    return sum(1 for group_hits in hits for block in group_hits if block.ref_count > 0)
+def _cached_runs(blocks: list[Block | None]) -> list[int]:
+    """For each block, how many consecutive cached blocks end with it."""
+    runs, run = [], 0
+    for block in blocks:
+        run = run + 1 if block is not None else 0
+        runs.append(run)
+    return runs
