@@ -8,6 +8,11 @@ a request is swapped out: it arrived first). When the KV cache runs out of block
 arrived running request is preempted, by swapping its blocks to the host tier or by freeing them to
 recompute later. The scheduler only does bookkeeping through the ``KVCacheManager``; the runner
 executes what it emits.
+
+Sliding-window KV groups hold only what their window still sees: every step first gives back the
+blocks no query of a running sequence sees any more, and a window group gets blocks chunk by chunk
+(each sequence is grown to the token count its step reaches), so admission counts each group's real
+need, not the whole prompt in every group.
 """
 
 from __future__ import annotations
@@ -113,6 +118,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         step = _Step(tokens_left=self.config.max_num_batched_tokens)
+        self._release_out_of_window()
         self._schedule_running(step)
         if not step.preempted:  # under memory pressure, admit nothing new this step
             self._schedule_swapped(step)
@@ -127,6 +133,16 @@ class Scheduler:
             preempted=tuple(step.preempted),
             rejected=tuple(step.rejected),
         )
+
+    def _release_out_of_window(self) -> None:
+        """Window groups give back what no query of a running sequence sees any more, for every sequence
+        before any grows: a sequence early in the queue may need the block a later one is done with, and
+        would otherwise preempt it. This is the end of the previous step as far as blocks go (the engine
+        counted its computed tokens, and nothing allocates in between), so the engine keeps no KV
+        bookkeeping. ``_reserve`` releases again for sequences admitted or swapped in (idempotent)."""
+        for request in self.running:
+            for seq in request.live_seqs:
+                self.kv.release_out_of_window(seq.seq_id, seq.num_computed_tokens)
 
     def _schedule_running(self, step: _Step) -> None:
         kept: list[Request] = []
@@ -190,10 +206,10 @@ class Scheduler:
 
     def _allocate(self, request: Request, seq: Sequence, step: _Step) -> int:
         """Blocks for an admitted sequence; returns its tokens already computed (prefix hits, Prompt Cache modules)."""
-        cached = request.prompt_cache
+        cached, step_tokens = request.prompt_cache, step.tokens_left  # window groups: the first chunk only
         if cached is None:
-            return self.kv.allocate(seq.seq_id, seq.token_ids, request.cache_salt)
-        computed = self.kv.allocate(seq.seq_id, seq.token_ids, request.cache_salt, cached.shared_blocks)
+            return self.kv.allocate(seq.seq_id, seq.token_ids, request.cache_salt, step_tokens=step_tokens)
+        computed = self.kv.allocate(seq.seq_id, seq.token_ids, request.cache_salt, cached.shared_blocks, step_tokens)
         lead = len(cached.shared_blocks) * self.kv.block_size
         end = lead + len(cached.tail_slots)
         # A prefix hit past the shared blocks holds the copy already: copy only the tail slots after it.
@@ -212,20 +228,29 @@ class Scheduler:
             targets = [self._group_targets(request.kv_policy, zero, s.num_tokens, s.num_tokens) for s in seqs]
             return self.kv.device_status(sum(self.kv.blocks_for(n) for slots in targets for n in slots))
         module_blocks = request.prompt_cache.shared_blocks if request.prompt_cache else ()
+        budget = self.config.max_num_batched_tokens  # the most a step computes: a window group's chunk
         if len(seqs) == 1:
-            return self.kv.can_allocate(seqs[0].num_tokens, seqs[0].token_ids, request.cache_salt, module_blocks)
+            seq = seqs[0]
+            return self.kv.can_allocate(seq.num_tokens, seq.token_ids, request.cache_salt, module_blocks, budget)
         # Forked sequences back after recompute are allocated one by one, each needing its own blocks
         # except the cached prompt blocks the first one holds by then. Counting no other hit keeps the
         # sum an upper bound, so allocation cannot run dry half way through the request.
         cached = min(self.kv.cached_prefix_tokens(s.token_ids, request.cache_salt) for s in seqs)
         shared = min(cached, len(request.prompt_token_ids)) // self.kv.block_size
-        blocks = sum(self.kv.blocks_for(s.num_tokens) - len(module_blocks) for s in seqs) - (len(seqs) - 1) * shared
-        return self.kv.device_status(len(self.kv.groups) * blocks)
+        return self.kv.device_status(
+            sum(
+                self.kv.blocks_needed(s.num_tokens, budget, len(module_blocks) + (shared if i else 0))
+                for i, s in enumerate(seqs)
+            )
+        )
 
     def _blocks_unshared(self, request: Request) -> int:
-        """Device blocks a request takes when each sequence holds all its tokens on its own, as after a
-        swap-in (a swap copies shared blocks once per sequence)."""
-        return len(self.kv.groups) * sum(self.kv.blocks_for(s.num_tokens) for s in request.live_seqs)
+        """Device blocks a request takes at most when each sequence holds its tokens on its own, as after
+        a swap-in (a swap copies shared blocks once per sequence), with room for its next step."""
+        budget = self.config.max_num_batched_tokens
+        return sum(
+            self.kv.blocks_needed(s.num_tokens, min(budget, max(1, s.num_uncomputed_tokens))) for s in request.live_seqs
+        )
 
     def _tokens_this_step(self, request: Request, seq: Sequence, tokens_left: int) -> int:
         n = min(seq.num_uncomputed_tokens, tokens_left)
@@ -246,8 +271,11 @@ class Scheduler:
                 if not self.kv.reserve(seq.seq_id, [max(h + writes, t) for h, t in zip(held, targets, strict=True)]):
                     return False
             else:
-                missing = seq.num_computed_tokens + n - self.kv.num_slots(seq.seq_id)
-                if missing > 0 and not self.kv.append_slots(seq.seq_id, missing):
+                # Window groups give back what this step's queries no longer see first, so it is reused
+                # at once; then every group grows to the step's end (a window group holds only a chunk).
+                self.kv.release_out_of_window(seq.seq_id, seq.num_computed_tokens)
+                end = seq.num_computed_tokens + n
+                if not self.kv.reserve(seq.seq_id, [end] * len(self.kv.groups)):
                     return False
             tokens_left -= n
         return True
@@ -326,12 +354,12 @@ class Scheduler:
         step.copies = [(src, dst) for src, dst in step.copies if dst not in blocks]
 
     def _device_blocks(self, seq: Sequence) -> set[int]:
-        return {b for g in range(len(self.kv.groups)) for b in self.kv.block_table(seq.seq_id, g)}
+        return set(self.kv.held_blocks(seq.seq_id))
 
     def _can_swap_out(self, request: Request, seqs: list[Sequence]) -> bool:
         if self.kv.host_pool is None:
             return False
-        blocks = sum(len(self.kv.block_table(s.seq_id, g)) for s in seqs for g in range(len(self.kv.groups)))
+        blocks = sum(len(self.kv.held_blocks(s.seq_id)) for s in seqs)
         # Swapped out, forked sequences no longer share blocks: if they could never all come back, or
         # a sequence could never take its next token, swapping would only bounce; recompute instead.
         return blocks <= self.kv.host_pool.num_free and self._blocks_unshared(request) <= self.kv.pool.num_blocks
