@@ -125,7 +125,7 @@ def build_tiny_tokenizer(add_bos: bool = True) -> Tokenizer:
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "llama"  # "llama" or "qwen2"
+    arch: str = "llama"  # "llama", "qwen2", "mistral" or "gemma3"
     num_heads: int = 4
     num_kv_heads: int = 4
     head_dim: int | None = None  # None: hidden_size // num_heads
@@ -144,7 +144,7 @@ class TinySpec:
 
 
 def hf_config(spec: TinySpec) -> PretrainedConfig:
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
     kwargs = dict(
         vocab_size=VOCAB_SIZE,
@@ -169,6 +169,13 @@ def hf_config(spec: TinySpec) -> PretrainedConfig:
         config = LlamaConfig(attention_bias=spec.attention_bias, **kwargs)
     elif spec.arch == "qwen2":
         config = Qwen2Config(**kwargs)
+    elif spec.arch == "mistral":
+        config = MistralConfig(**kwargs)
+    elif spec.arch == "gemma3":
+        kwargs["rope_parameters"] = {
+            "full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}
+        }  # fmt: skip
+        config = Gemma3TextConfig(**kwargs)
     else:
         raise ValueError(f"unknown tiny arch {spec.arch!r}")
     config._attn_implementation = "eager"
@@ -177,17 +184,19 @@ def hf_config(spec: TinySpec) -> PretrainedConfig:
 
 def build_hf_model(spec: TinySpec) -> PreTrainedModel:
     """A float32 HF model with seeded, non-degenerate random weights."""
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+    from transformers import Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
     torch.manual_seed(spec.seed)
-    cls = LlamaForCausalLM if spec.arch == "llama" else Qwen2ForCausalLM
+    classes = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM,
+               "gemma3": Gemma3ForCausalLM}  # fmt: skip
+    cls = classes[spec.arch]
     model = cls(hf_config(spec)).float().eval()
     gen = torch.Generator().manual_seed(spec.seed)
     with torch.no_grad():
         for name, param in model.named_parameters():  # tied lm_head is listed once (as embed_tokens)
             noise = torch.randn(param.shape, generator=gen)
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * noise)
+            if name.endswith("norm.weight"):  # Gemma multiplies by 1 + weight
+                param.copy_((0.0 if spec.arch == "gemma3" else 1.0) + 0.2 * noise)
             elif name.endswith(".bias"):
                 param.copy_(0.5 * noise)
             elif "embed_tokens" in name:

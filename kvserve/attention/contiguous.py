@@ -46,7 +46,9 @@ class ContiguousKVCache(AttentionBackend):
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     @staticmethod
-    def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, window: int | None) -> torch.Tensor:
+    def _attend(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, window: int | None = None
+    ) -> torch.Tensor:
         """q (T, H, D) over k, v (Hkv, ctx_len + T, D) -> (T, H, D)."""
         q_len = q.shape[0]
         qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, T, D)
