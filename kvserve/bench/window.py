@@ -70,7 +70,7 @@ class SequenceKV:
     decode_bytes: int  # the most KV held after a decode step (before the sequence finished)
     prefill_peak_bytes: int  # the most KV held after a prefill step (the chunk's reservation)
     prefill_seconds: float
-    decode_seconds: float  # the decode steps after the prompt's, per token
+    decode_seconds_per_token: float  # the decode steps after the prompt's
     decode_steps: int
 
 
@@ -88,13 +88,22 @@ class Concurrency:
     seconds: float
     steps: int
     preemptions: int
+    decode_tokens: int  # tokens computed in steps that ran no prompt chunk
+    decode_seconds: float  # those steps' time
 
     @property
     def output_tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds if self.seconds else 0.0
 
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
     def as_dict(self) -> dict[str, object]:
-        return {**asdict(self), "output_tokens_per_s": self.output_tokens_per_s}
+        return {
+            **asdict(self), "output_tokens_per_s": self.output_tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+        }  # fmt: skip
 
 
 def analytic_kv_bytes(config: ModelConfig, num_tokens: int, dtype_size: int) -> dict[str, int]:
@@ -190,22 +199,32 @@ def measure_concurrency(engine: LLMEngine, prompts: Sequence[list[int]], max_tok
     requests = [engine.requests[engine.add_request(p, params)] for p in prompts]
     total = sum(len(p) + max_tokens - 1 for p in prompts)
     scheduler = engine.scheduler
-    peak_running = peak_blocks = output_tokens = steps = 0
+    peak_running = peak_blocks = output_tokens = steps = decode_tokens = 0
+    decode_seconds = 0.0
+    computed = [0] * len(requests)
     start = time.perf_counter()
     with tqdm(total=total, desc=f"{label}: {len(prompts)} sequences", unit="tok", dynamic_ncols=True) as bar:
         while engine.has_unfinished_requests():
+            step_start = time.perf_counter()
             outputs = engine.step()
+            elapsed = time.perf_counter() - step_start
             steps += 1
+            now = [r.seqs[0].num_computed_tokens for r in requests]
+            advanced = [b - a for a, b in zip(computed, now, strict=True)]
+            if all(a in (0, 1) for a in advanced):  # no prompt chunk (nor a recompute) ran: a decode-only step
+                decode_tokens, decode_seconds = decode_tokens + sum(advanced), decode_seconds + elapsed
+            computed = now
             peak_running = max(peak_running, sum(len(r.live_seqs) for r in scheduler.running))
             peak_blocks = max(peak_blocks, engine.kv_usage().used_blocks)
             output_tokens += sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
-            bar.update(sum(r.seqs[0].num_computed_tokens for r in requests) - bar.n)
+            bar.update(sum(now) - bar.n)
             bar.set_postfix(running=len(scheduler.running), peak=peak_running, refresh=False)
     return Concurrency(
         num_requests=len(prompts), prompt_tokens=len(prompts[0]), max_tokens=max_tokens, peak_running=peak_running,
         peak_kv_bytes=peak_blocks * engine.kv_block_bytes,
         kv_pool_bytes=engine.kv.pool.num_blocks * engine.kv_block_bytes, output_tokens=output_tokens,
         seconds=time.perf_counter() - start, steps=steps, preemptions=scheduler.num_preemptions,
+        decode_tokens=decode_tokens, decode_seconds=decode_seconds,
     )  # fmt: skip
 
 
@@ -266,12 +285,11 @@ def _sequence_table(window: dict, full: dict, analytic: dict[str, int]) -> list[
     def row(name: str, s: dict, expected: int) -> str:
         return (
             f"| {name} | {s['decode_bytes'] / 1e6:.1f} | {s['prefill_peak_bytes'] / 1e6:.1f} | {expected / 1e6:.1f} | "
-            f"{s['prefill_seconds']:.1f} | {s['decode_seconds'] * 1e3:.1f} |"
+            f"{s['prefill_seconds']:.1f} | {s['decode_seconds_per_token'] * 1e3:.1f} |"
         )
 
-    ratios = [
-        _ratio(fs[key], ws[key]) for key in ("decode_bytes", "prefill_peak_bytes", "prefill_seconds", "decode_seconds")
-    ]
+    keys = ("decode_bytes", "prefill_peak_bytes", "prefill_seconds", "decode_seconds_per_token")
+    ratios = [_ratio(fs[key], ws[key]) for key in keys]
     ratios.insert(2, _ratio(analytic["full"], analytic["windows"]))
     return [
         "| configuration | KV in decode (MB) | KV peak in prefill (MB) | analytic (MB) | prefill (s) | "
@@ -289,18 +307,19 @@ def _concurrency_table(window: dict, full: dict) -> list[str]:
     def row(name: str, c: dict) -> str:
         return (
             f"| {name} | {c['peak_running']} | {c['peak_kv_bytes'] / 2**20:.0f} MiB "
-            f"({c['peak_kv_bytes'] / c['kv_pool_bytes']:.0%}) | {c['output_tokens_per_s']:.1f} | {c['seconds']:.1f} | "
-            f"{c['steps']} | {c['preemptions']} |"
+            f"({c['peak_kv_bytes'] / c['kv_pool_bytes']:.0%}) | {c['output_tokens_per_s']:.1f} | "
+            f"{c['decode_tokens_per_s']:.1f} | {c['seconds']:.1f} | {c['steps']} | {c['preemptions']} |"
         )
 
     return [
-        "| configuration | peak running | peak KV in use | output tok/s | wall (s) | steps | preemptions |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| configuration | peak running | peak KV in use | output tok/s | decode tok/s (decode-only steps) | wall (s) "
+        "| steps | preemptions |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         row(window["name"], wc),
         row(full["name"], fc),
         f"| **window groups / full** | **{_ratio(wc['peak_running'], fc['peak_running'])}** | | "
-        f"{_ratio(wc['output_tokens_per_s'], fc['output_tokens_per_s'])} | {_ratio(wc['seconds'], fc['seconds'])} "
-        "| | |",
+        + " | ".join(_ratio(wc[k], fc[k]) for k in ("output_tokens_per_s", "decode_tokens_per_s", "seconds"))
+        + " | | |",
     ]
 
 
