@@ -15,6 +15,7 @@ its whole context (``kv_window_groups=False``), the same prompts (Austen), greed
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -90,6 +91,7 @@ class Concurrency:
     preemptions: int
     decode_tokens: int  # tokens computed in steps that ran no prompt chunk
     decode_seconds: float  # those steps' time
+    max_load_average: float  # the 1-minute load average, the most over the steps (other work on a shared machine)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -200,7 +202,7 @@ def measure_concurrency(engine: LLMEngine, prompts: Sequence[list[int]], max_tok
     total = sum(len(p) + max_tokens - 1 for p in prompts)
     scheduler = engine.scheduler
     peak_running = peak_blocks = output_tokens = steps = decode_tokens = 0
-    decode_seconds = 0.0
+    decode_seconds = max_load = 0.0
     computed = [0] * len(requests)
     start = time.perf_counter()
     with tqdm(total=total, desc=f"{label}: {len(prompts)} sequences", unit="tok", dynamic_ncols=True) as bar:
@@ -213,7 +215,7 @@ def measure_concurrency(engine: LLMEngine, prompts: Sequence[list[int]], max_tok
             advanced = [b - a for a, b in zip(computed, now, strict=True)]
             if all(a in (0, 1) for a in advanced):  # no prompt chunk (nor a recompute) ran: a decode-only step
                 decode_tokens, decode_seconds = decode_tokens + sum(advanced), decode_seconds + elapsed
-            computed = now
+            computed, max_load = now, max(max_load, os.getloadavg()[0])
             peak_running = max(peak_running, sum(len(r.live_seqs) for r in scheduler.running))
             peak_blocks = max(peak_blocks, engine.kv_usage().used_blocks)
             output_tokens += sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
@@ -224,7 +226,7 @@ def measure_concurrency(engine: LLMEngine, prompts: Sequence[list[int]], max_tok
         peak_kv_bytes=peak_blocks * engine.kv_block_bytes,
         kv_pool_bytes=engine.kv.pool.num_blocks * engine.kv_block_bytes, output_tokens=output_tokens,
         seconds=time.perf_counter() - start, steps=steps, preemptions=scheduler.num_preemptions,
-        decode_tokens=decode_tokens, decode_seconds=decode_seconds,
+        decode_tokens=decode_tokens, decode_seconds=decode_seconds, max_load_average=max_load,
     )  # fmt: skip
 
 
@@ -272,6 +274,10 @@ def markdown(report: dict) -> str:
         f"max_num_seqs {settings['max_num_seqs']}, {settings['batch_tokens']} tokens a step)",
         "",
         *_concurrency_table(window, full),
+        "",
+        f"1-minute load average at most {wc['max_load_average']:.1f} (window groups) and "
+        f"{full['concurrency']['max_load_average']:.1f} (every layer full) during these runs, "
+        f"{report['threads']} threads of this benchmark included.",
     ]
     if wc["peak_running"] >= wc["num_requests"]:
         lines += ["", f"Every request ran at once with window groups: the cap of {wc['num_requests']} requests, not "
