@@ -16,3 +16,5 @@ for mode in float32:dequant bfloat16:dequant bfloat16:int4; do
 done
 kvserve bench speed --threads "$threads" ${llamacpp_python:+--llamacpp-python "$llamacpp_python"} \
     --output "$out/speed-native"
+kvserve bench speed --model gemma3-270m --threads "$threads" ${llamacpp_python:+--llamacpp-python "$llamacpp_python"} \
+    --output "$out/speed-gemma3-270m"
