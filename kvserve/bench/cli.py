@@ -175,6 +175,22 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     srv.add_argument("--output", default=None, help="OUTPUT.json/.md(/.png) (default: benchmarks/serve-LABEL)")
     srv.set_defaults(func=cmd_bench_serve)
 
+    soak = bench_sub.add_parser(
+        "soak", help="minutes of mixed, partly hostile traffic against kvserve serve on loopback (robustness)"
+    )
+    soak.add_argument("--model", default=None, help="GGUF file, Hugging Face folder or catalog name (default model)")
+    soak.add_argument("--duration", type=float, default=600.0, help="seconds of traffic (default: 600)")
+    soak.add_argument("--max-requests", type=int, default=100_000, help="stop after this many requests")
+    soak.add_argument("--concurrency", type=int, default=8, help="clients sending at once (default: 8)")
+    soak.add_argument("--prefill-parallel", type=int, default=2, help="the server's prefill processes (default: 2)")
+    soak.add_argument("--kill-worker-at", type=float, default=0.5,
+                      help="SIGKILL a prefill worker at this fraction of the duration; negative: never")  # fmt: skip
+    soak.add_argument("--max-request-bytes", type=int, default=1 << 20, help="the server's body limit (default: 1 MiB)")
+    soak.add_argument("--threads", type=int, default=None, help="the server's torch threads")
+    soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/soak/soak)")
+    soak.set_defaults(func=cmd_bench_soak)
+
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
     if args.threads is not None:
@@ -789,6 +805,27 @@ def cmd_bench_window(args: argparse.Namespace) -> int:
     write_report(out, report, window.markdown(report))
     plot_window(report, out.with_suffix(".png"))
     return 0
+
+
+def cmd_bench_soak(args: argparse.Namespace) -> int:
+    from kvserve.bench import soak
+    from kvserve.bench.plots import plot_soak
+    from kvserve.models.catalog import resolve_model_path
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    opts = soak.SoakOptions(
+        model=args.model, duration_s=args.duration, max_requests=args.max_requests, concurrency=args.concurrency,
+        prefill_parallel=args.prefill_parallel, kill_worker_at=args.kill_worker_at,
+        max_request_bytes=args.max_request_bytes, threads=args.threads, seed=args.seed,
+    )  # fmt: skip
+    results = soak.run_soak(opts, log)
+    report = new_report("soak", model=resolve_model_path(args.model).name, results=results)
+    out = Path(args.output or "benchmarks/soak/soak")
+    write_report(out, report, soak.soak_table(report))
+    plot_soak(report, out.with_suffix(".png"))
+    return 0 if results["exactly_once"] and not results["processes_left_after_stop"] else 1
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

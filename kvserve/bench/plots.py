@@ -271,3 +271,36 @@ def plot_window(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_soak(report: dict, path: Path) -> None:
+    """Soak run: /health latency and server memory over time, with the injected failures marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r = report["results"]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
+    health = r["timeline"]["health"]
+    top.plot([t for t, _, _ in health], [1000 * s for _, s, _ in health], ",", color="#3b7dd8")
+    top.axhline(100, color="#c0392b", linewidth=0.8, linestyle="--", label="goal: 100 ms")
+    top.set_ylabel("/health latency (ms)")
+    top.set_yscale("log")
+    top.legend(fontsize=8)
+    rss = r["timeline"]["rss"]
+    bottom.plot([t for t, _ in rss], [m for _, m in rss], color="#888888")
+    bottom.set_ylabel("server RSS with workers (MiB)")
+    bottom.set_xlabel("seconds")
+    for t, event in r["events"]:
+        for ax in (top, bottom):
+            ax.axvline(t, color="#e67e22", linewidth=0.8)
+        top.annotate(event, (t, top.get_ylim()[1]), fontsize=7, va="top", rotation=90)
+    fig.suptitle(
+        f"soak: {r['requests']} requests, p99 /health {r['health']['p99_ms']:.1f} ms; "
+        f"{report['model']}, {report['machine']['cpu']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
