@@ -518,8 +518,9 @@ class LLMEngine:
         if not beam and token.token_id in request.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token.token_id
             return
+        searched = len(seq.text)
         seq.text += seq.detokenizer.step(token.token_id)
-        stop = find_stop(seq.text, params.stop, seq.emitted_chars)
+        stop = find_stop(seq.text, params.stop, searched)
         if stop is not None:
             seq.text = seq.text[: stop[0]]
             seq.finish_reason, seq.stop_reason = "stop", stop[1]

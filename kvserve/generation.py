@@ -99,8 +99,9 @@ class GenerationStream:
             if token in self.stop_ids:
                 out.finish_reason = "stop"
             else:
+                searched = len(out.text)
                 out.text += detok.step(token)
-                stop = find_stop(out.text, params.stop, emitted)
+                stop = find_stop(out.text, params.stop, searched)
                 if stop is not None:
                     out.text = out.text[: stop[0]]
                     out.finish_reason = "stop"

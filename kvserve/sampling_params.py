@@ -9,6 +9,12 @@ from kvserve.policies import make_policy
 
 MAX_LOGPROBS = 20
 MAX_N = 64
+# Stop strings are matched on the engine thread at every token of every sequence, so one request's list
+# costs every request time. OpenAI and TGI allow 4; 16 leaves room for evaluation harnesses and agent
+# frameworks that send more, and 256 characters holds any delimiter line (streaming holds back up to
+# that much text while it might still become a stop string).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
 @dataclass
@@ -70,14 +76,25 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check_int(name, value, 0, MAX_LOGPROBS)
-        if any(not s for s in self.stop):
-            raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
+        self._check_stop()
         if self.use_beam_search:
             self._check_beam_search()
         if self.kv_budget is not None and not 0 < self.kv_budget <= 1:
             raise ValueError(f"kv_budget must be in (0, 1], got {self.kv_budget!r}")
         if self.kv_policy is not None:
             make_policy(self.kv_policy, self.kv_budget)  # names the valid policies, checks the pair
+
+    def _check_stop(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        if any(not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
+        longest = max(self.stop, key=len, default="")
+        if len(longest) > MAX_STOP_CHARS:
+            raise ValueError(
+                f"stop strings may be at most {MAX_STOP_CHARS} characters long; one has {len(longest)} "
+                f"({longest[:20]!r}...)"
+            )
 
     def _check_beam_search(self) -> None:
         if self.best_of < 2:
