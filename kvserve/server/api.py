@@ -5,6 +5,8 @@ with ``stream: true``; a prompt starting with ``<prompt schema=...>`` is a Promp
 ``POST/GET /v1/schemas``, ``GET/DELETE /v1/schemas/{name}`` (Prompt Cache schemas, see
 ``server/schemas.py``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. With an ``api_key``,
 every ``/v1`` route needs ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open.
+A body over ``max_request_bytes`` gets 413; large bodies and prompts are parsed and tokenised off the
+event loop (``server/blocking.py``).
 Errors use OpenAI's shape with the offending field in ``param``.
 """
 
@@ -24,6 +26,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.server.async_engine import AsyncEngine
+from kvserve.server.blocking import BlockingWork
+from kvserve.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.errors import ApiError, from_validation_errors
@@ -41,13 +45,17 @@ def build_app(
     api_key: str | None = None,
     model_aliases: Iterable[str] = (),
     model_root: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """The app; its lifespan starts the engine thread and shuts it down (aborting what is left)."""
+    if max_request_bytes < 1:  # checked here: Starlette builds its middleware only at the first request
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     ctx = ServeContext(
         engine=async_engine,
         model_name=model_name,
         accepted_names=frozenset([model_name, *model_aliases]),
         texts=TokenTexts(async_engine.engine.tokenizer),
+        blocking=BlockingWork(),
     )
 
     @asynccontextmanager
@@ -55,24 +63,26 @@ def build_app(
         async_engine.start()
         yield
         await asyncio.to_thread(async_engine.shutdown)
+        ctx.blocking.shutdown()
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.ctx = ctx
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     _add_error_handlers(app)
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
-        return await create_completion(ctx, await _parse(raw, CompletionRequest), raw)
+        return await create_completion(ctx, await _parse(ctx, raw, CompletionRequest), raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
-        return await create_chat_completion(ctx, await _parse(raw, ChatCompletionRequest), raw)
+        return await create_chat_completion(ctx, await _parse(ctx, raw, ChatCompletionRequest), raw)
 
     @app.post("/v1/schemas")
     async def schemas_create(raw: Request) -> Response:
-        return await create_schema(ctx, await _parse(raw, SchemaRequest))
+        return await create_schema(ctx, await _parse(ctx, raw, SchemaRequest))
 
     @app.get("/v1/schemas")
     async def schemas_list() -> Response:
@@ -105,10 +115,11 @@ def build_app(
     return app
 
 
-async def _parse(raw: Request, model: type[BaseModel]) -> BaseModel:
+async def _parse(ctx: ServeContext, raw: Request, model: type[BaseModel]) -> BaseModel:
     """The JSON body as ``model``, whatever the content type says (``curl -d`` sends a form type)."""
+    body = await raw.body()
     try:
-        return model.model_validate_json(await raw.body())
+        return await ctx.blocking.run(len(body), model.model_validate_json, body)
     except ValidationError as exc:
         raise from_validation_errors(exc.errors()) from None
 

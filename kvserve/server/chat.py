@@ -33,7 +33,8 @@ async def create_chat_completion(ctx: ServeContext, body: ChatCompletionRequest,
     ctx.check_model(body.model)
     prompt = _pml_prompt(body)
     if prompt is None:
-        prompt = _encode(ctx, body)
+        # Rendering the template and tokenising a long chat takes seconds: not on the event loop.
+        prompt = await ctx.blocking.run(sum(len(m.text()) for m in body.messages), _encode, ctx, body)
         ctx.check_prompt(prompt, "messages")
     params = chat_params(body, len(prompt) if isinstance(prompt, list) else 0, ctx.max_model_len, ctx.max_num_seqs)
     request_id = random_id("chatcmpl")

@@ -23,6 +23,12 @@ def add_serve_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KVSERVE_API_KEY, else none)",
     )
     serve.add_argument("--max-queue", type=int, default=None, help="most requests waiting + running; more get 503")
+    serve.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        help="largest request body accepted; a larger one gets 413 before it is read (default: 4 MiB)",
+    )
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
     add_engine_args(serve)
     add_schema_arg(serve)
@@ -38,10 +44,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.models.catalog import resolve_model_path
     from kvserve.server.api import build_app
     from kvserve.server.async_engine import AsyncEngine
+    from kvserve.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
     from kvserve.server.metrics import ServerMetrics
 
     if args.max_queue is not None and args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    max_bytes = DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None else args.max_request_bytes
+    if max_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {max_bytes}")
     config = engine_config_from_args(args)
     engine = LLMEngine(config, load_from_args(args))
     register_schemas(engine, args.schema)
@@ -49,11 +59,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
     aliases = {str(path), str(path.resolve()), args.model or DEFAULT_SERVED_NAME}
     metrics = ServerMetrics(name)
-    app = build_app(AsyncEngine(engine, metrics, args.max_queue), name, args.api_key, aliases, str(path))
+    app = build_app(AsyncEngine(engine, metrics, args.max_queue), name, args.api_key, aliases, str(path), max_bytes)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"kvserve: serving {name} at http://{host}:{args.port}/v1", file=sys.stderr)
     limits = f"context {engine.max_model_len} tokens, at most {config.max_num_seqs} sequences per step"
     queue = f", at most {args.max_queue} requests queued" if args.max_queue else ""
+    queue += f", request bodies up to {max_bytes:,} bytes"
     print(f"kvserve: {limits}{queue}; API key {'required' if args.api_key else 'not required'}", file=sys.stderr)
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"kvserve: warning: listening on {args.host} without --api-key", file=sys.stderr)

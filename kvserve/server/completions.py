@@ -38,7 +38,8 @@ class _Prompt:
 async def create_completion(ctx: ServeContext, body: CompletionRequest, raw: Request) -> Response:
     ctx.check_model(body.model)
     params = completion_params(body, ctx.max_num_seqs)
-    prompts = _prompts(ctx, body.prompt, params.skip_special_tokens)
+    # Tokenising (and detokenising ids for echo) a large prompt takes seconds: not on the event loop.
+    prompts = await ctx.blocking.run(_prompt_size(body.prompt), _prompts, ctx, body.prompt, params.skip_special_tokens)
     request_id = random_id("cmpl")
     streams = await ctx.admit(request_id, [p.ids for p in prompts], params)
     if body.stream:
@@ -49,6 +50,13 @@ async def create_completion(ctx: ServeContext, body: CompletionRequest, raw: Req
         id=request_id, model=ctx.model_name, choices=sorted(choices, key=lambda c: c.index), usage=_usage(outputs)
     )
     return Response(response.model_dump_json(), media_type="application/json")
+
+
+def _prompt_size(prompt: object) -> int:
+    """Characters or token ids in the prompt(s): what tokenising them costs."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return len(prompt)
+    return sum(len(item) for item in prompt)
 
 
 def _prompts(ctx: ServeContext, prompt: object, skip_special: bool) -> list[_Prompt]:

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.async_engine import AsyncEngine, EngineStepError, EngineStoppedError, QueueFullError, RequestStream
+from kvserve.server.blocking import BlockingWork
 from kvserve.server.errors import ApiError, bad_request
 from kvserve.server.tokens import TokenTexts
 
@@ -27,6 +28,7 @@ class ServeContext:
     model_name: str
     accepted_names: frozenset[str]
     texts: TokenTexts
+    blocking: BlockingWork
 
     @property
     def tokenizer(self):  # noqa: ANN201 - kvserve.tokenizer.Tokenizer
@@ -49,7 +51,7 @@ class ServeContext:
 
     def check_prompt(self, ids: Sequence[int], param: str) -> None:
         try:
-            self.engine.engine.validate_prompt(list(ids))
+            self.engine.engine.validate_prompt(ids if isinstance(ids, list) else list(ids))
         except ValueError as exc:
             raise bad_request(str(exc), param) from None
 
