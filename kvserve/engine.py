@@ -242,6 +242,7 @@ class LLMEngine:
         prepared: PreparedPrompt | None = None, arrival: float | None = None,
     ) -> str:  # fmt: skip
         self.validate_prompt(ids)
+        self.validate_params(params)
         if params.best_of > self.config.max_num_seqs:
             raise ValueError(
                 f"best_of={params.best_of} sequences can never run side by side with max_num_seqs="
@@ -314,6 +315,15 @@ class LLMEngine:
         capacity = self.kv.pool.num_blocks * self.kv.block_size
         if len(ids) > capacity:
             raise ValueError(f"the prompt has {len(ids)} tokens; the whole KV cache holds {capacity} tokens")
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """Raise ValueError for sampling options this model cannot honour (any thread may call it)."""
+        vocab = self.loaded.config.vocab_size
+        bad = [i for i in params.stop_token_ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids {bad[:5]} are outside the model's vocabulary of {vocab} tokens (ids 0 to {vocab - 1})"
+            )
 
     def _new_sequence(self, ids: list[int], num_prompt: int, params: SamplingParams, seed_offset: int) -> Sequence:
         child = params if params.seed is None else _with_seed(params, params.seed + seed_offset)

@@ -42,6 +42,10 @@ class QueueFullError(Exception):
     """The server holds ``max_queue`` requests already (waiting + running); retry later."""
 
 
+class QueueTooSmallError(ValueError):
+    """More requests at once than ``max_queue`` ever holds: retrying cannot help."""
+
+
 class EngineStoppedError(Exception):
     """The engine is shutting down and takes no more requests."""
 
@@ -209,9 +213,15 @@ class AsyncEngine:
         return len(self._active)
 
     def check_capacity(self, count: int) -> None:
-        """Raise ``QueueFullError`` / ``EngineStoppedError`` unless ``count`` more requests may be queued."""
+        """Raise ``QueueFullError`` / ``EngineStoppedError`` unless ``count`` more requests may be queued, and
+        ``QueueTooSmallError`` when they never could be."""
         if not self.is_running:
             raise EngineStoppedError("the engine is not running")
+        if self.max_queue is not None and count > self.max_queue:
+            raise QueueTooSmallError(
+                f"the request has {count} prompts, and the server holds at most {self.max_queue} requests at once "
+                f"(--max-queue), one per prompt; send at most {self.max_queue} prompts per request"
+            )
         if self.max_queue is not None and len(self._active) + count > self.max_queue:
             raise QueueFullError(
                 f"the server is busy: {len(self._active)} requests queued or running, the limit (--max-queue) is "

@@ -11,7 +11,14 @@ from starlette.requests import Request
 
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.async_engine import AsyncEngine, EngineStepError, EngineStoppedError, QueueFullError, RequestStream
+from kvserve.server.async_engine import (
+    AsyncEngine,
+    EngineStepError,
+    EngineStoppedError,
+    QueueFullError,
+    QueueTooSmallError,
+    RequestStream,
+)
 from kvserve.server.blocking import BlockingWork
 from kvserve.server.errors import ApiError, bad_request
 from kvserve.server.tokens import TokenTexts
@@ -60,9 +67,15 @@ class ServeContext:
     ) -> list[RequestStream]:
         """One engine request per prompt (token ids, or PML prompt text), all admitted or none; errors become
         400 / 503."""
+        try:
+            self.engine.engine.validate_params(params)
+        except ValueError as exc:
+            raise bad_request(str(exc), "stop_token_ids") from None
         items = [(f"{request_id}-{i}", ids, params) for i, ids in enumerate(prompts)]
         try:
             return await self.engine.add_requests(items)
+        except QueueTooSmallError as exc:
+            raise bad_request(str(exc), "prompt") from None
         except QueueFullError as exc:
             raise ApiError(503, str(exc), None, "server_busy", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except EngineStoppedError as exc:
