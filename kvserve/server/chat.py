@@ -12,6 +12,7 @@ from starlette.responses import Response, StreamingResponse
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.prompt_cache.pml import is_pml_prompt
 from kvserve.server.errors import bad_request
+from kvserve.server.messages import check_messages, template_messages
 from kvserve.server.params import chat_params
 from kvserve.server.protocol import (
     ChatChoice,
@@ -31,6 +32,7 @@ from kvserve.server.tokens import chat_logprobs
 
 async def create_chat_completion(ctx: ServeContext, body: ChatCompletionRequest, raw: Request) -> Response:
     ctx.check_model(body.model)
+    check_messages(body.messages)
     prompt = _pml_prompt(body)
     if prompt is None:
         # Rendering the template and tokenising a long chat takes seconds: not on the event loop.
@@ -64,7 +66,7 @@ def _pml_prompt(body: ChatCompletionRequest) -> str | None:
 
 
 def _encode(ctx: ServeContext, body: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = template_messages(body.messages)
     try:
         return ctx.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
     except (TemplateError, ValueError) as exc:
