@@ -9,6 +9,7 @@ and only the uncached tokens go through the model before the first sampled token
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -18,6 +19,18 @@ from kvserve.prompt_cache.schema import SchemaLayout
 from kvserve.prompt_cache.store import CachedModule, ModuleBlocks, ModuleStore
 from kvserve.request import CachedPrompt
 from kvserve.tokenizer import Tokenizer
+
+# A schema's name goes in URLs (/v1/schemas/{name}) and log lines: a '/' or a leading '.' could never be
+# read or deleted there, so neither can be registered.
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
+SCHEMA_NAME_RULE = "1 to 64 of A-Z a-z 0-9 . _ - (not starting with '.')"
+
+
+def check_schema_name(name: str, line: int | None = None) -> None:
+    """Raise ``PMLError`` unless ``name`` follows ``SCHEMA_NAME_RULE``."""
+    if SCHEMA_NAME.fullmatch(name) is None:
+        shown = repr(name) if len(name) <= 80 else repr(name[:77]) + "..."
+        raise PMLError(f"schema name {shown} is not allowed: a schema name is {SCHEMA_NAME_RULE}", line)
 
 
 @dataclass(frozen=True)
@@ -64,6 +77,7 @@ class PromptCache:
         """Parse, lay out and store a schema's modules (encoding them now when eager). Registering the same
         text again is a no-op; another schema under a taken name is an error (remove it first)."""
         schema = parse_schema(pml_text)
+        check_schema_name(schema.name, schema.line)
         known = self._schemas.get(schema.name)
         if known is not None:
             if known.text == pml_text:
@@ -83,7 +97,7 @@ class PromptCache:
     def remove(self, name: str) -> None:
         registered = self._schemas.pop(name, None)
         if registered is None:
-            raise KeyError(f"no schema named {name!r}; registered: {sorted(self._schemas)}")
+            raise KeyError(_unknown(name))
         for module in registered.layout.modules:
             self.store.remove((name, module))
 
@@ -93,7 +107,7 @@ class PromptCache:
     def info(self, name: str) -> SchemaInfo:
         registered = self._schemas.get(name)
         if registered is None:
-            raise KeyError(f"no schema named {name!r}; registered: {sorted(self._schemas)}")
+            raise KeyError(_unknown(name))
         modules = {}
         for module_name, module in registered.layout.modules.items():
             stored = self.store.modules.get((name, module_name))
@@ -110,9 +124,11 @@ class PromptCache:
         """Bind a PML prompt to its schema and pin its modules' KV in device blocks (encoding any not yet
         encoded). The caller unpins ``modules`` when the request ends."""
         prompt = parse_prompt(pml_text)
+        check_schema_name(prompt.schema, prompt.line)
         registered = self._schemas.get(prompt.schema)
         if registered is None:
-            raise PMLError(f"unknown schema {prompt.schema!r}; registered: {sorted(self._schemas)}", prompt.line)
+            # Other clients' schema names are not this client's business: name only the one asked for.
+            raise PMLError(f"unknown schema {prompt.schema!r}: no schema of that name is registered", prompt.line)
         layout = registered.layout.bind(prompt, self.tokenizer, self.frames, self.max_model_len)
         pinned: list[ModuleBlocks] = []
         try:
@@ -137,6 +153,10 @@ class PromptCache:
     def release(self, modules: list[CachedModule]) -> None:
         for module in modules:
             self.store.unpin(module)
+
+
+def _unknown(name: str) -> str:
+    return f"no schema named {name!r} is registered"
 
 
 def _assemble(

@@ -5,6 +5,12 @@ up before its answer. Each gets a 400 naming the field, or nothing in the log, a
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+
 import httpx
 import openai
 import pytest
@@ -57,3 +63,70 @@ def test_a_developer_message_renders_as_a_system_message(tiny_server):
     developer, system = chat("developer"), chat("system")
     assert developer.usage.prompt_tokens == system.usage.prompt_tokens == expected
     assert developer.choices[0].message.content == system.choices[0].message.content
+
+
+# ----- schema names -----
+
+
+@pytest.mark.parametrize("name", ["a/b", "..", ".hidden", "x" * 65, "sp ace", "caf\u00e9"])
+def test_a_schema_name_outside_the_safe_set_is_a_400_naming_the_rule(tiny_server, name):
+    response = post_schema(tiny_server, name)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "pml"
+    assert "is not allowed: a schema name is 1 to 64 of A-Z a-z 0-9 . _ -" in error["message"]
+    listed = httpx.get(tiny_server.base_url + "/schemas").json()["data"]
+    assert name not in [s["name"] for s in listed]
+
+
+def test_a_safe_schema_name_can_be_read_and_deleted(tiny_server):
+    name = "Team_1.docs-v2"
+    assert post_schema(tiny_server, name).status_code == 200
+    assert httpx.get(f"{tiny_server.base_url}/schemas/{name}").json()["name"] == name
+    assert httpx.delete(f"{tiny_server.base_url}/schemas/{name}").json()["deleted"] is True
+    assert not [key for key in tiny_server.engine.engine.prompt_cache.store.modules if key[0] == name]  # memory freed
+
+
+def test_errors_name_only_the_schema_asked_for(tiny_server):
+    assert post_schema(tiny_server, "someone-elses").status_code == 200
+    try:
+        for response in (httpx.get(tiny_server.base_url + "/schemas/mine"),
+                         httpx.delete(tiny_server.base_url + "/schemas/mine")):  # fmt: skip
+            assert response.status_code == 404
+            message = response.json()["error"]["message"]
+            assert "'mine'" in message and "someone-elses" not in message
+        with pytest.raises(openai.BadRequestError) as caught:
+            tiny_server.client().completions.create(model=TINY_NAME, prompt='<prompt schema="mine">hi</prompt>')
+        assert "unknown schema 'mine'" in caught.value.message and "someone-elses" not in caught.value.message
+    finally:
+        httpx.delete(tiny_server.base_url + "/schemas/someone-elses")
+
+
+def test_a_prompt_naming_an_impossible_schema_says_why(tiny_server):
+    with pytest.raises(openai.BadRequestError, match="schema name 'a/b' is not allowed"):
+        tiny_server.client().completions.create(model=TINY_NAME, prompt='<prompt schema="a/b">hi</prompt>')
+
+
+def test_serve_refuses_a_schema_file_with_an_unsafe_name(tiny_folder, tmp_path):
+    path = tmp_path / "bad.xml"
+    path.write_text(SCHEMA.format(name="a/b"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [
+        sys.executable, "-m", "kvserve.cli", "serve", "--model", str(tiny_folder), "--port", str(port),
+        "--schema", str(path), "--kv-cache-memory", "8MiB", "--max-num-seqs", "4", "--threads", "1",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while process.poll() is None:  # a server that comes up has taken the schema: stop waiting
+            assert time.monotonic() < deadline, "kvserve serve neither refused the schema nor came up"
+            with contextlib.suppress(httpx.TransportError):
+                assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code != 200, "it came up"
+            time.sleep(0.2)
+    finally:
+        process.kill()
+        stderr = process.communicate()[1]
+    assert process.returncode == 2, stderr
+    assert f"schema file {path}" in stderr and "schema name 'a/b' is not allowed" in stderr
