@@ -40,7 +40,7 @@ async def create_chat_completion(ctx: ServeContext, body: ChatCompletionRequest,
         ctx.check_prompt(prompt, "messages")
     params = chat_params(body, len(prompt) if isinstance(prompt, list) else 0, ctx.max_model_len, ctx.max_num_seqs)
     request_id = random_id("chatcmpl")
-    streams = await ctx.admit(request_id, [prompt], params)
+    streams = await ctx.admit(request_id, [prompt], params, prompt_param="messages[0].content")
     if body.stream:
         return StreamingResponse(_stream(ctx, body, request_id, streams[0]), media_type="text/event-stream")
     (out,) = await results(streams, raw)

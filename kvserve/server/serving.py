@@ -10,6 +10,8 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from kvserve.outputs import RequestOutput
+from kvserve.prompt_cache.pml import PMLError
+from kvserve.prompt_cache.store import PromptCacheError
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.async_engine import (
     AsyncEngine,
@@ -63,10 +65,14 @@ class ServeContext:
             raise bad_request(str(exc), param) from None
 
     async def admit(
-        self, request_id: str, prompts: Sequence[Sequence[int] | str], params: SamplingParams
+        self,
+        request_id: str,
+        prompts: Sequence[Sequence[int] | str],
+        params: SamplingParams,
+        prompt_param: str = "prompt",
     ) -> list[RequestStream]:
         """One engine request per prompt (token ids, or PML prompt text), all admitted or none; errors become
-        400 / 503."""
+        400 / 503. A PML prompt's errors name ``prompt_param``, the field that held it."""
         try:
             self.engine.engine.validate_params(params)
         except ValueError as exc:
@@ -80,6 +86,8 @@ class ServeContext:
             raise ApiError(503, str(exc), None, "server_busy", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except EngineStoppedError as exc:
             raise ApiError(503, str(exc), None, "server_error", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except (PMLError, PromptCacheError) as exc:
+            raise bad_request(str(exc), prompt_param) from None
         except ValueError as exc:
             raise bad_request(str(exc)) from None
 

@@ -130,3 +130,19 @@ def test_serve_refuses_a_schema_file_with_an_unsafe_name(tiny_folder, tmp_path):
         stderr = process.communicate()[1]
     assert process.returncode == 2, stderr
     assert f"schema file {path}" in stderr and "schema name 'a/b' is not allowed" in stderr
+
+
+# ----- PML errors name their field -----
+
+
+def test_pml_errors_name_the_field_that_held_the_prompt(tiny_server):
+    assert post_schema(tiny_server, "pml-param").status_code == 200
+    bad = '<prompt schema="pml-param"><nope/>hi</prompt>'
+    try:
+        with pytest.raises(openai.BadRequestError, match="no module 'nope'") as caught:
+            tiny_server.client().completions.create(model=TINY_NAME, prompt=bad, max_tokens=2)
+        assert caught.value.param == "prompt"
+        error = chat_error(tiny_server, [{"role": "user", "content": bad}])
+        assert error.param == "messages[0].content" and "no module 'nope'" in error.message
+    finally:
+        httpx.delete(tiny_server.base_url + "/schemas/pml-param")
