@@ -113,8 +113,15 @@ async def results(streams: Sequence[RequestStream], raw: Request) -> list[Reques
         watch.cancel()
         if not gather.done():
             gather.cancel()
+            # A cancelled gather ends holding a CancelledError that asyncio logs, with a traceback, unless read.
+            gather.add_done_callback(_read_exception)
         for stream in streams:
             stream.abort()
+
+
+def _read_exception(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def _wait_disconnect(raw: Request) -> None:

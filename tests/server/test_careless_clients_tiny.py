@@ -6,6 +6,9 @@ up before its answer. Each gets a 400 naming the field, or nothing in the log, a
 from __future__ import annotations
 
 import contextlib
+import gc
+import json
+import logging
 import socket
 import subprocess
 import sys
@@ -15,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import TINY_NAME
+from tests.server.conftest import TINY_NAME, wait_until
 
 SCHEMA = '<schema name="{name}"><module name="m">Some text to cache.</module></schema>'
 
@@ -146,3 +149,31 @@ def test_pml_errors_name_the_field_that_held_the_prompt(tiny_server):
         assert error.param == "messages[0].content" and "no module 'nope'" in error.message
     finally:
         httpx.delete(tiny_server.base_url + "/schemas/pml-param")
+
+
+# ----- a client that hangs up -----
+
+
+def hang_up_during(server, body: dict) -> None:
+    """Send a non-streaming request on a raw socket and close it once the engine is running it."""
+    payload = json.dumps(body).encode()
+    lines = ["POST /v1/completions HTTP/1.1", "Host: x", "Content-Type: application/json"]
+    lines.append(f"Content-Length: {len(payload)}")
+    head = "".join(line + "\r\n" for line in lines)
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head.encode() + b"\r\n" + payload)
+        wait_until(lambda: server.engine.engine.has_unfinished_requests())
+    wait_until(lambda: server.engine.num_active == 0 and not server.engine.engine.has_unfinished_requests())
+
+
+def test_a_client_that_hangs_up_leaves_nothing_in_the_log(tiny_server, caplog):
+    """The request is aborted, and asyncio logs no never-retrieved exception or CancelledError traceback."""
+    caplog.set_level(logging.DEBUG)
+    for _ in range(2):
+        hang_up_during(tiny_server, {"model": TINY_NAME, "prompt": "hello", "max_tokens": 1000, "ignore_eos": True})
+    gc.collect()  # an unread future's exception is logged when the future is collected
+    ok = tiny_server.client().completions.create(model=TINY_NAME, prompt="hi", max_tokens=2)
+    assert ok.usage.completion_tokens >= 1
+    noisy = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not noisy, [r.getMessage() for r in noisy]
