@@ -44,6 +44,7 @@ from kvserve.stopping import find_stop, partial_stop_len
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        self.closed = False
         self.loaded = loaded or load_model(config.model, config.torch_dtype, config.device, weights=config.weights)
         self.tokenizer = self.loaded.tokenizer
         cfg = self.loaded.config
@@ -168,11 +169,25 @@ class LLMEngine:
         return ParallelPrefill(self.loaded.model, worker_model, self.config.prefill_parallel, choice)
 
     def close(self) -> None:
-        """Stop the parallel prefill workers, if any (they would also stop when this process exits)."""
+        """Release what a dropped engine would hold until exit: the parallel prefill workers, their process
+        group and supervisor thread, the offload tier's transfer thread (a disk tier's file is unlinked when
+        mapped). Aborts unfinished requests; idempotent; the engine takes no request afterwards. Another
+        engine with parallel prefill may then start in this process."""
+        if self.closed:
+            return
+        self.closed = True
+        for request_id in list(self.requests):
+            self.abort_request(request_id)
         if self.parallel_prefill is not None:
             self.parallel_prefill.close()
         if isinstance(self.runner.cache, OffloadedKVCache):
             self.runner.cache.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # ----- Prompt Cache schemas -----
 
@@ -214,6 +229,8 @@ class LLMEngine:
         ``score_from``: with ``prompt_logprobs``, only positions from there on are needed; the tokens
         before it run in steps of their own, so a compressing KV policy compresses that context first
         (how the eval tools score a continuation under compression)."""
+        if self.closed:
+            raise RuntimeError("the engine is closed (close() was called): build a new one")
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -20,6 +20,10 @@ class LLM:
     Keyword arguments are ``EngineConfig`` fields: ``model``, ``dtype``, ``device``, ``weights``,
     ``kv_cache_memory``, ``swap_space``, ``block_size``, ``enable_prefix_caching``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``preemption_mode``, ``max_model_len``.
+
+    ``close()`` (or leaving ``with LLM(...) as llm:``) stops parallel prefill workers and offloading
+    threads at once rather than at exit, and lets another ``LLM`` with ``prefill_parallel`` start in
+    this process.
     """
 
     def __init__(self, model: str | None = None, **engine_options: object) -> None:
@@ -31,6 +35,16 @@ class LLM:
         llm = cls.__new__(cls)
         llm.engine = engine
         return llm
+
+    def close(self) -> None:
+        """Release the engine's prefill workers, process group and threads (``LLMEngine.close``); idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def get_tokenizer(self):  # noqa: ANN201 - kvserve.tokenizer.Tokenizer
         return self.engine.tokenizer

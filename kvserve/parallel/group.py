@@ -6,16 +6,26 @@ loopback (gloo; NCCL on CUDA). Each loads the model itself, with its share of th
 holds no collective that could time out; tensors travel over torch.distributed. The last rank computes
 the last chunk and ends with the whole prompt's KV, which its sink writes into the engine's cache.
 
+Start-up: this process hosts the rendezvous store on a port the system picks (a fresh one per group), and
+waits for every worker to report that it has loaded the model, polling the processes meanwhile, so one
+that exits early (typically a script without ``if __name__ == "__main__":``, which ``spawn`` re-runs in
+the worker) is an error within a second or so instead of a rendezvous time-out. Only then do the ranks
+join the process group.
+
 Failures: every wait on a peer has a timeout; a worker that raises reports the error on the status
 queue; a dead worker breaks its connections. Each becomes a ``ParallelPrefillError`` in this process,
-after which the group is closed (workers stopped, killed if they do not stop) and unusable.
+after which the group is closed (workers stopped, killed if they do not stop; process group destroyed)
+and unusable; ``supervisor.py`` starts a new one. A group dropped without ``close()`` is released when
+it is collected, so another can start in the same process.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
-import socket
+import threading
+import time
 import traceback
 import weakref
 from dataclasses import dataclass
@@ -30,6 +40,13 @@ from kvserve.log import get_logger
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.parallel.chunks import ChunkJob, KVSink, run_chunk
 
+START_POLL_S = 0.2  # how often start-up looks at the worker processes
+MAIN_GUARD_ADVICE = (
+    "worker processes are started with 'spawn', which runs the main module again in each worker: put the "
+    'code that creates LLM(prefill_parallel=...) or LLMEngine under `if __name__ == "__main__":` in your '
+    "script (the worker's own error is printed above)"
+)
+
 
 @dataclass(frozen=True)
 class WorkerModel:
@@ -41,7 +58,10 @@ class WorkerModel:
 
 
 class PrefillGroup:
-    """``num_procs`` ranks; this process is rank ``num_procs - 1``. Use ``prefill`` per prompt, then ``close``."""
+    """``num_procs`` ranks; this process is rank ``num_procs - 1``. Use ``prefill`` per prompt, then ``close``.
+
+    ``cancel`` (set from another thread) stops a start-up that is still waiting for the workers.
+    """
 
     def __init__(
         self,
@@ -51,44 +71,98 @@ class PrefillGroup:
         threads_per_proc: int | None = None,
         timeout_s: float = 60.0,
         start_timeout_s: float = 300.0,
+        cancel: threading.Event | None = None,
     ) -> None:
         if num_procs < 2:
             raise ValueError(f"a prefill group needs at least 2 processes, got {num_procs}")
-        if dist.is_initialized():
-            raise ParallelPrefillError("torch.distributed is already initialised here: one prefill group per process")
+        _check_no_group()
         self.model = model
         self.num_procs = num_procs
         self.rank = num_procs - 1
         self.threads = threads_per_proc or max(1, (os.cpu_count() or 1) // num_procs)
         self.timeout_s = timeout_s
         self.closed = False
-        context = mp.get_context("spawn")
-        self.jobs = [context.Queue() for _ in range(num_procs - 1)]
-        self.status = context.Queue()
-        address = f"tcp://127.0.0.1:{_free_port()}"
-        self.workers = [
-            context.Process(
-                target=_worker_main,
-                args=(rank, num_procs, address, worker_model, self.threads, timeout_s, self.jobs[rank], self.status),
-                name=f"kvserve-prefill-{rank}",
-                daemon=True,  # never outlives kvserve, even if close() is skipped
-            )
-            for rank in range(num_procs - 1)
-        ]
-        for worker in self.workers:
-            worker.start()
-        self._finalizer = weakref.finalize(self, _stop_workers, self.workers, self.jobs)
+        self.model_path = worker_model.path
+        # Port 0: the system picks a free port for this group's store, so groups never collide.
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, num_procs, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+        self._spawn(worker_model)
+        self._groups: list[object] = []  # the process group once joined, for the finalizer to destroy
+        self._finalizer = weakref.finalize(self, _release, self.workers, self.jobs, self._groups)
         try:
+            self._wait_loaded(start_timeout_s, cancel)
             dist.init_process_group(
-                "gloo", init_method=address, rank=self.rank, world_size=num_procs,
-                timeout=timedelta(seconds=start_timeout_s),
-            )  # fmt: skip
-            self._collect("ready", start_timeout_s)
+                "gloo", store=self.store, rank=self.rank, world_size=num_procs, timeout=timedelta(seconds=timeout_s)
+            )
+            self._groups.append(dist.group.WORLD)
         except Exception as exc:
             self.close()
             raise ParallelPrefillError(f"the prefill group did not start: {exc}") from exc
         get_logger().info("parallel prefill: %d processes (this one + %d workers), %d threads each",
                           num_procs, num_procs - 1, self.threads)  # fmt: skip
+
+    def _spawn(self, worker_model: WorkerModel) -> None:
+        context = mp.get_context("spawn")
+        self.jobs = [context.Queue() for _ in range(self.num_procs - 1)]
+        self.status = context.Queue()
+        shared = (self.num_procs, self.store.port, worker_model, self.threads, self.timeout_s)
+        self.workers = [
+            context.Process(
+                target=_worker_main,
+                args=(rank, *shared, self.jobs[rank], self.status),
+                name=f"kvserve-prefill-{rank}",
+                daemon=True,  # never outlives kvserve, even if close() is skipped
+            )
+            for rank in range(self.num_procs - 1)
+        ]
+        for worker in self.workers:
+            worker.start()
+
+    def _wait_loaded(self, timeout_s: float, cancel: threading.Event | None) -> None:
+        """Until every worker reports 'loaded'; a worker that exits or fails first, a timeout or ``cancel`` raises."""
+        deadline = time.monotonic() + timeout_s
+        started: set[int] = set()
+        loaded: set[int] = set()
+        while len(loaded) < len(self.workers):
+            try:
+                kind, rank, detail = self.status.get(timeout=START_POLL_S)
+            except queue.Empty:
+                if cancel is not None and cancel.is_set():
+                    raise ParallelPrefillError("start-up cancelled (the engine is closing)") from None
+                if time.monotonic() > deadline:
+                    raise ParallelPrefillError(
+                        f"prefill workers {sorted(set(range(len(self.workers))) - loaded)} did not load the model "
+                        f"within {timeout_s:g} s"
+                    ) from None
+                self._check_starting(started, loaded)
+                continue
+            if kind == "error":
+                raise ParallelPrefillError(f"prefill worker {rank} failed: {detail}")
+            (started if kind == "started" else loaded).add(rank)
+
+    def _check_starting(self, started: set[int], loaded: set[int]) -> None:
+        """Raise, saying what to do, if a worker that has not loaded the model has exited."""
+        dead = [r for r, w in enumerate(self.workers) if r not in loaded and not w.is_alive()]
+        if not dead:
+            return
+        while True:  # a dead worker's last messages are already in the pipe: read them before judging
+            try:
+                kind, rank, detail = self.status.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "error":
+                raise ParallelPrefillError(f"prefill worker {rank} failed: {detail}")
+            (started if kind == "started" else loaded).add(rank)
+        rank = dead[0]
+        code = self.workers[rank].exitcode
+        if rank not in started:  # it never reached its own code: importing the main module failed
+            raise ParallelPrefillError(f"prefill worker {rank} exited (code {code}) on start-up: {MAIN_GUARD_ADVICE}")
+        if rank not in loaded:
+            raise ParallelPrefillError(
+                f"prefill worker {rank} exited (code {code}) while loading the model "
+                f"({self.model_path or 'the default model'}); a negative code is the signal that ended it"
+            )
 
     def prefill(self, job: ChunkJob, sink: KVSink | None = None) -> torch.Tensor:
         """Run ``job`` over the group; returns this (last) rank's final hidden states for the last chunk."""
@@ -96,7 +170,7 @@ class PrefillGroup:
             raise ParallelPrefillError("the prefill group is closed")
         if job.world_size != self.num_procs:
             raise ValueError(f"the job has {job.world_size} chunks, the group {self.num_procs} processes")
-        dead = [w.name for w in self.workers if not w.is_alive()]
+        dead = self.dead_workers()
         if dead:
             self.close()
             raise ParallelPrefillError(f"prefill worker(s) {dead} exited")
@@ -114,14 +188,16 @@ class PrefillGroup:
             torch.set_num_threads(saved_threads)
         return hidden
 
+    def dead_workers(self) -> list[str]:
+        return [w.name for w in self.workers if not w.is_alive()]
+
     def close(self) -> None:
-        """Stop the workers (killing any that do not stop in time) and leave the process group."""
+        """Stop the workers (killing any that do not stop in time), destroy the process group, free the port."""
         if self.closed:
             return
         self.closed = True
         self._finalizer()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.store = None
 
     def _collect(self, expected: str, timeout_s: float) -> None:
         """One ``expected`` message per worker, or the first error / a timeout as ParallelPrefillError."""
@@ -144,7 +220,7 @@ class PrefillGroup:
 def _worker_main(
     rank: int,
     world_size: int,
-    address: str,
+    store_port: int,
     worker_model: WorkerModel,
     threads: int,
     timeout_s: float,
@@ -152,14 +228,16 @@ def _worker_main(
     status: mp.Queue,
 ) -> None:
     """A worker's life: load the model, join the group, run chunk jobs until told to stop (None)."""
+    status.put(("started", rank, None))  # past the main module's import: the engine can tell the two apart
     try:
         torch.set_num_threads(threads)
         from kvserve.models.dtype import DTYPES
         from kvserve.models.loader import load_model
 
         loaded = load_model(worker_model.path, DTYPES[worker_model.dtype], weights=worker_model.weights)
-        dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world_size)
-        status.put(("ready", rank, None))
+        status.put(("loaded", rank, None))
+        store = dist.TCPStore("127.0.0.1", store_port, world_size, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         while (job := jobs.get()) is not None:
             run_chunk(loaded.model, job, rank, timeout_s)
             status.put(("done", rank, None))
@@ -168,6 +246,26 @@ def _worker_main(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _check_no_group() -> None:
+    """One process group per process: refuse a second, after letting a dropped engine's group be collected."""
+    if dist.is_initialized():
+        gc.collect()  # an engine dropped without close() (in a reference cycle) releases its group here
+    if dist.is_initialized():
+        raise ParallelPrefillError(
+            "torch.distributed is already initialised in this process: one prefill group per process; close the "
+            "other engine first (llm.close(), or `with LLM(...) as llm:`)"
+        )
+
+
+def _release(workers: list[mp.Process], jobs: list[mp.Queue], groups: list[object]) -> None:
+    """Destroy the process group this group joined (if it is still the one) and stop the workers."""
+    for pg in groups:
+        if dist.is_initialized() and dist.group.WORLD is pg:
+            dist.destroy_process_group()
+    groups.clear()
+    _stop_workers(workers, jobs)
 
 
 def _stop_workers(workers: list[mp.Process], jobs: list[mp.Queue], grace_s: float = 5.0) -> None:
@@ -181,9 +279,3 @@ def _stop_workers(workers: list[mp.Process], jobs: list[mp.Queue], grace_s: floa
         if worker.is_alive():
             worker.kill()
             worker.join(timeout=grace_s)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

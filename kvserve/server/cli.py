@@ -68,5 +68,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"kvserve: {limits}{queue}; API key {'required' if args.api_key else 'not required'}", file=sys.stderr)
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"kvserve: warning: listening on {args.host} without --api-key", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        engine.close()  # prefill workers and offload threads stop now, not at interpreter exit
     return 0
