@@ -2,12 +2,14 @@
 
 A step qualifies when it is one sequence's whole prompt at once (nothing cached, no prompt logprobs)
 and the prompt gives every process at least ``MIN_TOKENS_PER_PROC`` tokens. Anything else, and any
-step after a failure, runs the usual single-process path: a failed parallel prefill is logged, the
-group is closed, and the same step is recomputed locally, so the request still completes.
+step while the group is down, runs the usual single-process path: a failed parallel prefill is logged,
+the group is closed, and the same step is recomputed locally, so the request still completes; the
+supervisor (``supervisor.py``) starts a new group with backoff.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -27,6 +29,7 @@ from kvserve.parallel.partition import (
     search_partition,
 )
 from kvserve.parallel.remote import RemotePrefillGroup, joined_from_env
+from kvserve.parallel.supervisor import GroupState, GroupSupervisor
 
 MIN_TOKENS_PER_PROC = 16
 
@@ -44,11 +47,15 @@ class ParallelPrefill:
         self.table: PartitionTable | None = None
         self.set_partition(partition)
         self.searched: dict[int, tuple[int, ...]] = {}  # context length -> boundaries found by measuring
-        self.group: PrefillGroup | RemotePrefillGroup | None
         if joined_from_env():  # started torchrun-style: the workers run `kvserve prefill-worker` elsewhere
-            self.group = RemotePrefillGroup(model, num_procs, timeout_s=timeout_s)
-        else:
-            self.group = PrefillGroup(model, worker_model, num_procs, timeout_s=timeout_s)
+            self.supervisor = GroupSupervisor(RemotePrefillGroup(model, num_procs, timeout_s=timeout_s), num_procs - 1)
+            return
+
+        def start(cancel: threading.Event) -> PrefillGroup:
+            return PrefillGroup(model, worker_model, num_procs, timeout_s=timeout_s, cancel=cancel)
+
+        # The first group starts here, so an engine that cannot have one fails at construction.
+        self.supervisor = GroupSupervisor(start(threading.Event()), num_procs - 1, start)
 
     def set_partition(self, partition: str) -> None:
         """even | searched | predicted (loads the table of ``kvserve tune-runahead``) | tsp."""
@@ -62,11 +69,19 @@ class ParallelPrefill:
         self.partition = partition
 
     @property
+    def group(self) -> PrefillGroup | RemotePrefillGroup | None:
+        """The running group; None while it is restarting or after close."""
+        return self.supervisor.group
+
+    @property
     def available(self) -> bool:
-        return self.group is not None
+        return self.supervisor.group is not None
+
+    def state(self) -> GroupState:
+        return self.supervisor.state()
 
     def qualifies(self, num_tokens: int) -> bool:
-        return self.group is not None and num_tokens >= self.num_procs * MIN_TOKENS_PER_PROC
+        return self.available and num_tokens >= self.num_procs * MIN_TOKENS_PER_PROC
 
     def boundaries(self, context_len: int) -> tuple[int, ...]:
         p = self.num_procs
@@ -90,33 +105,30 @@ class ParallelPrefill:
             v_cache[layer].index_copy_(0, slots, v)
 
         try:
-            job = ChunkJob(scheme, tuple(token_ids), self.boundaries(len(token_ids)))
-            return self.group.prefill(job, sink)
-        except ParallelPrefillError as exc:
-            get_logger().error("parallel prefill failed, falling back to single-process prefill: %s", exc)
-            self.close()
+            with self.supervisor.held() as group:  # a failure loses the group: logged, restarted later
+                job = ChunkJob(scheme, tuple(token_ids), self.boundaries(len(token_ids)))
+                return group.prefill(job, sink)
+        except ParallelPrefillError:
             return None
 
     def close(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        """Stop the supervisor and the group (workers, process group). Idempotent."""
+        self.supervisor.close()
 
     def search(self, context_len: int, step: int = 16, repeats: int = 2) -> SearchResult:
         """KVR-S: the partition of ``context_len`` tokens with the lowest measured prefill time. Each candidate
         is timed ``repeats`` times and keeps its fastest run: on a shared host a single run can be off by 30%,
         enough to send the search down the wrong side."""
-        if self.group is None:
-            raise ParallelPrefillError("the prefill group is closed")
         ids = tuple(3 + i % 97 for i in range(context_len))  # timing depends on the length, not on the tokens
         step = max(1, min(step, context_len // (2 * self.num_procs)))  # a short context still has room to search
 
         def measure(partition: Partition) -> float:
             times = []
             for _ in range(repeats):
-                start = time.perf_counter()
-                self.group.prefill(ChunkJob("runahead", ids, partition.boundaries))
-                times.append(time.perf_counter() - start)
+                with self.supervisor.held() as group:
+                    start = time.perf_counter()
+                    group.prefill(ChunkJob("runahead", ids, partition.boundaries))
+                    times.append(time.perf_counter() - start)
             return min(times)
 
         result = search_partition(context_len, self.num_procs, measure, step=step, min_chunk=step)

@@ -180,6 +180,8 @@ class AsyncEngine:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.engine = engine
         self.metrics = metrics
+        if metrics is not None and engine.parallel_prefill is not None:
+            metrics.watch_parallel_prefill(engine.parallel_prefill.state)
         self.max_queue = max_queue
         self._inbox = _Inbox()
         self._active: set[str] = set()  # asyncio side: requests added and not finished

@@ -8,6 +8,7 @@ prometheus-client is thread-safe, so ``/metrics`` renders while the engine threa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -135,6 +136,12 @@ class ServerMetrics:
         if finish_reason not in ("abort", "error"):
             self.e2e_request_latency.observe(e2e)
         self._success.labels(self._model_name, finish_reason).inc()
+
+    def watch_parallel_prefill(self, read: Callable[[], object]) -> None:
+        """Export the parallel prefill group's state (``read``: the engine's ``parallel_prefill.state``)."""
+        from kvserve.server.prefill_metrics import PrefillGroupCollector
+
+        self.registry.register(PrefillGroupCollector(read, self._model_name))
 
     # ----- HTTP side -----
 

@@ -43,6 +43,7 @@ def test_dead_worker_falls_back_to_single_process_prefill(tiny, caplog) -> None:
     ids = prompt(80)
     expected = continuation(LLM(model=str(folder), dtype="float32"), ids)
     llm = LLM(model=str(folder), dtype="float32", prefill_parallel=2, prefill_partition="even")
+    llm.engine.parallel_prefill.supervisor.first_delay_s = 3600  # no restart in this test: test_worker_lifecycle
     group = llm.engine.parallel_prefill.group
     try:
         os.kill(group.workers[0].pid, signal.SIGKILL)
