@@ -24,13 +24,14 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # see prepack()
+        self.row_tile = 0  # rows per matmul call in the batch-invariant mode (packed_linear.in_row_tiles); 0: all
 
     def prepack(self) -> None:
         """Reorder the weight once for oneDNN where that is faster (bfloat16 on CPU); call after loading."""
         self.packed = prepack(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense_linear(x, self.weight, self.packed, self.bias)
+        return dense_linear(x, self.weight, self.packed, self.bias, self.row_tile)
 
 
 class RMSNorm(nn.Module):

@@ -98,6 +98,7 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tied_head_packed: torch.Tensor | None = None  # see prepack()
+        self.head_row_tile = 0  # the tied head's rows per call in the batch-invariant mode; 0: all at once
 
     def forward(
         self,
@@ -129,4 +130,4 @@ class LlamaForCausalLM(nn.Module):
         """hidden (M, hidden) -> float32 logits (M, vocab). Call it on the rows you sample from only."""
         if "lm_head" in self._modules:  # untied, or a tied embedding whose head runs quantised
             return self.lm_head(hidden).float()
-        return dense_linear(hidden, self.embed_tokens.weight, self.tied_head_packed).float()
+        return dense_linear(hidden, self.embed_tokens.weight, self.tied_head_packed, None, self.head_row_tile).float()

@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 from kvserve.errors import ModelLoadError
 from kvserve.log import get_logger
 from kvserve.models import gguf_file
+from kvserve.models.batch_invariant import make_batch_invariant
 from kvserve.models.catalog import resolve_model_path
 from kvserve.models.config import ModelConfig
 from kvserve.models.llama import LlamaForCausalLM
@@ -38,6 +39,7 @@ class LoadedModel:
     dtype: torch.dtype
     weights: str = "dequant"  # what runs: "native", "int4" (some weights as int4) or "dequant"
     weights_summary: str = ""  # per tensor type, how it runs (for logs and reports)
+    batch_invariant: bool = False  # matmuls whose result for a row does not depend on the others (batch_invariant.py)
 
 
 def load_model(
@@ -46,6 +48,7 @@ def load_model(
     device: torch.device | str = "cpu",
     progress: Progress | None = None,
     weights: str = "native",
+    batch_invariant: bool = False,
 ) -> LoadedModel:
     """Load ``path`` (a .gguf file or a folder with config.json + *.safetensors + tokenizer.json).
 
@@ -55,6 +58,8 @@ def load_model(
     on CPU for batches of up to ``INT4_MAX_ROWS`` rows, and a dequantised copy for larger ones;
     ``"int4"`` keeps the int4 form only (other types, dtypes and devices are dequantised, and the log
     says so); ``"dequant"`` dequantises every tensor to ``dtype``.
+    ``batch_invariant`` switches the matmuls to row-invariant kernels (``models/batch_invariant.py``): int4
+    for every batch size, no dequantised copies, dense weights in fixed row tiles.
     """
     if weights not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
@@ -66,13 +71,18 @@ def load_model(
         summary = f"safetensors weights as {_dtype_name(dtype)}"
     else:
         refusal = _int4_refusal(weights, dtype, device)
-        model, tokenizer, summary = _load_gguf(path, dtype, progress, refusal, int4_dense=weights == "native")
+        int4_dense = weights == "native" and not batch_invariant
+        model, tokenizer, summary = _load_gguf(path, dtype, progress, refusal, int4_dense)
     quantised = any(isinstance(m, (QuantLinear, QuantEmbedding, Int8PlanesLinear)) for m in model.modules())
     mode = weights if quantised else "dequant"
+    if batch_invariant:
+        summary += "; batch-invariant: one kernel for every row count"
     get_logger().info("loaded %s: %s, weights %s (%s)", path.name, _dtype_name(dtype), mode, summary)
     model = model.to(device)
     model.prepack()
-    return LoadedModel(model, tokenizer, model.config, path, dtype, mode, summary)
+    if batch_invariant:
+        make_batch_invariant(model)
+    return LoadedModel(model, tokenizer, model.config, path, dtype, mode, summary, batch_invariant)
 
 
 def _int4_refusal(weights: str, dtype: torch.dtype, device: torch.device | str) -> str | None:
