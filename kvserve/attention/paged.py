@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.attention.masks import causal_mask, window_binds
+from kvserve.attention.row_invariant import RowPlan, attend_row_calls, plan_row_calls
 
 BlockTable = Sequence[int]
 
@@ -73,6 +74,8 @@ class _StepPlan:
     prefill_tables: tuple[tuple[torch.Tensor, ...], ...]  # per group, per prefill: (blocks,) long
     # (group, window) -> the decode view, made on first use (a step may hold several windows per group)
     decode_views: dict[tuple[int, int | None], _DecodeView] = field(default_factory=dict)
+    # (group, window) -> the batch-invariant mode's attention calls (row_invariant.py), made on first use
+    row_plans: dict[tuple[int, int | None], RowPlan] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -280,9 +283,11 @@ class PagedKVCache(AttentionBackend):
         device: torch.device | str = "cpu",
         pin_memory: bool = False,
         layer_rows: Sequence[int] = (),
+        batch_invariant: bool = False,
     ) -> None:
         """``layer_rows``: per layer, its row of a block when KV groups share block storage (``kv/layout.py``);
-        () gives every layer a row of its own."""
+        () gives every layer a row of its own. ``batch_invariant``: attend each query row in a call shaped by
+        its own position (``row_invariant.py``), so its result does not depend on the rest of the step."""
         sizes = dict(
             num_layers=num_layers,
             num_blocks=num_blocks,
@@ -302,6 +307,7 @@ class PagedKVCache(AttentionBackend):
         self.v = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.batch_invariant = batch_invariant
 
     def make_host_cache(self, num_blocks: int | None = None) -> PagedKVCache:
         """A CPU cache with this one's block shape to swap to (pinned when this cache is on CUDA)."""
@@ -401,6 +407,8 @@ class PagedKVCache(AttentionBackend):
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)  # (slots, Hkv, D)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
         plan, window = metadata.plan, metadata.window_of(layer)
+        if self.batch_invariant:
+            return attend_row_calls(q, k_cache, v_cache, self._row_plan(metadata, group, window))
         view = self._decode_view(metadata, group, window) if plan.decodes else None
         if plan.decode_only:
             return self._decode(q, k_cache, v_cache, view)
@@ -428,6 +436,14 @@ class PagedKVCache(AttentionBackend):
         if key not in views:
             views[key] = _decode_view(metadata, metadata.plan.decodes, group, window)
         return views[key]
+
+    @staticmethod
+    def _row_plan(metadata: PagedAttentionMetadata, group: int, window: int | None) -> RowPlan:
+        plans, key = metadata.plan.row_plans, (group, window)
+        if key not in plans:
+            table = metadata.block_tables[group]
+            plans[key] = plan_row_calls(metadata.query_lens, metadata.context_lens, table, metadata.block_size, window)
+        return plans[key]
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, view: _DecodeView) -> torch.Tensor:
         """q (B, H, D), one query per decode sequence, over their gathered blocks -> (B, H, D)."""
