@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from kvserve.config import PREFILL_PARTITIONS, WEIGHT_MODES, EngineConfig
-from kvserve.engine_args import add_kv_policy_args, add_prompt_cache_args, add_schema_arg
+from kvserve.engine_args import add_batch_invariant_arg, add_kv_policy_args, add_prompt_cache_args, add_schema_arg
 from kvserve.errors import KVServeError
 from kvserve.generation import Generator
 from kvserve.models.dtype import DTYPE_CHOICES, DTYPES, resolve_dtype_name
@@ -42,7 +42,10 @@ def load_from_args(args: argparse.Namespace) -> LoadedModel:
             raise KVServeError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     with DelayedProgress("Loading model") as progress:
-        return load_model(args.model, DTYPES[args.dtype], args.device, progress.update, weights=args.weights)
+        return load_model(
+            args.model, DTYPES[args.dtype], args.device, progress.update, weights=args.weights,
+            batch_invariant=getattr(args, "batch_invariant", False),  # the commands that run an engine have the flag
+        )  # fmt: skip
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -63,7 +66,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.chat:
         prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": prompt}])
     config = _engine_config(loaded, args)  # validates every engine flag, also where the Generator runs instead
+    # The batch-invariant mode runs the engine too, so that the text is what a server in that mode gives.
     engine_only = args.prefill_parallel > 1 or args.kv_policy != "full" or args.kv_offload != "none"
+    engine_only = engine_only or args.batch_invariant
     if engine_only or args.pml_prompt is not None:
         stream = _engine_stream(loaded, config, args.schema, prompt, params)
     else:
@@ -85,7 +90,7 @@ def _engine_config(loaded: LoadedModel, args: argparse.Namespace) -> EngineConfi
         model=args.model, dtype=args.dtype, device=args.device, weights=args.weights,
         max_num_batched_tokens=loaded.config.max_position_embeddings,  # the whole prompt in one parallel step
         prefill_parallel=args.prefill_parallel, prefill_partition=args.prefill_partition,
-        **kv_policy_options(args), **prompt_cache_options(args),
+        batch_invariant=args.batch_invariant, **kv_policy_options(args), **prompt_cache_options(args),
     )  # fmt: skip
 
 
@@ -162,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-parallel", type=int, default=1, help="processes for the prompt's prefill (KV-Runahead)")
     gen.add_argument("--prefill-partition", choices=PREFILL_PARTITIONS, default=None,
                      help="even, searched, predicted (default when a table exists) or tsp")  # fmt: skip
+    add_batch_invariant_arg(gen)
     add_kv_policy_args(gen)
     add_prompt_cache_args(gen)
     add_schema_arg(gen)

@@ -61,6 +61,10 @@ class EngineConfig:
     prompt_cache_tier: str = "device"  # device: blocks of the KV pool; host: CPU memory, copied in on use
     prompt_cache_memory: str | int = "512MiB"  # LRU-evicted past this; on device, at most half of kv_cache_memory
     prompt_cache_encode: str = "eager"  # eager: when a schema is registered; lazy: when a prompt first imports
+    # The same numerics for a sequence whatever runs beside it and whether its prefix came from the cache:
+    # one matmul kernel for every row count, attention per query row (models/batch_invariant.py,
+    # attention/row_invariant.py). Off: a sequence's last bits, and so some greedy tokens, depend on its batch.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -92,10 +96,25 @@ class EngineConfig:
         parse_memory_size(self.prompt_cache_memory)
         if self.prompt_cache_tier not in PROMPT_CACHE_TIERS:
             raise ValueError(f"prompt_cache_tier must be one of {PROMPT_CACHE_TIERS}, got {self.prompt_cache_tier!r}")
+        self._check_batch_invariant()
         if self.prompt_cache_encode not in PROMPT_CACHE_ENCODES:
             raise ValueError(
                 f"prompt_cache_encode must be one of {PROMPT_CACHE_ENCODES}, got {self.prompt_cache_encode!r}"
             )
+
+    def _check_batch_invariant(self) -> None:
+        if not self.batch_invariant:
+            return
+        others = {
+            "kv_policy": (self.kv_policy, "full"), "kv_offload": (self.kv_offload, "none"),
+            "prefill_parallel": (self.prefill_parallel, 1), "device": (self.device, "cpu"),
+        }  # fmt: skip
+        for name, (value, needed) in others.items():
+            if value != needed:
+                raise ValueError(
+                    f"batch_invariant runs on the paged cache of one CPU process: it needs {name}={needed!r}, "
+                    f"got {value!r}"
+                )
 
     def _check_offload(self, offload_only: bool) -> None:
         if self.kv_offload not in KV_OFFLOAD_MODES:

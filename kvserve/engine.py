@@ -35,7 +35,7 @@ from kvserve.prompt_cache.pml import is_pml_prompt
 from kvserve.prompt_cache.store import CachedModule, ModuleStore
 from kvserve.request import Request, Sequence
 from kvserve.runner import ModelRunner
-from kvserve.sampler import SampledToken, SampleRow, make_generator, sample_batch
+from kvserve.sampler import SampledToken, SampleRow, make_generator, sample_batch, sample_each
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.stopping import find_stop, partial_stop_len
@@ -45,7 +45,12 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.closed = False
-        self.loaded = loaded or load_model(config.model, config.torch_dtype, config.device, weights=config.weights)
+        self.loaded = loaded or load_model(
+            config.model, config.torch_dtype, config.device, weights=config.weights,
+            batch_invariant=config.batch_invariant,
+        )  # fmt: skip
+        if config.batch_invariant and not self.loaded.batch_invariant:
+            raise ValueError("batch_invariant=True needs a model loaded with load_model(..., batch_invariant=True)")
         self.tokenizer = self.loaded.tokenizer
         cfg = self.loaded.config
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -145,7 +150,7 @@ class LLMEngine:
         if not self.offloaded:
             return PagedKVCache(
                 cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, self.loaded.dtype,
-                config.device, layer_rows=self.layout.layer_rows,
+                config.device, layer_rows=self.layout.layer_rows, batch_invariant=config.batch_invariant,
             )  # fmt: skip
         rehearsal = None
         if isinstance(self.kv_policy, InfiniGen):
@@ -452,7 +457,8 @@ class LLMEngine:
         if not rows:
             return
         sample_rows = [SampleRow(r.params, s.generator, r.prompt_token_ids, s.output_token_ids) for r, s in rows]
-        for (request, seq), token in zip(rows, sample_batch(torch.stack(logits), sample_rows), strict=True):
+        sample = sample_each if self.config.batch_invariant else sample_batch
+        for (request, seq), token in zip(rows, sample(torch.stack(logits), sample_rows), strict=True):
             self._append_token(request, seq, token)
 
     def _fork_for_best_of(self, request: Request, seq: Sequence) -> list[Sequence]:

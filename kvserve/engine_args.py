@@ -34,6 +34,7 @@ def add_engine_args(parser: argparse.ArgumentParser, kv_cache_memory: str = "1Gi
         "KV groups that keep only the blocks a window sees",
     )  # fmt: skip
     group.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
+    add_batch_invariant_arg(group)
     group.add_argument(
         "--prefill-parallel", type=int, default=1,
         help="processes for a prompt's prefill (KV-Runahead); the prompt must fit --max-num-batched-tokens",
@@ -45,6 +46,14 @@ def add_engine_args(parser: argparse.ArgumentParser, kv_cache_memory: str = "1Gi
     )  # fmt: skip
     add_kv_policy_args(parser)
     add_prompt_cache_args(parser)
+
+
+def add_batch_invariant_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument(
+        "--batch-invariant", action="store_true",
+        help="the same numerics for a sequence whatever runs beside it and whether its prefix came from the cache: "
+        "one matmul kernel for every batch size, attention per query row (slower; see the README)",
+    )  # fmt: skip
 
 
 def add_prompt_cache_args(parser: argparse.ArgumentParser) -> None:
@@ -147,7 +156,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         preemption_mode=args.preemption_mode, max_model_len=args.max_model_len,
         prefill_parallel=args.prefill_parallel, prefill_partition=args.prefill_partition,
-        **kv_policy_options(args), **prompt_cache_options(args),
+        batch_invariant=args.batch_invariant, **kv_policy_options(args), **prompt_cache_options(args),
     )  # fmt: skip
 
 

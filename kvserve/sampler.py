@@ -136,3 +136,10 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> dict[int, float]:
         return {}
     values, ids = torch.topk(logprobs, k)
     return dict(zip(ids.tolist(), values.tolist(), strict=True))
+
+
+def sample_each(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[SampledToken]:
+    """``sample_batch`` one row at a time, for the batch-invariant mode: torch splits a lone row's reductions
+    (logsumexp, softmax) across threads but reduces a batch row by row, so a row's logprobs and filtered
+    probabilities would otherwise change in their last bits with the number of rows beside it."""
+    return [sample_batch(logits[i : i + 1], [row])[0] for i, row in enumerate(rows)]
