@@ -51,6 +51,10 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     spd.add_argument("--batch-prompt-tokens", type=int, default=64, help="prompt length of each concurrent sequence")
     spd.add_argument("--batch-new-tokens", type=int, default=128, help="tokens each concurrent sequence produces")
     spd.add_argument("--repeats", type=int, default=3)
+    spd.add_argument(
+        "--batch-invariant", action="store_true",
+        help="also run kvserve in the batch-invariant mode, after the default: its cost is the ratio row",
+    )  # fmt: skip
     spd.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/speed-WEIGHTS)")
     spd.set_defaults(func=cmd_bench_speed)
 
@@ -369,6 +373,8 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
     engines: list[Callable[[], speed.SpeedEngine]] = [
         lambda: speed.KVServeSpeed(str(model_path), args.dtype, args.weights, max(batch_sizes))
     ]
+    if args.batch_invariant:
+        engines.append(lambda: speed.KVServeSpeed(str(model_path), args.dtype, args.weights, max(batch_sizes), True))
     seq_len = max(max(lengths), args.batch_prompt_tokens + args.batch_new_tokens) + 64
     peer_info = {}
     if llamacpp_python:
@@ -413,7 +419,8 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
         peers=peer_info,
         results=[asdict(r) for r in results],
     )
-    out = Path(args.output or f"benchmarks/speed-{args.weights}")
+    suffix = "-batch-invariant" if args.batch_invariant else ""  # leaves the default's own report alone
+    out = Path(args.output or f"benchmarks/speed-{args.weights}{suffix}")
     write_report(out, report, _speed_table(report))
     plot_speed_ratios(report, out.with_suffix(".png"))
     return 0

@@ -59,14 +59,18 @@ class SpeedEngine(Protocol):
 class KVServeSpeed:
     name = "kvserve"
 
-    def __init__(self, model: str, dtype: str, weights: str, max_seqs: int) -> None:
+    def __init__(self, model: str, dtype: str, weights: str, max_seqs: int, batch_invariant: bool = False) -> None:
         from kvserve.llm import LLM
 
         start = time.perf_counter()
-        self.llm = LLM(model=model, dtype=dtype, weights=weights, enable_prefix_caching=False, max_num_seqs=max_seqs)
+        self.llm = LLM(
+            model=model, dtype=dtype, weights=weights, enable_prefix_caching=False, max_num_seqs=max_seqs,
+            batch_invariant=batch_invariant,
+        )  # fmt: skip
         self.load_s = time.perf_counter() - start
         self.decode_bytes_per_token = decode_weight_bytes(self.llm.engine.loaded.model)
-        self.name = f"kvserve ({self.llm.engine.loaded.weights})"
+        mode = ", batch-invariant" if batch_invariant else ""
+        self.name = f"kvserve ({self.llm.engine.loaded.weights}{mode})"
 
     def generate(self, ids: Sequence[int], new_tokens: int) -> float:
         return self.batch([ids], new_tokens)
