@@ -1,8 +1,8 @@
 """The batch-invariant mode: a row's numbers do not depend on the rows computed beside it.
 
 Kernel by kernel (dense projections in fixed row tiles, int4 projections on one kernel, attention per query
-row) and through the engine on a tiny Q4_1 model in bfloat16: concurrent greedy requests and a prefix-cache
-hit give exactly the tokens and logprobs of each prompt run alone. Without the mode the same checks find
+row) and through the engine on a tiny Q4_1 model in bfloat16, native and dequantised: concurrent greedy
+requests and a prefix-cache hit give exactly the tokens and logprobs of each prompt run alone. Without the mode the same checks find
 differences (the reason for the mode), except where a kernel happens to be row-invariant already.
 """
 
@@ -217,8 +217,8 @@ def tiny_gguf(tmp_path_factory):
 
 
 def tiny_llm(path, loaded, **options) -> LLM:
-    config = EngineConfig(model=str(path), dtype="bfloat16", kv_cache_memory="8MiB", swap_space=0, block_size=8,
-                          **options)  # fmt: skip
+    config = EngineConfig(model=str(path), dtype="bfloat16", weights=loaded.weights, kv_cache_memory="8MiB",
+                          swap_space=0, block_size=8, **options)  # fmt: skip
     return LLM.from_engine(LLMEngine(config, loaded))
 
 
@@ -244,16 +244,18 @@ def batched_and_alone(path, loaded, batch_invariant: bool) -> tuple[list, list, 
     return concurrent, alone, hits, misses
 
 
-def test_engine_gives_concurrent_and_cached_prompts_the_numbers_they_get_alone(tiny_gguf) -> None:
-    loaded = load_model(tiny_gguf, torch.bfloat16, batch_invariant=True)
+@pytest.mark.parametrize("weights", ["native", "dequant"])
+def test_engine_gives_concurrent_and_cached_prompts_the_numbers_they_get_alone(tiny_gguf, weights) -> None:
+    loaded = load_model(tiny_gguf, torch.bfloat16, weights=weights, batch_invariant=True)
     assert loaded.batch_invariant and "batch-invariant" in loaded.weights_summary
     concurrent, alone, hits, misses = batched_and_alone(tiny_gguf, loaded, True)
     assert concurrent == alone
     assert hits == misses
 
 
-def test_engine_without_the_mode_gives_other_numbers_in_a_batch(tiny_gguf) -> None:
-    loaded = load_model(tiny_gguf, torch.bfloat16)
+@pytest.mark.parametrize("weights", ["native", "dequant"])
+def test_engine_without_the_mode_gives_other_numbers_in_a_batch(tiny_gguf, weights) -> None:
+    loaded = load_model(tiny_gguf, torch.bfloat16, weights=weights)
     concurrent, alone, hits, misses = batched_and_alone(tiny_gguf, loaded, False)
     assert concurrent != alone or hits != misses
 
