@@ -2,8 +2,9 @@
 
 Kernel by kernel (dense projections in fixed row tiles, int4 projections on one kernel, attention per query
 row) and through the engine on a tiny Q4_1 model in bfloat16, native and dequantised: concurrent greedy
-requests and a prefix-cache hit give exactly the tokens and logprobs of each prompt run alone. Without the mode the same checks find
-differences (the reason for the mode), except where a kernel happens to be row-invariant already.
+requests and a prefix-cache hit give exactly the tokens and logprobs of each prompt run alone. Without the
+mode the same checks find differences (the reason for the mode), except where a kernel happens to be
+row-invariant already.
 """
 
 from __future__ import annotations
