@@ -61,9 +61,7 @@ def test_greedy_64_tokens_match_transformers(gemma3_model, hf_gemma3_model, prom
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     ours = Generator(gemma3_model).generate(ids, params)
     with torch.no_grad():
-        theirs = hf_gemma3_model.generate(
-            torch.tensor([ids]), do_sample=False, max_new_tokens=64, min_new_tokens=64
-        )
+        theirs = hf_gemma3_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=64, min_new_tokens=64)
     assert ours.token_ids == theirs[0, len(ids) :].tolist()
     assert len(ours.token_ids) == 64
 

