@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine
 from kvserve.outputs import RequestOutput
+from kvserve.prompts import Prompt, parse_prompts
 from kvserve.sampling_params import SamplingParams
 
-Prompt = str | Sequence[int]
 Message = dict[str, str]
 
 
@@ -65,11 +65,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One ``RequestOutput`` per prompt, in prompt order. A prompt is text, a list of token ids, or a PML
-        prompt (text starting with ``<prompt schema=...>``) over a registered schema."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return self._run([(p, True) for p in prompts], sampling_params, use_tqdm)
+        """One ``RequestOutput`` per prompt, in prompt order. A prompt is text, a list of token ids, vLLM's
+        ``{"prompt": text}`` or ``{"prompt_token_ids": [...]}``, or a PML prompt (text starting with
+        ``<prompt schema=...>``) over a registered schema."""
+        return self._run([(p, True) for p in parse_prompts(prompts)], sampling_params, use_tqdm)
 
     def chat(
         self,
