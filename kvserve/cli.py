@@ -10,9 +10,11 @@ from pathlib import Path
 import torch
 
 from kvserve.config import PREFILL_PARTITIONS, WEIGHT_MODES, EngineConfig
+from kvserve.console import EngineStream, GenerationSummary, print_stream
 from kvserve.engine_args import add_batch_invariant_arg, add_kv_policy_args, add_prompt_cache_args, add_schema_arg
 from kvserve.errors import KVServeError
 from kvserve.generation import Generator
+from kvserve.log import get_logger
 from kvserve.models.dtype import DTYPE_CHOICES, DTYPES, resolve_dtype_name
 from kvserve.models.loader import LoadedModel, load_model
 from kvserve.progress import DelayedProgress
@@ -69,16 +71,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # The batch-invariant mode runs the engine too, so that the text is what a server in that mode gives.
     engine_only = args.prefill_parallel > 1 or args.kv_policy != "full" or args.kv_offload != "none"
     engine_only = engine_only or args.batch_invariant
+    echo = args.prompt if args.echo and not args.chat and args.pml_prompt is None else ""
     if engine_only or args.pml_prompt is not None:
-        stream = _engine_stream(loaded, config, args.schema, prompt, params)
+        with EngineStream(loaded, config, args.schema, prompt, params) as stream:  # its log lines before the text
+            print_stream(stream, echo, sys.stdout)
+        summary = stream.summary()
     else:
         stream = Generator(loaded, args.device).stream(prompt, params)
-    if not args.chat and args.pml_prompt is None:
-        sys.stdout.write(args.prompt)
-    for delta in stream:
-        sys.stdout.write(delta)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+        print_stream(stream, echo, sys.stdout)
+        summary = GenerationSummary.of_generation(stream.output)
+    if args.summary:
+        get_logger().info(summary.line())
     return 0
 
 
@@ -92,28 +95,6 @@ def _engine_config(loaded: LoadedModel, args: argparse.Namespace) -> EngineConfi
         prefill_parallel=args.prefill_parallel, prefill_partition=args.prefill_partition,
         batch_invariant=args.batch_invariant, **kv_policy_options(args), **prompt_cache_options(args),
     )  # fmt: skip
-
-
-def _engine_stream(  # noqa: ANN202
-    loaded: LoadedModel, config: EngineConfig, schemas: list[str], prompt: str | list[int], params: SamplingParams
-):
-    """Text deltas of one request through the paged engine (a parallel prefill, a KV policy or offloading,
-    Prompt Cache)."""
-    from kvserve.engine import LLMEngine
-    from kvserve.engine_args import register_schemas
-
-    engine = LLMEngine(config, loaded)
-    try:
-        register_schemas(engine, schemas)
-        engine.add_request(prompt, params, add_special_tokens=isinstance(prompt, str))
-        shown = 0
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                text = output.outputs[0].text
-                yield text[shown:]
-                shown = len(text)
-    finally:
-        engine.close()
 
 
 def cmd_prefill_worker(args: argparse.Namespace) -> int:
@@ -164,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--no-echo", dest="echo", action="store_false", help="print only the generated text, not the "
+                     "prompt before it (a --chat or --pml-prompt prompt is never echoed)")  # fmt: skip
+    gen.add_argument("--no-summary", dest="summary", action="store_false",
+                     help="no summary line (tokens, TTFT, tokens/s) on stderr after the text")  # fmt: skip
     gen.add_argument("--prefill-parallel", type=int, default=1, help="processes for the prompt's prefill (KV-Runahead)")
     gen.add_argument("--prefill-partition", choices=PREFILL_PARTITIONS, default=None,
                      help="even, searched, predicted (default when a table exists) or tsp")  # fmt: skip

@@ -7,6 +7,7 @@ detokenisation with stop strings.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -26,6 +27,8 @@ class GenerationOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # "stop" (EOS or stop string/token) or "length"
+    # time.monotonic() of arrival, first token and finish, as in the engine's RequestOutput.metrics
+    metrics: dict[str, float] = field(default_factory=lambda: {"arrival_time": time.monotonic()})
 
 
 class Generator:
@@ -96,6 +99,7 @@ class GenerationStream:
         while True:
             token = sample(logits, params, rng)
             out.token_ids.append(token)
+            out.metrics.setdefault("first_token_time", time.monotonic())
             if token in self.stop_ids:
                 out.finish_reason = "stop"
             else:
@@ -107,6 +111,8 @@ class GenerationStream:
                     out.finish_reason = "stop"
                 elif len(out.token_ids) >= self.max_new:
                     out.finish_reason = "length"
+            if out.finish_reason:
+                out.metrics["finish_time"] = time.monotonic()
             # Hold back a tail that could still grow into a stop string.
             safe = len(out.text) if out.finish_reason else len(out.text) - partial_stop_len(out.text, params.stop)
             if safe > emitted:

@@ -128,4 +128,5 @@ def _progress_bar(total: int, enabled: bool):  # noqa: ANN202 - tqdm or None
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="Processed prompts", unit="req", file=sys.stderr, dynamic_ncols=True)
+    # disable=None: no bar where stderr is not a terminal (a log would get every redrawn frame).
+    return tqdm(total=total, desc="Processed prompts", unit="req", file=sys.stderr, dynamic_ncols=True, disable=None)

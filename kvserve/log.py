@@ -5,6 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from logging.handlers import MemoryHandler
 
 
 def get_logger() -> logging.Logger:
@@ -17,3 +20,20 @@ def get_logger() -> logging.Logger:
         logger.setLevel(logging.INFO)
         logger.propagate = False
     return logger
+
+
+@contextmanager
+def logs_held() -> Iterator[None]:
+    """Hold kvserve's log records back until the block ends, then write them in order: a text streamed to
+    the terminal meanwhile is not cut by log lines (from any thread)."""
+    logger = get_logger()
+    handlers, propagate = logger.handlers, logger.propagate
+    held = MemoryHandler(capacity=sys.maxsize, flushLevel=logging.CRITICAL + 1)  # never flushes by itself
+    logger.handlers, logger.propagate = [held], False
+    try:
+        yield
+    finally:
+        logger.handlers, logger.propagate = handlers, propagate
+        for record in held.buffer:
+            logger.handle(record)
+        held.close()

@@ -1,59 +1,54 @@
-"""A progress line on stderr for slow steps, shown only once a step has taken more than a second."""
+"""A progress bar on stderr for slow steps: tqdm on a terminal, shown once a step has taken more than a second.
+
+Where stderr is not a terminal (a log file, a pipe) nothing is drawn: redrawn lines would fill the log with
+carriage returns and escape codes, and the step's own log line says when it ends.
+"""
 
 from __future__ import annotations
 
 import sys
-import threading
-import time
+from contextlib import ExitStack
 from types import TracebackType
 from typing import TextIO
 
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from kvserve.log import get_logger
+
 
 class DelayedProgress:
-    """``with DelayedProgress("Loading model") as p: ... p.update(done, total)``.
+    """``with DelayedProgress("Loading model") as p: ... p.update(done, total)``."""
 
-    A background thread redraws the line every 0.2 s after ``delay`` seconds, so a step that
-    finishes quickly prints nothing, and one that stalls before its first update still shows.
-    """
-
-    def __init__(self, label: str, delay: float = 1.0, stream: TextIO = sys.stderr) -> None:
+    def __init__(self, label: str, delay: float = 1.0, stream: TextIO | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
         self.label = label
         self.delay = delay
-        self.stream = stream
-        self.done = 0
-        self.total = 0
-        self._stop = threading.Event()
-        self._shown = False
-        self._start = time.perf_counter()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.bar: tqdm | None = None
+        self._stack = ExitStack()
 
     def update(self, done: int, total: int) -> None:
-        self.done, self.total = done, total
+        if self.bar is None:
+            return
+        if self.bar.total != total:
+            self.bar.total = total
+        self.bar.update(done - self.bar.n)
 
     def __enter__(self) -> DelayedProgress:
-        self._start = time.perf_counter()
-        self._thread.start()
+        if _is_terminal(self.stream):
+            # leave=False: the bar goes when the step ends; the step's log line stays.
+            bar = tqdm(desc=self.label, delay=self.delay, file=self.stream, unit="tensor", leave=False,
+                       dynamic_ncols=True)  # fmt: skip
+            self.bar = self._stack.enter_context(bar)
+            self._stack.enter_context(logging_redirect_tqdm([get_logger()]))  # log lines go above the bar
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._stop.set()
-        self._thread.join()
-        if self._shown:
-            status = "failed" if exc_type else f"done in {time.perf_counter() - self._start:.1f} s"
-            self.stream.write(f"\r{self.label}: {status}\033[K\n")
-            self.stream.flush()
+        self._stack.__exit__(exc_type, exc, tb)
 
-    def _run(self) -> None:
-        if self._stop.wait(self.delay):
-            return
-        frames = "|/-\\"
-        tick = 0
-        while not self._stop.is_set():
-            counts = f" {100 * self.done // self.total}% ({self.done}/{self.total})" if self.total else ""
-            self.stream.write(f"\r{self.label} {frames[tick % 4]}{counts}\033[K")
-            self.stream.flush()
-            self._shown = True
-            tick += 1
-            self._stop.wait(0.2)
+
+def _is_terminal(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import io
 import subprocess
 import sys
-import time
 
 import pytest
-
-from kvserve.progress import DelayedProgress
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -52,20 +48,3 @@ def test_bad_sampling_value_is_a_clear_error():
     result = run_cli("generate", "--temperature", "-1", "hi")
     assert result.returncode == 2
     assert "temperature must be >= 0 and finite, got -1.0" in result.stderr
-
-
-def test_progress_is_silent_for_quick_steps():
-    stream = io.StringIO()
-    with DelayedProgress("Loading", delay=1.0, stream=stream) as progress:
-        progress.update(1, 2)
-    assert stream.getvalue() == ""
-
-
-def test_progress_shows_counts_for_slow_steps():
-    stream = io.StringIO()
-    with DelayedProgress("Loading", delay=0.05, stream=stream) as progress:
-        progress.update(3, 4)
-        time.sleep(0.4)
-    text = stream.getvalue()
-    assert "Loading" in text and "75% (3/4)" in text
-    assert "Loading: done in" in text

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +35,20 @@ from kvserve.parallel.supervisor import GroupState, GroupSupervisor
 MIN_TOKENS_PER_PROC = 16
 
 
+@dataclass(frozen=True)
+class PrefillRoute:
+    """Where a whole prompt was prefilled: over ``processes`` processes, or in this one (1), and why."""
+
+    num_tokens: int
+    processes: int
+    reason: str = ""  # why it ran in this process
+
+    def describe(self) -> str:
+        if self.processes > 1:
+            return f"prefill of {self.num_tokens} tokens over {self.processes} processes"
+        return f"prefill of {self.num_tokens} tokens in this process: {self.reason}"
+
+
 class ParallelPrefill:
     def __init__(
         self,
@@ -47,6 +62,7 @@ class ParallelPrefill:
         self.table: PartitionTable | None = None
         self.set_partition(partition)
         self.searched: dict[int, tuple[int, ...]] = {}  # context length -> boundaries found by measuring
+        self.last_route: PrefillRoute | None = None  # the latest whole prompt offered to qualifies()
         if joined_from_env():  # started torchrun-style: the workers run `kvserve prefill-worker` elsewhere
             self.supervisor = GroupSupervisor(RemotePrefillGroup(model, num_procs, timeout_s=timeout_s), num_procs - 1)
             return
@@ -81,7 +97,16 @@ class ParallelPrefill:
         return self.supervisor.state()
 
     def qualifies(self, num_tokens: int) -> bool:
-        return self.available and num_tokens >= self.num_procs * MIN_TOKENS_PER_PROC
+        """Whether a whole prompt of ``num_tokens`` runs over the group; one that does not is noted in
+        ``last_route`` with the reason."""
+        reason = ""
+        if num_tokens < self.num_procs * MIN_TOKENS_PER_PROC:
+            reason = f"fewer than {self.num_procs * MIN_TOKENS_PER_PROC} tokens ({MIN_TOKENS_PER_PROC} a process)"
+        elif not self.available:
+            reason = f"the prefill group is down ({self.state().state})"
+        if reason:
+            self.last_route = PrefillRoute(num_tokens, 1, reason)
+        return not reason
 
     def boundaries(self, context_len: int) -> tuple[int, ...]:
         p = self.num_procs
@@ -107,9 +132,12 @@ class ParallelPrefill:
         try:
             with self.supervisor.held() as group:  # a failure loses the group: logged, restarted later
                 job = ChunkJob(scheme, tuple(token_ids), self.boundaries(len(token_ids)))
-                return group.prefill(job, sink)
-        except ParallelPrefillError:
+                hidden = group.prefill(job, sink)
+        except ParallelPrefillError as exc:
+            self.last_route = PrefillRoute(len(token_ids), 1, f"the parallel prefill failed: {exc}")
             return None
+        self.last_route = PrefillRoute(len(token_ids), self.num_procs)
+        return hidden
 
     def close(self) -> None:
         """Stop the supervisor and the group (workers, process group). Idempotent."""
