@@ -294,20 +294,8 @@ class LLMEngine:
 
     def policy_for(self, params: SamplingParams) -> KVPolicy:
         """The request's KV policy: the engine's, unless ``params`` names another policy or budget."""
-        if params.kv_policy is None and params.kv_budget is None:
-            policy = self.kv_policy
-        else:
-            name = params.kv_policy or self.kv_policy.name
-            budget = params.kv_budget if params.kv_budget is not None else (
-                self.kv_policy.budget if name == self.kv_policy.name else None
-            )  # fmt: skip
-            policy = make_policy(name, budget, **self.config.kv_policy_knobs)
-            policy.retention(self.loaded.config.num_layers)
-        if self.offloaded and policy != self.kv_policy:
-            raise ValueError(
-                f"this engine offloads its KV and fetches it by kv_policy={self.kv_policy.name!r} for every request; "
-                f"a request cannot pick kv_policy={policy.name!r}"
-            )
+        no_override = params.kv_policy is None and params.kv_budget is None
+        policy = self.kv_policy if no_override else self._requested_policy(params)
         if policy.lossless or self.offloaded:
             return policy
         if not self.per_layer_groups:
@@ -320,6 +308,26 @@ class LLMEngine:
                 f"kv_policy={policy.name!r} compacts each sequence's own blocks, so samples cannot share them: "
                 f"n and best_of must be 1, got best_of={params.best_of}"
             )
+        return policy
+
+    def _requested_policy(self, params: SamplingParams) -> KVPolicy:
+        name = params.kv_policy or self.kv_policy.name
+        budget = params.kv_budget if params.kv_budget is not None else (
+            self.kv_policy.budget if name == self.kv_policy.name else None
+        )  # fmt: skip
+        policy = make_policy(name, budget, **self.config.kv_policy_knobs)
+        policy.retention(self.loaded.config.num_layers)
+        if self.offloaded and policy != self.kv_policy:
+            raise ValueError(
+                f"this engine offloads its KV and fetches it by kv_policy={self.kv_policy.name!r} for every request; "
+                f"a request cannot pick kv_policy={policy.name!r}"
+            )
+        # What this engine's configuration would refuse at start-up (EngineConfig's rules, not a copy of them),
+        # a request cannot pick either: the server refuses what the command line refuses.
+        try:
+            dataclasses.replace(self.config, kv_policy=name, kv_budget=budget)
+        except ValueError as exc:
+            raise ValueError(f"this engine cannot run kv_policy={name!r} for a request: {exc}") from None
         return policy
 
     def validate_prompt(self, ids: list[int]) -> None:

@@ -77,6 +77,10 @@ class ServeContext:
             self.engine.engine.validate_params(params)
         except ValueError as exc:
             raise bad_request(str(exc), "stop_token_ids") from None
+        try:
+            self.engine.engine.policy_for(params)
+        except ValueError as exc:
+            raise bad_request(str(exc), _policy_param(params)) from None
         items = [(f"{request_id}-{i}", ids, params) for i, ids in enumerate(prompts)]
         try:
             return await self.engine.add_requests(items)
@@ -90,6 +94,13 @@ class ServeContext:
             raise bad_request(str(exc), prompt_param) from None
         except ValueError as exc:
             raise bad_request(str(exc)) from None
+
+
+def _policy_param(params: SamplingParams) -> str:
+    """The field to blame when the engine cannot run a request's KV policy."""
+    if params.kv_policy is not None:
+        return "kv_policy"
+    return "kv_budget" if params.kv_budget is not None else "n"
 
 
 class ClientDisconnected(Exception):
