@@ -84,7 +84,7 @@ def _logprobs(
 def _usage(out: RequestOutput) -> UsageInfo:
     prompt = len(out.prompt_token_ids)
     completion = sum(len(o.token_ids) for o in out.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return UsageInfo.of(prompt, completion, cached=out.num_cached_tokens)
 
 
 @dataclass

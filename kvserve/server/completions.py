@@ -39,7 +39,7 @@ async def create_completion(ctx: ServeContext, body: CompletionRequest, raw: Req
     ctx.check_model(body.model)
     params = completion_params(body, ctx.max_num_seqs)
     # Tokenising (and detokenising ids for echo) a large prompt takes seconds: not on the event loop.
-    prompts = await ctx.blocking.run(_prompt_size(body.prompt), _prompts, ctx, body.prompt, params.skip_special_tokens)
+    prompts = await ctx.blocking.run(_prompt_size(body.prompt), _prompts, ctx, body, params.skip_special_tokens)
     request_id = random_id("cmpl")
     streams = await ctx.admit(request_id, [p.ids for p in prompts], params)
     if body.stream:
@@ -59,7 +59,8 @@ def _prompt_size(prompt: object) -> int:
     return sum(len(item) for item in prompt)
 
 
-def _prompts(ctx: ServeContext, prompt: object, skip_special: bool) -> list[_Prompt]:
+def _prompts(ctx: ServeContext, body: CompletionRequest, skip_special: bool) -> list[_Prompt]:
+    prompt = body.prompt
     if isinstance(prompt, str):
         items: list = [prompt]
     elif prompt and isinstance(prompt[0], int):
@@ -74,7 +75,7 @@ def _prompts(ctx: ServeContext, prompt: object, skip_special: bool) -> list[_Pro
         if is_pml_prompt(item):
             out.append(_Prompt(item, item))
             continue
-        ids = tokenizer.encode(item, add_special_tokens=True) if isinstance(item, str) else list(item)
+        ids = tokenizer.encode(item, body.add_special_tokens) if isinstance(item, str) else list(item)
         ctx.check_prompt(ids, "prompt")  # first: ids outside the vocabulary cannot be decoded
         text = item if isinstance(item, str) else tokenizer.decode(ids, skip_special_tokens=skip_special)
         out.append(_Prompt(ids, text))
@@ -104,7 +105,7 @@ def _with_prompt(body: CompletionRequest, out: RequestOutput, ids: Sequence[int]
 def _usage(outputs: Sequence[RequestOutput]) -> UsageInfo:
     prompt = sum(len(out.prompt_token_ids) for out in outputs)
     completion = sum(len(o.token_ids) for out in outputs for o in out.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return UsageInfo.of(prompt, completion, cached=sum(out.num_cached_tokens for out in outputs))
 
 
 @dataclass

@@ -15,8 +15,6 @@ _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 def completion_params(body: CompletionRequest, max_num_seqs: int) -> SamplingParams:
-    if body.suffix:
-        raise bad_request("suffix is not supported", "suffix")
     prompt_logprobs = body.logprobs if body.echo else None
     renames = {"prompt_logprobs": "logprobs"}
     return _build(body, body.max_tokens, body.logprobs, prompt_logprobs, renames, max_num_seqs)

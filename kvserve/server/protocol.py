@@ -1,6 +1,7 @@
 """OpenAI's request and response shapes (with vLLM's extra sampling fields), as pydantic models.
 
-Unknown fields are ignored, as OpenAI and vLLM do; a known field of the wrong type fails validation,
+A request body's fields are the declared ones; any other is a 400 naming it, unless it only carries
+metadata or asks for nothing (``server/fields.py``). A known field of the wrong type fails validation,
 which the API turns into a 400 naming the field. Types are strict, as OpenAI's are: ``"max_tokens": "10"``
 or ``"n": 2.0`` is an error, not a number (an integer is a fine float). Ranges are checked by
 ``SamplingParams`` itself.
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvserve.server.fields import drop_ignorable
 
 MAX_TOP_LOGPROBS = 20
 
@@ -29,11 +32,22 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+class _Body(_Request):
+    """A whole request body: a field it does not declare is refused (see ``server/fields.py``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignorable(cls, data: Any) -> Any:
+        return drop_ignorable(data, cls.model_fields) if isinstance(data, dict) else data
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(_Body):
     """Fields both endpoints share: OpenAI's, then vLLM's extras."""
 
     model: str | None = None
@@ -71,7 +85,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM extra: the tokenizer's BOS in front of a text prompt
 
 
 class TextPart(_Request):
@@ -104,16 +118,31 @@ class ChatCompletionRequest(_SamplingFields):
 # ----- responses -----
 
 
-class SchemaRequest(_Request):
+class SchemaRequest(_Body):
     """``POST /v1/schemas``: a Prompt Cache schema in PML."""
 
     pml: str
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache or Prompt Cache modules
 
 
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    @classmethod
+    def of(cls, prompt: int, completion: int, cached: int) -> UsageInfo:
+        details = PromptTokensDetails(cached_tokens=cached)
+        return cls(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=details,
+        )
 
 
 class CompletionLogprobs(BaseModel):

@@ -1,0 +1,132 @@
+"""Request fields kvserve does not implement are a 400 naming them, never silently ignored; metadata and
+fields sent switched off pass; ``usage.prompt_tokens_details.cached_tokens`` counts prefix-cache hits.
+
+Real uvicorn server on loopback (tiny random model), driven by the official ``openai`` client.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from kvserve.server.fields import UNSUPPORTED_FIELDS
+from tests.server.conftest import TINY_NAME, TINY_OPTIONS
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+BLOCK = TINY_OPTIONS["block_size"]
+
+# A value that asks for something kvserve does not do, per field.
+ASKING = {
+    "logit_bias": {"5": 100}, "suffix": " the end", "functions": [{"name": "f", "parameters": {}}],
+    "function_call": "auto", "parallel_tool_calls": False, "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "service_tier": "flex",
+    "store": True, "web_search_options": {}, "reasoning_effort": "high", "verbosity": "low", "min_tokens": 4,
+    "truncate_prompt_tokens": 8, "prompt_logprobs": 1, "include_stop_str_in_output": True,
+    "spaces_between_special_tokens": False, "allowed_token_ids": [5, 6], "bad_words": ["the"],
+    "logits_processors": ["x"], "return_tokens_as_token_ids": True, "return_token_ids": True,
+    "add_special_tokens": True, "echo": True, "continue_final_message": True, "chat_template": "{{ messages }}",
+    "chat_template_kwargs": {"enable_thinking": True}, "documents": [{"text": "x"}], "mm_processor_kwargs": {},
+    "priority": 1, "cache_salt": "salt", "request_id": "mine", "kv_transfer_params": {}, "vllm_xargs": {},
+    "cache_prompt": False,
+}  # fmt: skip
+IMPLEMENTED_FOR_COMPLETIONS = {"echo", "add_special_tokens"}
+
+
+def test_every_unsupported_field_has_an_asking_value_here():
+    assert set(ASKING) == set(UNSUPPORTED_FIELDS)
+
+
+def create(client: openai.OpenAI, endpoint: str, **kwargs):
+    if endpoint == "chat":
+        return client.chat.completions.create(model=TINY_NAME, messages=MESSAGES, max_tokens=2, **kwargs)
+    return client.completions.create(model=TINY_NAME, prompt="hi", max_tokens=2, **kwargs)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_an_unsupported_field_is_a_400_naming_it(tiny_server, endpoint):
+    client = tiny_server.client()
+    for field, value in ASKING.items():
+        if endpoint == "completions" and field in IMPLEMENTED_FOR_COMPLETIONS:
+            continue
+        with pytest.raises(openai.BadRequestError) as caught:
+            create(client, endpoint, extra_body={field: value})
+        assert caught.value.body["param"] == field
+        assert caught.value.body["message"].startswith(f"'{field}' is not supported by kvserve"), field
+    assert create(client, endpoint).usage.completion_tokens == 2  # the server goes on serving
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_fields_that_ask_for_nothing_and_metadata_pass(tiny_server, endpoint):
+    """Clients that send every default (null, or the value that switches a field off) keep working."""
+    off = {field: offs[-1] for field, offs in UNSUPPORTED_FIELDS.items()}
+    if endpoint == "completions":
+        off = {k: v for k, v in off.items() if k not in IMPLEMENTED_FOR_COMPLETIONS}
+    metadata = {"metadata": {"team": "a"}, "safety_identifier": "u-1", "prompt_cache_key": "k"}
+    reply = create(tiny_server.client(), endpoint, user="someone", extra_body={**off, **metadata})
+    assert reply.usage.completion_tokens == 2
+    nulls = {field: None for field in UNSUPPORTED_FIELDS if field not in IMPLEMENTED_FOR_COMPLETIONS}
+    assert create(tiny_server.client(), endpoint, extra_body=nulls).usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_an_unknown_field_is_a_400_not_ignored(tiny_server, endpoint):
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(tiny_server.client(), endpoint, extra_body={"max_token": 50})
+    assert caught.value.body["param"] == "max_token"
+    assert caught.value.body["message"] == "'max_token' is not supported by kvserve: this endpoint has no such field"
+
+
+def test_a_field_of_the_other_endpoint_is_refused(tiny_server):
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(tiny_server.client(), "completions", extra_body={"max_completion_tokens": 4})
+    assert caught.value.body["param"] == "max_completion_tokens"
+
+
+def test_the_off_value_is_matched_with_its_json_type(tiny_server):
+    """``0 == False`` in Python: ``"store": 0`` is not ``false`` and is refused."""
+    body = {"model": TINY_NAME, "prompt": "hi", "max_tokens": 2, "store": 0}
+    response = httpx.post(tiny_server.base_url + "/completions", json=body, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "store"
+    assert "accepted only as null or false" in response.json()["error"]["message"]
+
+
+def test_add_special_tokens_false_leaves_the_bos_out_of_a_completion_prompt(tiny_server):
+    client = tiny_server.client()
+    with_bos = client.completions.create(model=TINY_NAME, prompt="hello there", max_tokens=1)
+    bare = client.completions.create(
+        model=TINY_NAME, prompt="hello there", max_tokens=1, extra_body={"add_special_tokens": False}
+    )
+    assert bare.usage.prompt_tokens == with_bos.usage.prompt_tokens - 1
+
+
+def test_cached_tokens_count_the_prefix_cache_hits(tiny_server):
+    """The first request computes its whole prompt; the same prompt again reuses its full blocks."""
+    client = tiny_server.client()
+    prompt = "the cat sat on the mat and then the cat ran to the other room. " * 3
+    first = client.completions.create(model=TINY_NAME, prompt=prompt, max_tokens=2)
+    again = client.completions.create(model=TINY_NAME, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % BLOCK == 0 and cached < again.usage.prompt_tokens
+
+
+def test_cached_tokens_in_chat_and_in_the_streamed_usage_chunk(tiny_server):
+    client = tiny_server.client()
+    messages = [{"role": "user", "content": "tell me about the thing in the other room, then the end. " * 3}]
+    kwargs = dict(model=TINY_NAME, messages=messages, max_tokens=2)
+    first = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % BLOCK == 0
+    body = {"model": TINY_NAME, "prompt": [5] * 40, "max_tokens": 1, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    usage = []
+    for _ in range(2):
+        streamed = httpx.post(tiny_server.base_url + "/completions", json=body, timeout=30)
+        lines = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: {")]
+        usage.append(json.loads(lines[-1])["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert usage == [0, 32]  # the two full blocks of a 40-token prompt
