@@ -3,8 +3,10 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as server-sent events
 with ``stream: true``; a prompt starting with ``<prompt schema=...>`` is a Prompt Cache prompt),
 ``POST/GET /v1/schemas``, ``GET/DELETE /v1/schemas/{name}`` (Prompt Cache schemas, see
-``server/schemas.py``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. With an ``api_key``,
-every ``/v1`` route needs ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open.
+``server/schemas.py``), ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize`` (``server/tokenize.py``),
+``GET /version``, ``GET /health``, ``GET /metrics``. With an ``api_key``, every ``/v1`` route and the two
+tokenizer routes (they spend CPU on the caller's input) need ``Authorization: Bearer <key>``; ``/version``,
+``/health`` and ``/metrics`` stay open.
 A body over ``max_request_bytes`` gets 413; large bodies and prompts are parsed and tokenised off the
 event loop (``server/blocking.py``).
 Errors use OpenAI's shape with the offending field in ``param``.
@@ -25,18 +27,29 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+import kvserve
 from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.blocking import BlockingWork
 from kvserve.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from kvserve.server.chat import create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.errors import ApiError, from_validation_errors
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SchemaRequest
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    SchemaRequest,
+    TokenizeRequest,
+)
 from kvserve.server.schemas import create_schema, delete_schema, get_schema, list_schemas
 from kvserve.server.serving import ClientDisconnected, ServeContext
+from kvserve.server.tokenize import detokenize, tokenize
 from kvserve.server.tokens import TokenTexts
 
 CLIENT_CLOSED = 499  # nginx's status for a client that hung up; nobody receives it
+KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")  # what needs the API key when the server has one
 
 
 def build_app(
@@ -101,6 +114,18 @@ def build_app(
         card = ModelCard(id=model_name, root=model_root, max_model_len=ctx.max_model_len)
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
+    @app.post("/tokenize")
+    async def tokenize_route(raw: Request) -> Response:
+        return await tokenize(ctx, await _parse(ctx, raw, TokenizeRequest))
+
+    @app.post("/detokenize")
+    async def detokenize_route(raw: Request) -> Response:
+        return await detokenize(ctx, await _parse(ctx, raw, DetokenizeRequest))
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": kvserve.__version__})
+
     @app.get("/health")
     async def health() -> Response:
         if not async_engine.is_running:
@@ -151,14 +176,14 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 class ApiKeyMiddleware:
-    """Plain ASGI (so streaming responses pass through untouched): ``/v1`` needs the bearer key."""
+    """Plain ASGI (so streaming responses pass through untouched): ``KEYED_PATHS`` need the bearer key."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"].startswith(KEYED_PATHS) and scope["method"] != "OPTIONS":
             given = dict(scope["headers"]).get(b"authorization")
             if given is None or not secrets.compare_digest(given, self.expected):
                 message = "missing API key: send 'Authorization: Bearer <key>'" if given is None else "invalid API key"

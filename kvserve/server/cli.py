@@ -20,7 +20,7 @@ def add_serve_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     serve.add_argument(
         "--api-key",
         default=os.environ.get("KVSERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KVSERVE_API_KEY, else none)",
+        help="require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (default: $KVSERVE_API_KEY)",
     )
     serve.add_argument("--max-queue", type=int, default=None, help="most requests waiting + running; more get 503")
     serve.add_argument(

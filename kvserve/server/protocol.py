@@ -115,6 +115,24 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True  # vLLM extra
 
 
+class TokenizeRequest(_Body):
+    """``POST /tokenize`` (vLLM's shape): a ``prompt``, or chat ``messages`` through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True  # messages only
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages (the template adds BOS)
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # ----- responses -----
 
 
@@ -236,6 +254,17 @@ class CompletionChunk(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None  # the tokenizer's own spelling of each token (``Ġthe``)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):
