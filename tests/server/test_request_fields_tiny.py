@@ -130,3 +130,12 @@ def test_cached_tokens_in_chat_and_in_the_streamed_usage_chunk(tiny_server):
         lines = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: {")]
         usage.append(json.loads(lines[-1])["usage"]["prompt_tokens_details"]["cached_tokens"])
     assert usage == [0, 32]  # the two full blocks of a 40-token prompt
+
+
+def test_cached_tokens_count_prompt_cache_modules_on_first_use(tiny_server):
+    """A PML prompt's modules were encoded when its schema was registered: served from the cache at once."""
+    schema = '<schema name="facts"><module name="doc">' + "the cat sat on the mat. " * 6 + "</module></schema>"
+    assert httpx.post(tiny_server.base_url + "/schemas", json={"pml": schema}, timeout=30).status_code == 200
+    prompt = '<prompt schema="facts"><doc/><user>where did the cat sit?</user></prompt>'
+    reply = tiny_server.client().completions.create(model=TINY_NAME, prompt=prompt, max_tokens=2)
+    assert 0 < reply.usage.prompt_tokens_details.cached_tokens < reply.usage.prompt_tokens

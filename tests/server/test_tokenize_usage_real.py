@@ -1,0 +1,62 @@
+"""On the real default model (SmolLM2-135M-Instruct): ``/tokenize`` and ``/detokenize`` agree with the
+Hugging Face tokenizer and with what the chat endpoint counts, and a repeated prompt reports the tokens
+the prefix cache served in ``usage.prompt_tokens_details.cached_tokens``."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from kvserve.config import EngineConfig
+from kvserve.engine import LLMEngine
+from tests.server.conftest import start_server
+
+pytestmark = pytest.mark.real_model
+
+NAME = "SmolLM2-135M-Instruct"
+BLOCK = 16
+TEXT = "The capital of France is Paris; Tokyo's tower is 東京タワー 🗼, and 3.14 ≈ π."
+SYSTEM = "You are a careful assistant. Answer in one short sentence, and never invent facts you do not know. " * 3
+
+
+@pytest.fixture(scope="module")
+def server(default_model):
+    engine = LLMEngine(EngineConfig(kv_cache_memory="64MiB", swap_space=0, block_size=BLOCK), default_model)
+    running = start_server(engine, name=NAME)
+    yield running
+    running.stop()
+
+
+def post(server, path: str, body: dict) -> dict:
+    response = httpx.post(server.url + path, json={"model": NAME, **body}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_tokenize_and_detokenize_agree_with_transformers(server, hf_default_tokenizer):
+    answer = post(server, "/tokenize", {"prompt": TEXT})
+    assert answer["tokens"] == hf_default_tokenizer(TEXT)["input_ids"]
+    assert answer["count"] == len(answer["tokens"]) and answer["max_model_len"] == 8192
+    assert post(server, "/detokenize", {"tokens": answer["tokens"]}) == {"prompt": TEXT}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXT}]
+    chat = post(server, "/tokenize", {"messages": messages})
+    rendered = hf_default_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == hf_default_tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    reply = server.client().chat.completions.create(model=NAME, messages=messages, max_tokens=1)
+    assert reply.usage.prompt_tokens == chat["count"]
+
+
+def test_a_repeated_prompt_reports_the_tokens_the_prefix_cache_served(server):
+    client = server.client()
+    question = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of Italy?"}]
+    first = client.chat.completions.create(model=NAME, messages=question, max_tokens=4, temperature=0)
+    stream = client.chat.completions.create(
+        model=NAME, messages=question, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    usage = list(stream)[-1].usage
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert cached % BLOCK == 0 and usage.prompt_tokens - BLOCK <= cached < usage.prompt_tokens
+    other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "And of Spain?"}]
+    shared = client.chat.completions.create(model=NAME, messages=other, max_tokens=4, temperature=0)
+    assert 0 < shared.usage.prompt_tokens_details.cached_tokens < cached  # the system prompt's blocks only
