@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvserve.errors import ParallelPrefillError
+from kvserve.heap import HeapTrimmer
 from kvserve.log import get_logger
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.parallel.chunks import ChunkJob, KVSink, run_chunk
@@ -238,9 +239,11 @@ def _worker_main(
         status.put(("loaded", rank, None))
         store = dist.TCPStore("127.0.0.1", store_port, world_size, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        heap = HeapTrimmer()  # chunk activations differ in shape with every prompt
         while (job := jobs.get()) is not None:
             run_chunk(loaded.model, job, rank, timeout_s)
             status.put(("done", rank, None))
+            heap.maybe_trim()
     except Exception as exc:  # reported to the engine, which fails the prefill and closes the group
         status.put(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"))
     finally:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from kvserve.attention.offloaded import OffloadedKVCache
 from kvserve.engine import LLMEngine
+from kvserve.heap import HeapTrimmer
 from kvserve.log import get_logger
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -188,6 +189,7 @@ class AsyncEngine:
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self.num_step_errors = 0
+        self.heap = HeapTrimmer()  # a server runs for days: give the steps' freed activations back
 
     # ----- lifecycle -----
 
@@ -299,6 +301,7 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self._observe_engine()
+                self.heap.maybe_trim()
             except Exception as exc:  # a bug outside step(): fail what is in flight, never die silently
                 get_logger().exception("the engine loop failed; aborting the %d requests in flight", len(self._tracked))
                 self._fail_all(EngineStepError(f"the engine failed: {exc!r}"))
