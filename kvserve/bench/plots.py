@@ -289,8 +289,10 @@ def plot_soak(report: dict, path: Path) -> None:
     top.set_yscale("log")
     top.legend(fontsize=8)
     rss = r["timeline"]["rss"]
-    bottom.plot([t for t, _ in rss], [m for _, m in rss], color="#888888")
-    bottom.set_ylabel("server RSS with workers (MiB)")
+    bottom.plot([t for t, _, _ in rss], [m for _, m, _ in rss], color="#3b7dd8", label="server")
+    bottom.plot([t for t, _, _ in rss], [w for _, _, w in rss], color="#888888", label="prefill workers")
+    bottom.set_ylabel("resident memory (MiB)")
+    bottom.legend(fontsize=8)
     bottom.set_xlabel("seconds")
     for t, event in r["events"]:
         for ax in (top, bottom):

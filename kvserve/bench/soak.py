@@ -83,7 +83,7 @@ class Outcome:
 @dataclass
 class Probes:
     health: list[tuple[float, float, int]] = field(default_factory=list)  # (t, seconds, status)
-    rss: list[tuple[float, float]] = field(default_factory=list)  # (t, MiB of the server and its workers)
+    rss: list[tuple[float, float, float]] = field(default_factory=list)  # (t, MiB of the server, of its workers)
     events: list[tuple[float, str]] = field(default_factory=list)
 
 
@@ -289,15 +289,17 @@ def probe_loop(url: str, server_pid: int, probes: Probes, stop: threading.Event,
             probes.health.append((sent - start, time.monotonic() - sent, status))
             if sent - family_rss_at >= 1.0:
                 family_rss_at = sent
-                probes.rss.append((sent - start, _family_rss_mib(server_pid)))
+                probes.rss.append((sent - start, *_rss_mib(server_pid)))
 
 
-def _family_rss_mib(pid: int) -> float:
+def _rss_mib(pid: int) -> tuple[float, float]:
+    """Resident MiB of the server process and of its workers together (a restarted worker is new)."""
     try:
         server = psutil.Process(pid)
-        return sum(p.memory_info().rss for p in [server, *server.children(recursive=True)]) / 2**20
+        workers = sum(p.memory_info().rss for p in server.children(recursive=True))
+        return server.memory_info().rss / 2**20, workers / 2**20
     except psutil.Error:
-        return float("nan")
+        return float("nan"), float("nan")
 
 
 def kill_worker_later(server_pid: int, delay_s: float, probes: Probes, start: float, stop: threading.Event) -> None:
@@ -364,8 +366,8 @@ def summarize(
     accepted = sum(o.engine_requests for o in outcomes)
     ended = _metric(metrics, "kvserve:request_success_total")
     latencies = sorted(s for _, s, _ in probes.health)
-    rss = [m for _, m in probes.rss]
-    quarter = max(1, len(rss) // 4)
+    server_rss = [m for _, m, _ in probes.rss]
+    quarter = max(1, len(server_rss) // 4)
     return {
         "options": asdict(opts),
         "elapsed_s": elapsed,
@@ -387,10 +389,10 @@ def summarize(
             "p99_ms": 1000 * latencies[int(0.99 * (len(latencies) - 1))] if latencies else None,
             "max_ms": 1000 * latencies[-1] if latencies else None,
         },
-        "rss_mib": {
-            "first_quarter_after_start": _median(rss[quarter : 2 * quarter]),
-            "last_quarter": _median(rss[-quarter:]),
-            "max": max(rss, default=None),
+        "server_rss_mib": {  # the engine's process; workers are restarted, so they are plotted, not compared
+            "second_quarter": _median(server_rss[quarter : 2 * quarter]),
+            "last_quarter": _median(server_rss[-quarter:]),
+            "max": max(server_rss, default=None),
         },
         "events": probes.events,
         "processes_left_after_stop": leftover,
@@ -413,7 +415,7 @@ def _median(values: list[float]) -> float | None:
 
 def soak_table(report: dict) -> str:
     r = report["results"]
-    h, rss = r["health"], r["rss_mib"]
+    h, rss = r["health"], r["server_rss_mib"]
     lines = [
         f"# Soak: {r['requests']} requests in {r['elapsed_s']:.0f} s against `kvserve serve` on loopback",
         "",
@@ -435,10 +437,11 @@ def soak_table(report: dict) -> str:
         + f"); running or waiting at the end: {r['left_running_or_waiting']:.0f}.",
         f"- `/health` every 100 ms: p50 {h['p50_ms']:.1f} ms, **p99 {h['p99_ms']:.1f} ms** (goal < 100), "
         f"max {h['max_ms']:.1f} ms, {h['not_200']} of {h['probes']} not 200.",
-        f"- Server memory (RSS with workers): {rss['first_quarter_after_start']:.0f} MiB in the second quarter, "
+        f"- Server process memory (RSS, median): {rss['second_quarter']:.0f} MiB in the second quarter, "
         f"{rss['last_quarter']:.0f} MiB in the last, max {rss['max']:.0f} MiB.",
         f"- Events: {'; '.join(f'{t:.0f} s {e}' for t, e in r['events']) or 'none'}; prefill metrics at the end: "
-        f"{r['prefill_metrics'] or 'none'}.",
+        + (", ".join(f"`{k}` {v:g}" for k, v in r["prefill_metrics"].items()) or "none")
+        + ".",
         f"- Processes left after stopping the server: {r['processes_left_after_stop'] or 'none'}.",
     ]
     return "\n".join(lines) + "\n"
