@@ -563,7 +563,7 @@ class LLMEngine:
         seq.text += seq.detokenizer.step(token.token_id)
         stop = find_stop(seq.text, params.stop, searched)
         if stop is not None:
-            seq.text = seq.text[: stop[0]]
+            seq.text = seq.text[: stop[0] + len(stop[1]) if params.include_stop_str_in_output else stop[0]]
             seq.finish_reason, seq.stop_reason = "stop", stop[1]
         elif (
             len(seq.output_token_ids) >= params.max_tokens

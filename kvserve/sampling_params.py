@@ -43,6 +43,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # keep the stop string that ended a sequence at its text's end
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None

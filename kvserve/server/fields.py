@@ -44,7 +44,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "min_tokens": (None, 0),
     "truncate_prompt_tokens": (None,),
     "prompt_logprobs": (None,),
-    "include_stop_str_in_output": (None, False),
     "spaces_between_special_tokens": (None, True),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),

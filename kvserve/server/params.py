@@ -59,6 +59,7 @@ def _build(
             seed=body.seed,
             stop=stop,
             stop_token_ids=list(body.stop_token_ids or []),
+            include_stop_str_in_output=body.include_stop_str_in_output,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,

@@ -68,6 +68,7 @@ class _SamplingFields(_Body):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     use_beam_search: bool = False
     length_penalty: float = 1.0

@@ -25,7 +25,7 @@ ASKING = {
     "function_call": "auto", "parallel_tool_calls": False, "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "service_tier": "flex",
     "store": True, "web_search_options": {}, "reasoning_effort": "high", "verbosity": "low", "min_tokens": 4,
-    "truncate_prompt_tokens": 8, "prompt_logprobs": 1, "include_stop_str_in_output": True,
+    "truncate_prompt_tokens": 8, "prompt_logprobs": 1,
     "spaces_between_special_tokens": False, "allowed_token_ids": [5, 6], "bad_words": ["the"],
     "logits_processors": ["x"], "return_tokens_as_token_ids": True, "return_token_ids": True,
     "add_special_tokens": True, "echo": True, "continue_final_message": True, "chat_template": "{{ messages }}",
@@ -143,3 +143,24 @@ def test_cached_tokens_count_prompt_cache_modules_on_first_use(tiny_server):
     prompt = '<prompt schema="facts"><doc/><user>where did the cat sit?</user></prompt>'
     reply = tiny_server.client().completions.create(model=TINY_NAME, prompt=prompt, max_tokens=2)
     assert 0 < reply.usage.prompt_tokens_details.cached_tokens < reply.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_in_output_keeps_the_stop_string(tiny_server, stream):
+    client = tiny_server.client()
+    kwargs = dict(model=TINY_NAME, prompt="the cat sat on", max_tokens=24, temperature=0)
+    free = client.completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0].text
+    stop = free[6:9]
+    end = free.index(stop)
+
+    def text(**extra) -> str:
+        body = {"ignore_eos": True, **extra}
+        if not stream:
+            choice = client.completions.create(**kwargs, stop=[stop], extra_body=body).choices[0]
+            assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == stop
+            return choice.text
+        chunks = client.completions.create(**kwargs, stop=[stop], extra_body=body, stream=True)
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    assert text() == free[:end]
+    assert text(include_stop_str_in_output=True) == free[: end + len(stop)]

@@ -1,6 +1,7 @@
 """On the real default model (SmolLM2-135M-Instruct): ``/tokenize`` and ``/detokenize`` agree with the
-Hugging Face tokenizer and with what the chat endpoint counts, and a repeated prompt reports the tokens
-the prefix cache served in ``usage.prompt_tokens_details.cached_tokens``."""
+Hugging Face tokenizer and with what the chat endpoint counts, a repeated prompt reports the tokens the
+prefix cache served in ``usage.prompt_tokens_details.cached_tokens``, and ``include_stop_str_in_output``
+keeps the stop string."""
 
 from __future__ import annotations
 
@@ -60,3 +61,13 @@ def test_a_repeated_prompt_reports_the_tokens_the_prefix_cache_served(server):
     other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "And of Spain?"}]
     shared = client.chat.completions.create(model=NAME, messages=other, max_tokens=4, temperature=0)
     assert 0 < shared.usage.prompt_tokens_details.cached_tokens < cached  # the system prompt's blocks only
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(server):
+    client = server.client()
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    kwargs = dict(model=NAME, messages=question, max_tokens=24, temperature=0, stop=["Paris"])
+    cut = client.chat.completions.create(**kwargs).choices[0]
+    kept = client.chat.completions.create(**kwargs, extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert cut.finish_reason == kept.finish_reason == "stop" and "Paris" not in cut.message.content
+    assert kept.message.content == cut.message.content + "Paris"
