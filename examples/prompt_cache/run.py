@@ -18,15 +18,18 @@ from pathlib import Path
 from kvserve import LLM, SamplingParams
 from kvserve.outputs import RequestOutput
 from kvserve.prompt_cache.pml import parse_prompt, parse_schema
+from kvserve.prompt_cache.roles import RoleFrames
 from kvserve.prompt_cache.schema import SchemaLayout
 from kvserve.tokenizer import Tokenizer
 
 HERE = Path(__file__).resolve().parent
 
 
-def plain_equivalent(layout: SchemaLayout, pml_prompt: str, tokenizer: Tokenizer) -> tuple[list[str], list[int]]:
+def plain_equivalent(
+    layout: SchemaLayout, pml_prompt: str, tokenizer: Tokenizer, frames: RoleFrames | None
+) -> tuple[list[str], list[int]]:
     """The modules a prompt imports, and all its tokens (modules, arguments, new text) in position order."""
-    bound = layout.bind(parse_prompt(pml_prompt), tokenizer)
+    bound = layout.bind(parse_prompt(pml_prompt), tokenizer, frames)
     tokens = list(zip(bound.positions, bound.token_ids, strict=True))
     for name in bound.modules:
         module = layout.modules[name]
@@ -56,15 +59,16 @@ def main() -> None:
 
     llm = LLM(prompt_cache_tier=args.tier, enable_prefix_caching=False)
     tokenizer = llm.get_tokenizer()
+    frames = RoleFrames.from_tokenizer(tokenizer)  # the chat template's role framing, as the engine renders it
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     llm.generate("Hello", SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # warm-up
 
     for file_name, prompts in json.loads((HERE / "prompts.json").read_text()).items():
         schema_text = (HERE / file_name).read_text()
         print_layout(llm.register_schema(schema_text))  # encodes every module now
-        layout = SchemaLayout.build(parse_schema(schema_text), tokenizer)
+        layout = SchemaLayout.build(parse_schema(schema_text), tokenizer, frames)
         for pml_prompt in prompts:
-            modules, plain_ids = plain_equivalent(layout, pml_prompt, tokenizer)
+            modules, plain_ids = plain_equivalent(layout, pml_prompt, tokenizer, frames)
             # Greedy, so every repeat gives the same output; the fastest repeat is the steadiest TTFT.
             cached = min((llm.generate(pml_prompt, greedy, use_tqdm=False)[0] for _ in range(args.repeat)), key=ttft)
             plain = min((llm.generate(plain_ids, greedy, use_tqdm=False)[0] for _ in range(args.repeat)), key=ttft)
