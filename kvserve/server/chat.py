@@ -28,16 +28,21 @@ from kvserve.server.protocol import (
 )
 from kvserve.server.serving import DONE, RequestStream, ServeContext, results, sse, sse_error
 from kvserve.server.tokens import chat_logprobs
+from kvserve.server.truncation import check_keep, refuse_pml, truncate
 
 
 async def create_chat_completion(ctx: ServeContext, body: ChatCompletionRequest, raw: Request) -> Response:
     ctx.check_model(body.model)
     check_messages(body.messages)
+    check_keep(body.truncate_prompt_tokens, ctx.max_model_len)
     prompt = _pml_prompt(body)
     if prompt is None:
         # Rendering the template and tokenising a long chat takes seconds: not on the event loop.
         prompt = await ctx.blocking.run(sum(len(m.text()) for m in body.messages), _encode, ctx, body)
+        prompt = truncate(prompt, body.truncate_prompt_tokens)
         ctx.check_prompt(prompt, "messages")
+    else:
+        refuse_pml(body.truncate_prompt_tokens)
     params = chat_params(body, len(prompt) if isinstance(prompt, list) else 0, ctx.max_model_len, ctx.max_num_seqs)
     request_id = random_id("chatcmpl")
     streams = await ctx.admit(request_id, [prompt], params, prompt_param="messages[0].content")

@@ -27,6 +27,7 @@ from kvserve.server.protocol import (
 )
 from kvserve.server.serving import DONE, RequestStream, ServeContext, merged, results, sse, sse_error
 from kvserve.server.tokens import completion_logprobs
+from kvserve.server.truncation import check_keep, refuse_pml, truncate
 
 
 @dataclass
@@ -38,6 +39,7 @@ class _Prompt:
 async def create_completion(ctx: ServeContext, body: CompletionRequest, raw: Request) -> Response:
     ctx.check_model(body.model)
     params = completion_params(body, ctx.max_num_seqs)
+    check_keep(body.truncate_prompt_tokens, ctx.max_model_len)
     # Tokenising (and detokenising ids for echo) a large prompt takes seconds: not on the event loop.
     prompts = await ctx.blocking.run(_prompt_size(body.prompt), _prompts, ctx, body, params.skip_special_tokens)
     request_id = random_id("cmpl")
@@ -73,11 +75,13 @@ def _prompts(ctx: ServeContext, body: CompletionRequest, skip_special: bool) -> 
     out = []
     for item in items:
         if is_pml_prompt(item):
+            refuse_pml(body.truncate_prompt_tokens)
             out.append(_Prompt(item, item))
             continue
-        ids = tokenizer.encode(item, body.add_special_tokens) if isinstance(item, str) else list(item)
+        whole = tokenizer.encode(item, body.add_special_tokens) if isinstance(item, str) else list(item)
+        ids = truncate(whole, body.truncate_prompt_tokens)
         ctx.check_prompt(ids, "prompt")  # first: ids outside the vocabulary cannot be decoded
-        text = item if isinstance(item, str) else tokenizer.decode(ids, skip_special_tokens=skip_special)
+        text = item if ids is whole and isinstance(item, str) else tokenizer.decode(ids, skip_special)
         out.append(_Prompt(ids, text))
     return out
 

@@ -42,7 +42,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "verbosity": (None,),
     # vLLM
     "min_tokens": (None, 0),
-    "truncate_prompt_tokens": (None,),
     "prompt_logprobs": (None,),
     "spaces_between_special_tokens": (None, True),
     "allowed_token_ids": (None,),

@@ -25,7 +25,7 @@ ASKING = {
     "function_call": "auto", "parallel_tool_calls": False, "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "service_tier": "flex",
     "store": True, "web_search_options": {}, "reasoning_effort": "high", "verbosity": "low", "min_tokens": 4,
-    "truncate_prompt_tokens": 8, "prompt_logprobs": 1,
+    "prompt_logprobs": 1,
     "spaces_between_special_tokens": False, "allowed_token_ids": [5, 6], "bad_words": ["the"],
     "logits_processors": ["x"], "return_tokens_as_token_ids": True, "return_token_ids": True,
     "add_special_tokens": True, "echo": True, "continue_final_message": True, "chat_template": "{{ messages }}",
@@ -164,3 +164,33 @@ def test_include_stop_str_in_output_keeps_the_stop_string(tiny_server, stream):
 
     assert text() == free[:end]
     assert text(include_stop_str_in_output=True) == free[: end + len(stop)]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny_server):
+    client = tiny_server.client()
+    long = [5 + i % 250 for i in range(2000)]  # twice the 1024-token context
+    kwargs = dict(model=TINY_NAME, max_tokens=6, temperature=0)
+    cut = client.completions.create(prompt=long, echo=True, extra_body={"truncate_prompt_tokens": 100}, **kwargs)
+    tail = client.completions.create(prompt=long[-100:], echo=True, **kwargs)
+    assert cut.usage.prompt_tokens == 100 and cut.choices[0].text == tail.choices[0].text
+    text = "the cat sat on the mat. " * 20
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": text}], extra_body={"truncate_prompt_tokens": 12}, **kwargs
+    )
+    assert chat.usage.prompt_tokens == 12
+
+
+@pytest.mark.parametrize(
+    ("keep", "prompt", "words"),
+    [
+        (0, "hi", "from 1 to 1023"),
+        (1024, "hi", "from 1 to 1023"),
+        (8, '<prompt schema="none"><user>hi</user></prompt>', "cannot cut a PML prompt"),
+    ],
+)
+def test_truncate_prompt_tokens_out_of_range_is_a_400(tiny_server, keep, prompt, words):
+    with pytest.raises(openai.BadRequestError) as caught:
+        tiny_server.client().completions.create(
+            model=TINY_NAME, prompt=prompt, max_tokens=2, extra_body={"truncate_prompt_tokens": keep}
+        )
+    assert caught.value.body["param"] == "truncate_prompt_tokens" and words in caught.value.body["message"]

@@ -1,7 +1,7 @@
 """On the real default model (SmolLM2-135M-Instruct): ``/tokenize`` and ``/detokenize`` agree with the
 Hugging Face tokenizer and with what the chat endpoint counts, a repeated prompt reports the tokens the
-prefix cache served in ``usage.prompt_tokens_details.cached_tokens``, and ``include_stop_str_in_output``
-keeps the stop string."""
+prefix cache served in ``usage.prompt_tokens_details.cached_tokens``, ``include_stop_str_in_output``
+keeps the stop string and ``truncate_prompt_tokens`` keeps a prompt's last tokens."""
 
 from __future__ import annotations
 
@@ -71,3 +71,13 @@ def test_include_stop_str_in_output_keeps_the_stop_string(server):
     kept = client.chat.completions.create(**kwargs, extra_body={"include_stop_str_in_output": True}).choices[0]
     assert cut.finish_reason == kept.finish_reason == "stop" and "Paris" not in cut.message.content
     assert kept.message.content == cut.message.content + "Paris"
+
+
+def test_truncate_prompt_tokens_answers_as_the_prompt_s_last_tokens(server):
+    messages = [{"role": "user", "content": SYSTEM + "What is the capital of France?"}]
+    ids = post(server, "/tokenize", {"messages": messages})["tokens"]
+    client, kwargs = server.client(), dict(model=NAME, max_tokens=12, temperature=0)
+    chat = client.chat.completions.create(messages=messages, extra_body={"truncate_prompt_tokens": 40}, **kwargs)
+    plain = client.completions.create(prompt=ids[-40:], **kwargs)
+    assert len(ids) > 40 and chat.usage.prompt_tokens == 40
+    assert chat.choices[0].message.content == plain.choices[0].text
