@@ -5,7 +5,8 @@
   ``--no-summary`` leaves out;
 - with stdout and stderr on one unbuffered pipe, as in a terminal, no log line lands inside the text: the
   engine logs before the prompt is echoed, and lines logged while the text streams wait for its newline;
-- with ``--prefill-parallel 2`` the summary says whether the prompt prefilled over 2 processes or here, and why;
+- with ``--prefill-parallel 2`` the summary says whether the prompt prefilled over 2 processes or here, and why,
+  and the workers log nothing at INFO;
 - the load progress is a tqdm bar on a terminal and draws nothing into a pipe or a log.
 """
 
@@ -135,6 +136,8 @@ def test_summary_says_the_prompt_prefilled_over_two_processes(tiny):
     assert result.returncode == 0, result.stderr
     summary = summary_of(result.stderr)
     assert summary.group(7) == f"prefill of {summary.group(1)} tokens over 2 processes"
+    # Workers log warnings only: their lines, from other processes, could not be held back from a text.
+    assert result.stderr.count("INFO kvserve: loaded") == 1, result.stderr
 
 
 def test_parallel_prefill_routes_name_why_a_prompt_ran_here(tiny):

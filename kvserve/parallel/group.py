@@ -22,6 +22,7 @@ it is collected, so another can start in the same process.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import queue
 import threading
@@ -230,6 +231,9 @@ def _worker_main(
 ) -> None:
     """A worker's life: load the model, join the group, run chunk jobs until told to stop (None)."""
     status.put(("started", rank, None))  # past the main module's import: the engine can tell the two apart
+    # The engine's process logs the load; a worker's own INFO lines (a group restarting mid-generation)
+    # would land inside the text `kvserve generate` streams.
+    get_logger().setLevel(logging.WARNING)
     try:
         torch.set_num_threads(threads)
         from kvserve.models.dtype import DTYPES
