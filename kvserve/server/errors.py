@@ -54,8 +54,8 @@ def from_validation_errors(errors: Sequence[Mapping]) -> ApiError:
             return bad_request("the request needs a JSON object body")
         return bad_request(f"the request body must be a JSON object: {first.get('msg', '')}")
     param = loc[0]
-    if first.get("type") == "extra_forbidden" and len(loc) == 1:
-        return bad_request(unsupported_message(param), param)
+    if first.get("type") == "extra_forbidden":
+        return bad_request(unsupported_message(_format_loc(loc)), _format_loc(loc))
     # A union field (prompt, content) fails once per member it tried: say each way it failed.
     same = [e for e in errors if _field_loc(e)[:1] == [param]]
     details = list(dict.fromkeys(f"{_format_loc(_field_loc(e))}: {e.get('msg', 'invalid value')}" for e in same))

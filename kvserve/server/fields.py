@@ -63,6 +63,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "vllm_xargs": (None,),
     # llama.cpp's server: kvserve's prefix cache always reuses a cached prompt prefix
     "cache_prompt": (None, True),
+    # in stream_options: vLLM's usage in every chunk
+    "continuous_usage_stats": (None, False),
 }
 
 
@@ -84,8 +86,8 @@ def _same(value: object, off: object) -> bool:
 
 
 def unsupported_message(name: str) -> str:
-    """The 400's message for a field kvserve refused."""
-    offs = UNSUPPORTED_FIELDS.get(name)
+    """The 400's message for a field kvserve refused (``name`` may be a path: ``stream_options.x``)."""
+    offs = UNSUPPORTED_FIELDS.get(name.rsplit(".", 1)[-1])
     if offs is None:
         return f"'{name}' is not supported by kvserve: this endpoint has no such field"
     accepted = " or ".join(json.dumps(off) for off in offs)

@@ -33,7 +33,7 @@ class _Request(BaseModel):
 
 
 class _Body(_Request):
-    """A whole request body: a field it does not declare is refused (see ``server/fields.py``)."""
+    """A request body (or an options object in one): a field it does not declare is refused (``server/fields.py``)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -43,7 +43,7 @@ class _Body(_Request):
         return drop_ignorable(data, cls.model_fields) if isinstance(data, dict) else data
 
 
-class StreamOptions(_Request):
+class StreamOptions(_Body):
     include_usage: bool = False
 
 

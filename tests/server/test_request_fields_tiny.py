@@ -31,7 +31,7 @@ ASKING = {
     "add_special_tokens": True, "echo": True, "continue_final_message": True, "chat_template": "{{ messages }}",
     "chat_template_kwargs": {"enable_thinking": True}, "documents": [{"text": "x"}], "mm_processor_kwargs": {},
     "priority": 1, "cache_salt": "salt", "request_id": "mine", "kv_transfer_params": {}, "vllm_xargs": {},
-    "cache_prompt": False,
+    "cache_prompt": False, "continuous_usage_stats": True,
 }  # fmt: skip
 REQUESTS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
 
@@ -81,6 +81,16 @@ def test_an_unknown_field_is_a_400_not_ignored(tiny_server, endpoint):
         create(tiny_server.client(), endpoint, extra_body={"max_token": 50})
     assert caught.value.body["param"] == "max_token"
     assert caught.value.body["message"] == "'max_token' is not supported by kvserve: this endpoint has no such field"
+
+
+def test_stream_options_follow_the_same_rule(tiny_server):
+    client, options = tiny_server.client(), {"include_usage": True, "continuous_usage_stats": True}
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(client, "chat", stream=True, stream_options=options)
+    assert caught.value.body["param"] == "stream_options.continuous_usage_stats"
+    assert caught.value.body["message"].startswith("'stream_options.continuous_usage_stats' is not supported")
+    chunks = list(create(client, "chat", stream=True, stream_options={**options, "continuous_usage_stats": False}))
+    assert chunks[-1].usage.completion_tokens == 2
 
 
 def test_a_field_of_the_other_endpoint_is_refused(tiny_server):
