@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from kvserve import __version__
+from kvserve.cli_parser import Parser
 from kvserve.config import PREFILL_PARTITIONS, WEIGHT_MODES, EngineConfig
 from kvserve.console import EngineStream, GenerationSummary, print_stream
-from kvserve.engine_args import add_batch_invariant_arg, add_kv_policy_args, add_prompt_cache_args, add_schema_arg
+from kvserve.devices import check_device
+from kvserve.engine_args import (
+    add_batch_invariant_arg,
+    add_kv_policy_args,
+    add_prompt_cache_args,
+    add_schema_arg,
+    add_tokenizer_args,
+    check_schemas,
+)
 from kvserve.errors import KVServeError
 from kvserve.generation import Generator
 from kvserve.log import get_logger
@@ -23,8 +34,9 @@ from kvserve.sampling_params import SamplingParams
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)"
-    )
+        "--model", default=None, help="GGUF file, Hugging Face folder, a Hugging Face name in the local cache "
+        "(org/name) or a shipped model (smollm2-135m, gemma3-270m) (default: SmolLM2-135M-Instruct)",
+    )  # fmt: skip
     parser.add_argument(
         "--dtype", choices=DTYPE_CHOICES, default="auto",
         help="weights and activations dtype (auto: bfloat16 on CUDA or a CPU with AMX/avx512_bf16, else float32)",
@@ -34,40 +46,37 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="GGUF weights: native runs Q4_0/Q4_1 as int4 for batches of up to 3 rows and a dequantised copy "
         "above (bfloat16 on CPU only), int4 keeps only the int4 form, dequant dequantises all",
     )  # fmt: skip
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def check_model_args(args: argparse.Namespace) -> None:
+    """What every command's model options must be, checked before anything loads."""
+    check_device(args.device)
+    if getattr(args, "threads", None) is not None and args.threads < 1:
+        raise KVServeError(f"--threads must be >= 1, got {args.threads}")
 
 
 def load_from_args(args: argparse.Namespace) -> LoadedModel:
     if args.threads is not None:
-        if args.threads < 1:
-            raise KVServeError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     with DelayedProgress("Loading model") as progress:
         return load_model(
             args.model, DTYPES[args.dtype], args.device, progress.update, weights=args.weights,
             batch_invariant=getattr(args, "batch_invariant", False),  # the commands that run an engine have the flag
+            tokenizer=getattr(args, "tokenizer", None), chat_template=getattr(args, "chat_template", None),
         )  # fmt: skip
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    params, prompt = _generate_request(args)
+    config = _engine_config(args)  # every engine flag checked before the model loads, also where the Generator runs
+    check_schemas(config, args.schema)
     loaded = load_from_args(args)
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=args.stop or [],
-    )
-    if (args.prompt is None) == (args.pml_prompt is None):
-        raise ValueError("give a prompt, or --pml-prompt with --schema, not both")
-    if args.pml_prompt is not None and not args.schema:
-        raise ValueError("--pml-prompt needs the schema it imports from: --schema FILE")
-    prompt = args.prompt if args.pml_prompt is None else args.pml_prompt
+    # The whole prompt in one parallel step.
+    config = dataclasses.replace(config, max_num_batched_tokens=loaded.config.max_position_embeddings)
     if args.chat:
         prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-    config = _engine_config(loaded, args)  # validates every engine flag, also where the Generator runs instead
     # The batch-invariant mode runs the engine too, so that the text is what a server in that mode gives.
     engine_only = args.prefill_parallel > 1 or args.kv_policy != "full" or args.kv_offload != "none"
     engine_only = engine_only or args.batch_invariant
@@ -85,13 +94,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine_config(loaded: LoadedModel, args: argparse.Namespace) -> EngineConfig:
+def _generate_request(args: argparse.Namespace) -> tuple[SamplingParams, str]:
+    """The sampling parameters and the prompt of ``generate``, checked before the model loads."""
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop or [],
+    )
+    if (args.prompt is None) == (args.pml_prompt is None):
+        raise ValueError("give a prompt, or --pml-prompt with --schema, not both")
+    if args.pml_prompt is not None and not args.schema:
+        raise ValueError("--pml-prompt needs the schema it imports from: --schema FILE")
+    return params, args.prompt if args.pml_prompt is None else args.pml_prompt
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine options of ``generate`` (validated on construction)."""
     from kvserve.engine_args import kv_policy_options, prompt_cache_options
 
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, weights=args.weights,
-        max_num_batched_tokens=loaded.config.max_position_embeddings,  # the whole prompt in one parallel step
+        tokenizer=args.tokenizer, chat_template=args.chat_template,
         prefill_parallel=args.prefill_parallel, prefill_partition=args.prefill_partition,
         batch_invariant=args.batch_invariant, **kv_policy_options(args), **prompt_cache_options(args),
     )  # fmt: skip
@@ -131,13 +157,15 @@ def cmd_infinigen_setup(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserve", description="KV-cache-centred LLM inference engine")
+    parser = Parser(prog="kvserve", description="KV-cache-centred LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"kvserve {__version__} (torch {torch.__version__})")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a continuation of a prompt, streamed to the terminal")
     gen.add_argument("prompt", nargs="?", default=None, help="the prompt (or --pml-prompt)")
     gen.add_argument("--pml-prompt", default=None, help="a Prompt Cache prompt, <prompt schema=...>, over --schema")
     add_model_args(gen)
+    add_tokenizer_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -200,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "device", None) is not None:  # the commands that load a model
+            check_model_args(args)
         if getattr(args, "dtype", None) is not None:  # every report, log and file name shows the dtype that runs
             args.dtype = resolve_dtype_name(args.dtype, args.device)
         return args.func(args)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.devices import check_device
 from kvserve.kv.sizing import parse_memory_size
 from kvserve.kv.tiers import KV_OFFLOAD_MODES
 from kvserve.models.dtype import DTYPE_CHOICES, DTYPES, resolve_dtype
@@ -29,7 +30,9 @@ OFFLOAD_POLICIES = ("full", "infinigen", "int4")  # what an offloading engine fe
 class EngineConfig:
     """Everything an ``LLMEngine`` needs to start. Sizes accept ``"2GiB"``-style strings or bytes."""
 
-    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct); a path, shipped or Hugging Face name
+    tokenizer: str | None = None  # instead of the model's: a Hugging Face folder, a tokenizer.json or a GGUF file
+    chat_template: str | None = None  # instead of the model's: a Jinja template file, or the template itself
     dtype: str = "auto"  # auto: bfloat16 where the device accelerates it, float32 otherwise
     device: str = "cpu"
     weights: str = "native"  # GGUF weights: native, int4 or dequant (see models/loader.py)
@@ -101,6 +104,23 @@ class EngineConfig:
             raise ValueError(
                 f"prompt_cache_encode must be one of {PROMPT_CACHE_ENCODES}, got {self.prompt_cache_encode!r}"
             )
+        check_device(self.device)  # last: the rules above name what a device cannot run, wherever it exists
+
+    def prompt_cache_refusal(self) -> str | None:
+        """Why this engine cannot take Prompt Cache schemas, or None. (A model's sliding-window groups are refused
+        by the engine, which knows the model.)"""
+        if self.kv_offload != "none":
+            return (
+                f"Prompt Cache keeps module KV on the device; this engine offloads its KV (kv_offload="
+                f"{self.kv_offload!r}): start it with kv_offload='none'"
+            )
+        policy = make_policy(self.kv_policy, self.kv_budget, **self.kv_policy_knobs)
+        if policy.per_layer_groups:
+            return (
+                f"Prompt Cache shares module blocks across requests, which a compressing kv_policy "
+                f"({policy.name!r}) rewrites per sequence; start the engine with kv_policy='full'"
+            )
+        return None
 
     def _check_batch_invariant(self) -> None:
         if not self.batch_invariant:

@@ -47,7 +47,7 @@ class LLMEngine:
         self.closed = False
         self.loaded = loaded or load_model(
             config.model, config.torch_dtype, config.device, weights=config.weights,
-            batch_invariant=config.batch_invariant,
+            batch_invariant=config.batch_invariant, tokenizer=config.tokenizer, chat_template=config.chat_template,
         )  # fmt: skip
         if config.batch_invariant and not self.loaded.batch_invariant:
             raise ValueError("batch_invariant=True needs a model loaded with load_model(..., batch_invariant=True)")
@@ -202,16 +202,9 @@ class LLMEngine:
         return self.prompt_cache.register(pml_text).to_dict()
 
     def _check_prompt_cache(self) -> None:
-        if self.offloaded:
-            raise ValueError(
-                f"Prompt Cache keeps module KV on the device; this engine offloads its KV (kv_offload="
-                f"{self.config.kv_offload!r}): start it with kv_offload='none'"
-            )
-        if self.per_layer_groups:
-            raise ValueError(
-                f"Prompt Cache shares module blocks across requests, which a compressing kv_policy "
-                f"({self.kv_policy.name!r}) rewrites per sequence; start the engine with kv_policy='full'"
-            )
+        refusal = self.config.prompt_cache_refusal()
+        if refusal:
+            raise ValueError(refusal)
         if len(self.kv.groups) > 1:
             raise ValueError(
                 "Prompt Cache shares a module's blocks as the first blocks of one block table; this model's "

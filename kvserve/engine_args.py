@@ -82,6 +82,19 @@ def add_schema_arg(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
+    """``--tokenizer`` and ``--chat-template``, instead of the model's own (generate, serve, eval)."""
+    parser.add_argument(
+        "--tokenizer", default=None, metavar="PATH",
+        help="tokenizer to use instead of the model's: a Hugging Face folder, a tokenizer.json or a GGUF file "
+        "(default: the model's)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--chat-template", default=None, metavar="FILE_OR_STRING",
+        help="Jinja chat template instead of the model's: a file, or the template itself (default: the model's)",
+    )  # fmt: skip
+
+
 def prompt_cache_options(args: argparse.Namespace) -> dict[str, object]:
     return {
         "prompt_cache_tier": args.prompt_cache_tier, "prompt_cache_memory": args.prompt_cache_memory,
@@ -89,15 +102,28 @@ def prompt_cache_options(args: argparse.Namespace) -> dict[str, object]:
     }  # fmt: skip
 
 
-def register_schemas(engine: object, paths: list[str]) -> None:
-    """Register each PML schema file with ``engine`` (an ``LLMEngine``); errors name the file."""
+def check_schemas(config: EngineConfig, paths: list[str]) -> None:
+    """Before the model loads: ``--schema`` files need an engine that runs Prompt Cache, and must be readable."""
+    refusal = config.prompt_cache_refusal() if paths else None
+    if refusal:
+        raise ValueError(f"--schema: {refusal}")
+    for path in paths:
+        _read_schema(path)
+
+
+def _read_schema(path: str) -> str:
     from pathlib import Path
 
+    try:
+        return Path(path).expanduser().read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read schema file {path!r}: {exc.strerror}") from None
+
+
+def register_schemas(engine: object, paths: list[str]) -> None:
+    """Register each PML schema file with ``engine`` (an ``LLMEngine``); errors name the file."""
     for path in paths:
-        try:
-            text = Path(path).expanduser().read_text()
-        except OSError as exc:
-            raise ValueError(f"cannot read schema file {path!r}: {exc.strerror}") from None
+        text = _read_schema(path)
         try:
             engine.register_schema(text)
         except ValueError as exc:
@@ -118,7 +144,7 @@ def add_kv_policy_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--recent-ratio", type=float, default=None,
-        help="pyramid: recent-token share of a layer's budget (0.4); h2o: recent share (0.5)",
+        help="pyramid: recent-token share of a layer's budget; h2o: recent share (default: pyramid 0.4, h2o 0.5)",
     )  # fmt: skip
 
     offload = parser.add_argument_group("KV offloading (InfiniGen)")
@@ -127,7 +153,9 @@ def add_kv_policy_args(parser: argparse.ArgumentParser) -> None:
         help="keep the full KV in host memory or a memory-mapped file (sized by --kv-cache-memory); the device "
         "reads per step what --kv-policy fetches",
     )  # fmt: skip
-    offload.add_argument("--kv-offload-path", default=None, help="disk tier: folder of the mapped file (temp dir)")
+    offload.add_argument(
+        "--kv-offload-path", default=None, help="disk tier: folder of the mapped file (default: the temp dir)"
+    )
     offload.add_argument("--infinigen-alpha", type=float, default=4.0,
                          help="fetch tokens whose speculated logit is within alpha of the best (4)")  # fmt: skip
     offload.add_argument("--infinigen-partial-ratio", type=float, default=0.3,
@@ -150,7 +178,7 @@ def kv_policy_options(args: argparse.Namespace) -> dict[str, object]:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, weights=args.weights,
-        kv_cache_memory=args.kv_cache_memory,
+        tokenizer=args.tokenizer, chat_template=args.chat_template, kv_cache_memory=args.kv_cache_memory,
         swap_space=args.swap_space, block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
         kv_window_groups=not args.no_kv_window_groups,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -10,7 +11,7 @@ from functools import cached_property
 from pathlib import Path
 
 from gguf import GGUFReader
-from jinja2.exceptions import TemplateError
+from jinja2.exceptions import TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
@@ -90,12 +91,7 @@ class Tokenizer:
 
     @cached_property
     def _compiled_template(self):  # noqa: ANN202 - jinja2 Template
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        env.globals["raise_exception"] = _raise_template_error
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        return env.from_string(self.chat_template)
+        return _template_environment().from_string(self.chat_template)
 
     # ----- construction -----
 
@@ -138,9 +134,22 @@ class Tokenizer:
             special_token_strings=strings,
         )
 
+    def with_chat_template(self, template: str, source: str = "chat template") -> Tokenizer:
+        """This tokenizer with ``template`` as its chat template, compiled and tried on a one-message chat now,
+        so a broken template is refused at start-up (a ValueError naming ``source`` and the line)."""
+        check_chat_template(template, source)
+        tokenizer = dataclasses.replace(self, chat_template=template)
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+        except (TemplateError, TypeError, ValueError) as exc:  # compiles but cannot render a plain chat
+            raise ValueError(f"{source} fails on a one-message chat: {exc}") from None
+        return tokenizer
+
     @classmethod
-    def from_hf_folder(cls, folder: Path) -> Tokenizer:
-        path = folder / "tokenizer.json"
+    def from_hf_folder(cls, folder: Path, tokenizer_file: Path | None = None) -> Tokenizer:
+        """A Hugging Face folder's tokenizer.json (or ``tokenizer_file``), with the folder's tokenizer_config.json,
+        generation_config.json and config.json where they exist."""
+        path = tokenizer_file or folder / "tokenizer.json"
         if not path.is_file():
             raise ModelLoadError(f"{folder} has no tokenizer.json; kvserve needs it to tokenize prompts")
         try:
@@ -252,6 +261,23 @@ def _token_string(value: object) -> str | None:
     if isinstance(value, dict):  # {"content": "<s>", ...} in older tokenizer_config files
         return value.get("content")
     return value if isinstance(value, str) else None
+
+
+def check_chat_template(template: str, source: str = "chat template") -> None:
+    """Compile ``template`` as chat templates are compiled; a ValueError naming ``source`` and the line if it fails."""
+    if not template.strip():
+        raise ValueError(f"{source} is empty")
+    try:
+        _template_environment().from_string(template)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"{source}, line {exc.lineno}: {exc.message}") from None
+
+
+def _template_environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
 
 
 def _raise_template_error(message: str) -> None:

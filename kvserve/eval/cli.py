@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from kvserve.engine_args import add_engine_args, describe_config, engine_config_from_args
+from kvserve.engine_args import add_engine_args, add_tokenizer_args, describe_config, engine_config_from_args
 from kvserve.models.dtype import DTYPE_NAMES
 
 PPL_CONTEXT = 2048
@@ -68,6 +68,7 @@ def add_eval_parser(sub: argparse._SubParsersAction, add_model_args: Callable) -
 
 def _add_common(parser: argparse.ArgumentParser, add_model_args: Callable, likelihood: bool) -> None:
     add_model_args(parser)
+    add_tokenizer_args(parser)
     add_engine_args(parser)
     parser.add_argument("--output", type=Path, default=None, help="report path (default: eval-KIND-TASK-DTYPE.json)")
     if likelihood:

@@ -18,6 +18,7 @@ from kvserve.models.catalog import resolve_model_path
 from kvserve.models.config import ModelConfig
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.quant_linear import INT4_MAX_ROWS, Int8PlanesLinear, QuantEmbedding, QuantLinear
+from kvserve.models.tokenizer_override import TokenizerOverride
 from kvserve.models.weights import build_model
 from kvserve.tokenizer import Tokenizer
 
@@ -49,6 +50,8 @@ def load_model(
     progress: Progress | None = None,
     weights: str = "native",
     batch_invariant: bool = False,
+    tokenizer: str | None = None,
+    chat_template: str | None = None,
 ) -> LoadedModel:
     """Load ``path`` (a .gguf file or a folder with config.json + *.safetensors + tokenizer.json).
 
@@ -60,12 +63,15 @@ def load_model(
     says so); ``"dequant"`` dequantises every tensor to ``dtype``.
     ``batch_invariant`` switches the matmuls to row-invariant kernels (``models/batch_invariant.py``): int4
     for every batch size, no dequantised copies, dense weights in fixed row tiles.
+    ``tokenizer`` (a folder, tokenizer.json or GGUF) and ``chat_template`` (a Jinja file or inline template)
+    replace the model's own; both are read and checked before the weights load.
     """
     if weights not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
     path = resolve_model_path(path)
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
+    override = TokenizerOverride.read(tokenizer, chat_template)
     if path.is_dir():
         model, tokenizer = _load_hf_folder(path, dtype, progress)
         summary = f"safetensors weights as {_dtype_name(dtype)}"
@@ -73,6 +79,7 @@ def load_model(
         refusal = _int4_refusal(weights, dtype, device)
         int4_dense = weights == "native" and not batch_invariant
         model, tokenizer, summary = _load_gguf(path, dtype, progress, refusal, int4_dense)
+    tokenizer = override.apply(tokenizer, model.config.vocab_size)
     quantised = any(isinstance(m, (QuantLinear, QuantEmbedding, Int8PlanesLinear)) for m in model.modules())
     mode = weights if quantised else "dequant"
     if batch_invariant:

@@ -7,14 +7,25 @@ import os
 import sys
 from collections.abc import Callable
 
-from kvserve.engine_args import add_engine_args, add_schema_arg, engine_config_from_args, register_schemas
+from kvserve.engine_args import (
+    add_engine_args,
+    add_schema_arg,
+    add_tokenizer_args,
+    check_schemas,
+    engine_config_from_args,
+    register_schemas,
+)
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
 def add_serve_parser(sub: argparse._SubParsersAction, add_model_args: Callable) -> None:
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (completions, chat, metrics)")
+    serve.add_argument(
+        "model_name", nargs="?", default=None, metavar="MODEL", help="the model, as --model takes it (either one)"
+    )
     add_model_args(serve)
+    add_tokenizer_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
@@ -22,7 +33,9 @@ def add_serve_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
         default=os.environ.get("KVSERVE_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (default: $KVSERVE_API_KEY)",
     )
-    serve.add_argument("--max-queue", type=int, default=None, help="most requests waiting + running; more get 503")
+    serve.add_argument(
+        "--max-queue", type=int, default=None, help="most requests waiting + running; more get 503 (default: no limit)"
+    )
     serve.add_argument(
         "--max-request-bytes",
         type=int,
@@ -36,12 +49,18 @@ def add_serve_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     serve.set_defaults(func=cmd_serve)
 
 
+def model_from_args(positional: str | None, option: str | None) -> str | None:
+    """``kvserve serve MODEL`` (as ``vllm serve MODEL``) or ``--model MODEL``; both only if they agree."""
+    if positional is not None and option is not None and positional != option:
+        raise ValueError(f"two models given: {positional!r} (MODEL) and {option!r} (--model); give one")
+    return positional if positional is not None else option
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn  # the web stack loads only for this command
 
     from kvserve.cli import load_from_args
     from kvserve.engine import LLMEngine
-    from kvserve.models.catalog import resolve_model_path
     from kvserve.server.api import build_app
     from kvserve.server.async_engine import AsyncEngine
     from kvserve.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
@@ -52,10 +71,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     max_bytes = DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None else args.max_request_bytes
     if max_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {max_bytes}")
+    args.model = model_from_args(args.model_name, args.model)
     config = engine_config_from_args(args)
+    check_schemas(config, args.schema)
     engine = LLMEngine(config, load_from_args(args))
     register_schemas(engine, args.schema)
-    path = resolve_model_path(args.model)
+    path = engine.loaded.path
     name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
     aliases = {str(path), str(path.resolve()), args.model or DEFAULT_SERVED_NAME}
     metrics = ServerMetrics(name)

@@ -1,0 +1,63 @@
+"""``kvserve serve MODEL --chat-template FILE`` as a user runs it: the positional model, and chat completions rendered
+with the custom template (the official openai client against a subprocess on loopback)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+
+from kvserve.models.tokenizer_override import load_tokenizer
+from tests.server.test_serve_cli import free_port
+
+TEMPLATE = (
+    "{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<<assistant>>{% endif %}"
+)
+
+
+def _wait_for_health(process: subprocess.Popen, port: int) -> None:
+    deadline = time.monotonic() + 90
+    while True:
+        assert process.poll() is None, process.communicate()[1]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "kvserve serve did not come up"
+        time.sleep(0.1)
+
+
+def test_serve_takes_the_model_positionally_and_chats_with_the_custom_template(tiny_folder, tmp_path):
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE)
+    port = free_port()
+    command = [
+        sys.executable, "-m", "kvserve.cli", "serve", str(tiny_folder), "--chat-template", str(template),
+        "--port", str(port), "--threads", "1", "--kv-cache-memory", "8MiB", "--log-level", "warning",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_health(process, port)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        assert client.models.list().data[0].id == str(tiny_folder)  # served under the name it was given
+        messages = [{"role": "user", "content": "the cat sat"}]
+        chat = client.chat.completions.create(model=str(tiny_folder), messages=messages, max_tokens=5, temperature=0)
+        rendered = "<<user>> the cat sat\n<<assistant>>"
+        ids = load_tokenizer(str(tiny_folder)).encode(rendered, add_special_tokens=False)
+        plain = client.completions.create(model=str(tiny_folder), prompt=ids, max_tokens=5, temperature=0)
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            _, stderr = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert process.returncode == 0, stderr
+    assert chat.usage.prompt_tokens == len(ids) == plain.usage.prompt_tokens
+    assert chat.choices[0].message.content == plain.choices[0].text

@@ -1,0 +1,134 @@
+"""The ``kvserve`` command line: --version, defaults in --help, a subcommand's own usage on a usage error, and
+options refused before any model loads (one line, exit code 2, no traceback)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import kvserve
+from kvserve import cli
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvserve.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_version_names_kvserve_and_torch():
+    result = run_cli("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"kvserve {kvserve.__version__} (torch {torch.__version__})"
+
+
+@pytest.mark.parametrize(
+    ("command", "shown"),
+    [
+        (
+            ["generate"],
+            ["--max-tokens MAX_TOKENS (default: 128)", "--top-k TOP_K (default: -1)", "--seed SEED (default: none)"],
+        ),
+        (["serve"], ["--port PORT (default: 8000)", "--block-size BLOCK_SIZE tokens per KV block (default: 16)"]),
+        (["eval", "ppl"], ["(default: wikitext-2)", "tokens per window (default: 2048)", "(default: 1GiB)"]),
+        (["bench", "speed"], ["--dtype {auto,float32,bfloat16}"]),
+    ],
+)
+def test_help_shows_the_defaults(command, shown):
+    result = run_cli(*command, "--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())  # as wide as the terminal: compare words, not line breaks
+    assert f"usage: kvserve {' '.join(command)} " in text
+    for fragment in [*shown, "(default: auto)", "(default: native)"]:
+        assert fragment in text, fragment
+
+
+@pytest.mark.parametrize(
+    "command", [["bench", "speed"], ["serve"], ["eval", "mc", "--task", "piqa"], ["generate", "hi"]]
+)
+def test_a_usage_error_prints_the_subcommands_usage(command):
+    result = run_cli(*command, "--bogus")
+    assert result.returncode == 2
+    name = " ".join(c for c in command if c not in ("hi", "--task", "piqa"))
+    assert result.stderr.startswith(f"usage: kvserve {name} ")
+    assert f"kvserve {name}: error: unrecognized arguments: --bogus" in result.stderr
+
+
+def _refuse_loading(monkeypatch) -> None:
+    def load_model(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(cli, "load_model", load_model)
+
+
+SCHEMA = "<schema name='s'><module name='m'>text</module></schema>"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "--kv-policy", "infinigen", "hi"], "kv_policy='infinigen' fetches from an offloaded cache"),
+        (["generate", "--kv-offload", "host", "--kv-policy", "h2o", "hi"], "kv_offload='host' runs kv_policy"),
+        (["generate", "--kv-offload", "host", "--prefill-parallel", "2", "hi"], "prefill_parallel must be 1"),
+        (["generate", "--kv-policy", "pyramid", "--prefill-parallel", "2", "hi"], "prefill_parallel must be 1"),
+        (["generate", "--batch-invariant", "--kv-policy", "h2o", "hi"], "it needs kv_policy='full'"),
+        (["generate", "--pml-prompt", "<prompt schema='s'/>"], "--pml-prompt needs the schema"),
+        (["generate", "--temperature", "-1", "hi"], "temperature must be >= 0"),
+        (["generate", "--top-p", "2", "hi"], "top_p"),
+        (["generate", "--max-tokens", "0", "hi"], "max_tokens"),
+        (["generate", "--threads", "0", "hi"], "--threads must be >= 1, got 0"),
+        (["generate", "--kv-policy", "h2o", "--schema", "{schema}", "hi"], "--schema: Prompt Cache shares module"),
+        (["generate", "--schema", "/nonexistent/s.xml", "hi"], "cannot read schema file '/nonexistent/s.xml'"),
+        (["generate", "--device", "bogus", "hi"], "device 'bogus' is not a device name"),
+        (["serve", "--kv-cache-memory", "12XB"], "memory size '12XB' is not a byte count"),
+        (["serve", "--kv-offload", "disk", "--schema", "{schema}"], "--schema: Prompt Cache keeps module KV on"),
+        (["serve", "--kv-offload", "host", "--preemption-mode", "swap"], "preemption_mode='swap' does not apply"),
+        (["serve", "--block-size", "0"], "block_size must be an integer >= 1, got 0"),
+        (["serve", "--kv-pool-limit", "0.5"], "kv_pool_limit=0.5 limits an offloaded cache"),
+        (["serve", "--max-queue", "0"], "--max-queue must be >= 1, got 0"),
+        (["serve", "a.gguf", "--model", "b.gguf"], "two models given: 'a.gguf' (MODEL) and 'b.gguf' (--model)"),
+        (["eval", "ppl", "--kv-budget", "1.5", "--kv-policy", "h2o"], "budget"),
+        (["eval", "mc", "--task", "piqa", "--swap-space", "lots"], "memory size 'lots'"),
+    ],
+)
+def test_invalid_options_are_refused_before_the_model_loads(argv, message, monkeypatch, capsys, tmp_path):
+    schema = tmp_path / "s.xml"
+    schema.write_text(SCHEMA)
+    _refuse_loading(monkeypatch)
+    assert cli.main([arg.replace("{schema}", str(schema)) for arg in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvserve: error: ") and err.count("\n") == 1, err
+    assert message in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--kv-offload", "host", "--kv-policy", "pyramid", "hi"],
+        ["serve", "--kv-policy", "local", "--schema", "s.xml"],
+        ["eval", "ppl", "--threads", "0"],
+    ],
+)
+def test_a_refused_combination_fails_in_seconds_without_loading(argv, tmp_path):
+    (tmp_path / "s.xml").write_text(SCHEMA)
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", *argv], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("kvserve: error: ")
+    assert result.stderr.count("\n") == 1, result.stderr  # no load log line, no traceback
+    assert time.monotonic() - start < 30  # importing torch, not loading a model
+
+
+@pytest.mark.parametrize("device", ["cuda:99" if torch.cuda.is_available() else "cuda", "bogus", "mps"])
+def test_an_unavailable_device_is_refused_in_one_line(device):
+    result = run_cli("serve", "--device", device)
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"kvserve: error: device '{device}' ")
+    assert f"this torch ({torch.__version__})" in lines[0]
+    assert "runs kvserve on: cpu" in lines[0]
