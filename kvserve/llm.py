@@ -17,7 +17,9 @@ Message = dict[str, str]
 class LLM:
     """Loads a model once and runs batches of prompts through the paged engine.
 
-    Keyword arguments are ``EngineConfig`` fields: ``model``, ``dtype``, ``device``, ``weights``,
+    Keyword arguments are ``EngineConfig`` fields: ``model`` (a path, a shipped model's name or a Hugging Face
+    name in the local cache), ``tokenizer`` and ``chat_template`` (instead of the model's: a tokenizer folder,
+    tokenizer.json or GGUF; a Jinja file or template), ``dtype``, ``device``, ``weights``,
     ``kv_cache_memory``, ``swap_space``, ``block_size``, ``enable_prefix_caching``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``preemption_mode``, ``max_model_len``, ``batch_invariant``
     (a prompt's tokens and logprobs do not depend on what runs beside it or on the prefix cache; slower).
