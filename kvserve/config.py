@@ -94,7 +94,9 @@ class EngineConfig:
         self._check_offload(policy.offload_only)
         if not policy.lossless and self.prefill_parallel > 1:
             raise ValueError(f"kv_policy={self.kv_policy!r} runs prefill in this process; prefill_parallel must be 1")
-        parse_memory_size(self.kv_cache_memory)  # raises on a bad size, naming it
+        if parse_memory_size(self.kv_cache_memory) < 1:  # raises on a bad size, naming it
+            # Whether it holds a block depends on the model: the engine says so once the model is known.
+            raise ValueError(f"kv_cache_memory must be more than 0 bytes, got {self.kv_cache_memory!r}")
         parse_memory_size(self.swap_space)
         parse_memory_size(self.prompt_cache_memory)
         if self.prompt_cache_tier not in PROMPT_CACHE_TIERS:

@@ -83,6 +83,8 @@ SCHEMA = "<schema name='s'><module name='m'>text</module></schema>"
         (["generate", "--schema", "/nonexistent/s.xml", "hi"], "cannot read schema file '/nonexistent/s.xml'"),
         (["generate", "--device", "bogus", "hi"], "device 'bogus' is not a device name"),
         (["serve", "--kv-cache-memory", "12XB"], "memory size '12XB' is not a byte count"),
+        (["serve", "--kv-cache-memory", "0"], "kv_cache_memory must be more than 0 bytes, got '0'"),
+        (["serve", "--port", "70000"], "--port must be in [0, 65535], got 70000"),
         (["serve", "--kv-offload", "disk", "--schema", "{schema}"], "--schema: Prompt Cache keeps module KV on"),
         (["serve", "--kv-offload", "host", "--preemption-mode", "swap"], "preemption_mode='swap' does not apply"),
         (["serve", "--block-size", "0"], "block_size must be an integer >= 1, got 0"),

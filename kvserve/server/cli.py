@@ -71,6 +71,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     max_bytes = DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None else args.max_request_bytes
     if max_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {max_bytes}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     args.model = model_from_args(args.model_name, args.model)
     config = engine_config_from_args(args)
     check_schemas(config, args.schema)
