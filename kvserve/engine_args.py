@@ -178,7 +178,8 @@ def kv_policy_options(args: argparse.Namespace) -> dict[str, object]:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, weights=args.weights,
-        tokenizer=args.tokenizer, chat_template=args.chat_template, kv_cache_memory=args.kv_cache_memory,
+        tokenizer=getattr(args, "tokenizer", None), chat_template=getattr(args, "chat_template", None),
+        kv_cache_memory=args.kv_cache_memory,
         swap_space=args.swap_space, block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
         kv_window_groups=not args.no_kv_window_groups,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
