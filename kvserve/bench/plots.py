@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvserve.extras import pyplot
+
 
 def plot_decode_scaling(scaling: dict[str, dict[int, float]], path: Path, title: str) -> None:
     """Decode tokens/s against batch size, one line per engine."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for engine, values in scaling.items():
@@ -35,10 +34,7 @@ def plot_serving_latency(runs_by_server: dict[str, list[dict]], path: Path, titl
     """
     import math
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     finite = [r["request_rate"] for runs in runs_by_server.values() for r in runs if not _is_inf(r["request_rate"])]
     inf_x = max(finite) * 2 if finite else 1.0
@@ -77,10 +73,7 @@ def _has_inf(runs: list[dict]) -> bool:
 
 def plot_speed_ratios(report: dict, path: Path) -> None:
     """kvserve's speed-up over each peer per measurement (higher is better; 1 = parity)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     ours, peers = report["results"][0], report["results"][1:]
     if not peers:
@@ -109,10 +102,7 @@ def plot_speed_ratios(report: dict, path: Path) -> None:
 
 def plot_prefill_parallel(report: dict, path: Path) -> None:
     """TTFT against context length per method (with the paper's bound), and the searched first chunk's share."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     r = report["results"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
@@ -145,10 +135,7 @@ def plot_prefill_parallel(report: dict, path: Path) -> None:
 
 def plot_compression(report: dict, path: Path) -> None:
     """KV per sequence, peak batch and throughput per policy, at one KV memory."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     results = report["results"]
     names = [f"{r['policy']}" + ("" if r["policy"] == "full" else f" {r['budget']:g}") for r in results]
@@ -173,10 +160,7 @@ def plot_compression(report: dict, path: Path) -> None:
 
 def plot_prompt_cache(report: dict, path: Path) -> None:
     """Median TTFT per document length, one bar per method (log scale), with the speed-up over no cache."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     lengths = report["lengths"]
     methods = list(dict.fromkeys(r["method"] for r in report["results"]))
@@ -205,10 +189,7 @@ def plot_prompt_cache(report: dict, path: Path) -> None:
 
 def plot_offload(report: dict, path: Path) -> None:
     """Decode ms per step and MB fetched per token against context, one panel per tier and batch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     cells = report["results"]
     tiers = sorted({c["tier"] for c in cells if c["tier"] != "memory"})
@@ -241,10 +222,7 @@ def plot_offload(report: dict, path: Path) -> None:
 
 def plot_window(report: dict, path: Path) -> None:
     """Window KV groups vs every layer full: KV per sequence at a long context, sequences at once in one KV memory."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     configs = report["results"]["configurations"]
     names = [c["name"] for c in configs]
@@ -275,10 +253,7 @@ def plot_window(report: dict, path: Path) -> None:
 
 def plot_soak(report: dict, path: Path) -> None:
     """Soak run: /health latency and server memory over time, with the injected failures marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     r = report["results"]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)

@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from kvserve.extras import extra_imports
 from kvserve.models.config import ModelConfig
 from kvserve.models.layers import Linear, RMSNorm
 from kvserve.models.quant_linear import QuantLinear
@@ -146,7 +147,8 @@ class TransformersSpeed:
     name = "transformers"
 
     def __init__(self, model: Path, dtype: torch.dtype) -> None:
-        from transformers import AutoModelForCausalLM  # bench-only dependency
+        with extra_imports("bench", "the transformers peer (--peers without it skips it)"):
+            from transformers import AutoModelForCausalLM
 
         start = time.perf_counter()
         self.model = AutoModelForCausalLM.from_pretrained(model.parent, gguf_file=model.name, dtype=dtype).eval()

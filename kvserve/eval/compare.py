@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.eval.metrics import mean_stderr
+from kvserve.extras import pyplot
 
 FULL_POLICY = "full"
 
@@ -97,10 +98,7 @@ def compare_table(reports: Sequence[dict], names: Sequence[str]) -> str:
 def draw_comparison(reports: Sequence[dict], names: Sequence[str], path: Path) -> None:
     """Metric vs KV retained % (one line per KV policy) when the reports differ in ``kv_budget``;
     otherwise a bar per report. Standard errors as error bars where the reports have them."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("eval")
 
     _check_same_kind(reports, names)
     metrics = [main_metric(r) for r in reports]

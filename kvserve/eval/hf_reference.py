@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from kvserve.eval.loglikelihood import Loglikelihood, LoglikelihoodRequest
+from kvserve.extras import extra_imports
 
 
 class TransformersScorer:
@@ -23,7 +24,8 @@ class TransformersScorer:
 
     @classmethod
     def load(cls, model_path: Path, dtype: torch.dtype = torch.float32, progress: bool = True) -> TransformersScorer:
-        from transformers import AutoModelForCausalLM  # test/bench-only dependency
+        with extra_imports("eval", "--backend hf"):
+            from transformers import AutoModelForCausalLM
 
         if model_path.suffix == ".gguf":  # transformers dequantises GGUF tensors on load
             model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, dtype=dtype)

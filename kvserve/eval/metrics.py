@@ -6,12 +6,15 @@ perplexity) and SQuAD (answer normalisation, token F1), so numbers compare with 
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import string
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from kvserve.extras import extra_imports
 
 
 @dataclass(frozen=True)
@@ -104,16 +107,12 @@ def rouge_l(prediction: str, reference: str) -> float:
     return _rouge_scorer().score(reference, prediction)["rougeL"].fmeasure
 
 
-_SCORER = None
-
-
+@functools.cache  # building the stemmer's scorer is slow; one per process
 def _rouge_scorer():  # noqa: ANN202 - rouge_score.rouge_scorer.RougeScorer
-    global _SCORER
-    if _SCORER is None:
+    with extra_imports("eval", "ROUGE-L (the meeting and gov_report evaluations)"):
         from rouge_score import rouge_scorer
 
-        _SCORER = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
-    return _SCORER
+    return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
 
 
 def _argmax(values: Sequence[float]) -> int:

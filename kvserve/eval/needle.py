@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvserve.eval.data import AUSTEN, require
+from kvserve.extras import pyplot
 from kvserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -259,10 +260,7 @@ def needle_headline(results: dict) -> str:
 
 def draw_needle_heatmap(results: dict, path: Path, title: str = "") -> None:
     """Score per cell: x = haystack length (whole prompt, tokens), y = needle depth (0% on top), red 0 to green 1."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("eval")
 
     lengths, depths, scores = results["lengths"], results["depths"], results["scores"]
     fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(lengths) + 2.5), max(3.0, 0.45 * len(depths) + 1.8)))
