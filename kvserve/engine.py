@@ -457,7 +457,9 @@ class LLMEngine:
                     logits.append(row)
         if not rows:
             return
-        sample_rows = [SampleRow(r.params, s.generator, r.prompt_token_ids, s.output_token_ids) for r, s in rows]
+        sample_rows = [
+            SampleRow(r.params, s.generator, r.prompt_token_ids, s.output_token_ids, _banned(r, s)) for r, s in rows
+        ]
         sample = sample_each if self.config.batch_invariant else sample_batch
         for (request, seq), token in zip(rows, sample(torch.stack(logits), sample_rows), strict=True):
             self._append_token(request, seq, token)
@@ -554,7 +556,8 @@ class LLMEngine:
             return
         searched = len(seq.text)
         seq.text += seq.detokenizer.step(token.token_id)
-        stop = find_stop(seq.text, params.stop, searched)
+        early = len(seq.output_token_ids) <= params.min_tokens  # vLLM: stop strings count after min_tokens
+        stop = None if early else find_stop(seq.text, params.stop, searched)
         if stop is not None:
             seq.text = seq.text[: stop[0] + len(stop[1]) if params.include_stop_str_in_output else stop[0]]
             seq.finish_reason, seq.stop_reason = "stop", stop[1]
@@ -636,6 +639,11 @@ def windowed_model_refusal(config: EngineConfig, policy: KVPolicy) -> str | None
     if config.prefill_parallel > 1:
         return "parallel prefill (KV-Runahead) passes whole caches between processes without windows; use 1"
     return None
+
+
+def _banned(request: Request, seq: Sequence) -> tuple[int, ...]:
+    """The stop tokens while a sequence is shorter than min_tokens: it must not end yet."""
+    return tuple(request.stop_token_ids) if len(seq.output_token_ids) < request.params.min_tokens else ()
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

@@ -23,6 +23,7 @@ class SampleRow:
     generator: torch.Generator | None
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    banned_token_ids: Sequence[int] = ()  # never sampled this step (stop tokens before min_tokens)
 
 
 @dataclass
@@ -51,7 +52,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 def sample_batch(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[SampledToken]:
     """logits (B, vocab) float32, one row per sequence -> one sampled token per row."""
-    processed = apply_penalties(logits, rows)
+    processed = ban_tokens(apply_penalties(logits, rows), rows, logits)
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]
     if len(greedy) == len(rows):
         chosen = processed.argmax(dim=-1)
@@ -99,6 +100,17 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Te
             counts = counts.to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
+
+
+def ban_tokens(processed: torch.Tensor, rows: Sequence[SampleRow], raw: torch.Tensor) -> torch.Tensor:
+    """-inf at each row's banned ids; ``raw`` (the logits logprobs are reported from) is never written to."""
+    if not any(row.banned_token_ids for row in rows):
+        return processed
+    processed = processed.clone() if processed is raw else processed
+    for i, row in enumerate(rows):
+        if row.banned_token_ids:
+            processed[i, list(row.banned_token_ids)] = float("-inf")
+    return processed
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

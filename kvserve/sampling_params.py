@@ -44,6 +44,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False  # keep the stop string that ended a sequence at its text's end
+    min_tokens: int = 0  # stop tokens (EOS, stop_token_ids) and stop strings take effect only after this many
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -78,6 +79,7 @@ class SamplingParams:
             if value is not None:
                 _check_int(name, value, 0, MAX_LOGPROBS)
         self._check_stop()
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         if self.use_beam_search:
             self._check_beam_search()
         if self.kv_budget is not None and not 0 < self.kv_budget <= 1:
@@ -102,6 +104,8 @@ class SamplingParams:
             raise ValueError(f"beam search needs best_of >= 2 beams, got best_of={self.best_of}")
         if self.temperature != 0 or self.top_p != 1 or self.top_k != -1 or self.min_p != 0:
             raise ValueError("beam search is deterministic: temperature must be 0 and top_p/top_k/min_p disabled")
+        if self.min_tokens:
+            raise ValueError(f"min_tokens applies to sampled sequences, not to beam search, got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:

@@ -41,7 +41,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "reasoning_effort": (None,),
     "verbosity": (None,),
     # vLLM
-    "min_tokens": (None, 0),
     "prompt_logprobs": (None,),
     "spaces_between_special_tokens": (None, True),
     "allowed_token_ids": (None,),

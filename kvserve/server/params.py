@@ -9,7 +9,7 @@ from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, _S
 _FIELDS = (
     "n", "best_of", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs", "seed", "stop", "kv_policy",
-    "kv_budget",
+    "kv_budget", "min_tokens",
 )  # fmt: skip
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
@@ -60,6 +60,7 @@ def _build(
             stop=stop,
             stop_token_ids=list(body.stop_token_ids or []),
             include_stop_str_in_output=body.include_stop_str_in_output,
+            min_tokens=body.min_tokens,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,

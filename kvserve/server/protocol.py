@@ -69,6 +69,7 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (server/truncation.py)
     skip_special_tokens: bool = True
     use_beam_search: bool = False

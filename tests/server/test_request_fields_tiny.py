@@ -24,7 +24,7 @@ ASKING = {
     "logit_bias": {"5": 100}, "suffix": " the end", "functions": [{"name": "f", "parameters": {}}],
     "function_call": "auto", "parallel_tool_calls": False, "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "service_tier": "flex",
-    "store": True, "web_search_options": {}, "reasoning_effort": "high", "verbosity": "low", "min_tokens": 4,
+    "store": True, "web_search_options": {}, "reasoning_effort": "high", "verbosity": "low",
     "prompt_logprobs": 1,
     "spaces_between_special_tokens": False, "allowed_token_ids": [5, 6], "bad_words": ["the"],
     "logits_processors": ["x"], "return_tokens_as_token_ids": True, "return_token_ids": True,
@@ -204,3 +204,16 @@ def test_truncate_prompt_tokens_out_of_range_is_a_400(tiny_server, keep, prompt,
             model=TINY_NAME, prompt=prompt, max_tokens=2, extra_body={"truncate_prompt_tokens": keep}
         )
     assert caught.value.body["param"] == "truncate_prompt_tokens" and words in caught.value.body["message"]
+
+
+def test_min_tokens_lets_no_stop_end_a_choice_early(tiny_server):
+    client = tiny_server.client()
+    kwargs = dict(model=TINY_NAME, prompt="the cat sat on", max_tokens=8, temperature=0)
+    stop = client.completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0].text[:1]
+    early = client.completions.create(**kwargs, stop=[stop], extra_body={"ignore_eos": True})
+    late = client.completions.create(**kwargs, stop=[stop], extra_body={"ignore_eos": True, "min_tokens": 3})
+    assert early.usage.completion_tokens == 1 and early.choices[0].text == ""
+    assert late.usage.completion_tokens > 3 and late.choices[0].text
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(**kwargs, extra_body={"min_tokens": 9})
+    assert caught.value.body["param"] == "min_tokens" and "[0, 8], got 9" in caught.value.body["message"]

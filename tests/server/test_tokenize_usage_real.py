@@ -1,7 +1,8 @@
 """On the real default model (SmolLM2-135M-Instruct): ``/tokenize`` and ``/detokenize`` agree with the
 Hugging Face tokenizer and with what the chat endpoint counts, a repeated prompt reports the tokens the
 prefix cache served in ``usage.prompt_tokens_details.cached_tokens``, ``include_stop_str_in_output``
-keeps the stop string and ``truncate_prompt_tokens`` keeps a prompt's last tokens."""
+keeps the stop string, ``truncate_prompt_tokens`` keeps a prompt's last tokens and ``min_tokens`` holds back
+the end of a reply."""
 
 from __future__ import annotations
 
@@ -81,3 +82,15 @@ def test_truncate_prompt_tokens_answers_as_the_prompt_s_last_tokens(server):
     plain = client.completions.create(prompt=ids[-40:], **kwargs)
     assert len(ids) > 40 and chat.usage.prompt_tokens == 40
     assert chat.choices[0].message.content == plain.choices[0].text
+
+
+def test_min_tokens_holds_back_the_end_of_the_reply(server):
+    client, question = server.client(), [{"role": "user", "content": "Say hello."}]
+    free = client.chat.completions.create(model=NAME, messages=question, max_tokens=64, temperature=0)
+    ended = free.usage.completion_tokens
+    assert free.choices[0].finish_reason == "stop" and ended < 40  # the model ends its reply by itself
+    longer = client.chat.completions.create(
+        model=NAME, messages=question, max_tokens=64, temperature=0, extra_body={"min_tokens": ended + 8}
+    )
+    assert longer.usage.completion_tokens >= ended + 8
+    assert longer.choices[0].message.content.startswith(free.choices[0].message.content)
