@@ -16,8 +16,10 @@ import torch
 from kvserve.bench.latency import KVServeEngine, TransformersEngine, measure
 from kvserve.bench.prefill import METHODS as PREFILL_METHODS
 from kvserve.bench.report import new_report, write_report
+from kvserve.bench.results_dir import add_output_arg, output_path
 from kvserve.bench.workload import AUSTEN
 from kvserve.engine_args import add_kv_policy_args, kv_policy_options
+from kvserve.extras import extra_imports
 from kvserve.models import gguf_file
 from kvserve.models.catalog import default_model_path, resolve_model_path
 from kvserve.models.dtype import resolve_dtype
@@ -34,9 +36,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     lat.add_argument("--repeats", type=int, default=3)
     lat.add_argument("--text", default=str(AUSTEN), help="text file the prompts are cut from")
     lat.add_argument("--no-peer", action="store_true", help="measure kvserve only")
-    lat.add_argument(
-        "--output", default=None, help="writes OUTPUT.json and OUTPUT.md (default: benchmarks/latency-DTYPE)"
-    )
+    add_output_arg(lat, "latency", "latency-DTYPE", "OUTPUT.json/.md")
     lat.set_defaults(func=cmd_bench_latency)
 
     spd = bench_sub.add_parser(
@@ -55,7 +55,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
         "--batch-invariant", action="store_true",
         help="also run kvserve in the batch-invariant mode, after the default: its cost is the ratio row",
     )  # fmt: skip
-    spd.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/speed-WEIGHTS)")
+    add_output_arg(spd, "speed", "speed-WEIGHTS")
     spd.set_defaults(func=cmd_bench_speed)
 
     pfl = bench_sub.add_parser(
@@ -67,7 +67,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     pfl.add_argument("--methods", default=",".join(PREFILL_METHODS), help=f"comma-separated: {PREFILL_METHODS}")
     pfl.add_argument("--repeats", type=int, default=3)
     pfl.add_argument("--table", default=None, help="KVR-P table (default: the engine's; built first if missing)")
-    pfl.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/prefill-pP)")
+    add_output_arg(pfl, "prefill", "prefill-pP")
     pfl.set_defaults(func=cmd_bench_prefill)
 
     thr = bench_sub.add_parser("throughput", help="replayed Azure trace: paged engine vs transformers static batches")
@@ -82,7 +82,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     thr.add_argument("--decode-tokens", type=int, default=32, help="tokens per request in the decode-scaling runs")
     thr.add_argument("--no-peer", action="store_true", help="measure kvserve only")
     add_kv_policy_args(thr)  # e.g. --kv-offload host --kv-policy infinigen
-    thr.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/throughput-DTYPE)")
+    add_output_arg(thr, "throughput", "throughput-DTYPE")
     thr.set_defaults(func=cmd_bench_throughput)
 
     pre = bench_sub.add_parser("prefix", help="requests sharing a long system prompt: prefix caching on vs off")
@@ -91,7 +91,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     pre.add_argument("--shared-tokens", type=int, default=1500, help="length of the shared system prompt")
     pre.add_argument("--max-tokens", type=int, default=16)
     pre.add_argument("--kv-cache-memory", default="2GiB")
-    pre.add_argument("--output", default=None, help="OUTPUT.json/.md (default: benchmarks/prefix-DTYPE)")
+    add_output_arg(pre, "prefix", "prefix-DTYPE", "OUTPUT.json/.md")
     pre.set_defaults(func=cmd_bench_prefix)
 
     cmp = bench_sub.add_parser(
@@ -105,7 +105,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     cmp.add_argument("--prompt-tokens", default="1024,2048", help="prompt lengths drawn uniformly from MIN,MAX")
     cmp.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     cmp.add_argument("--max-num-seqs", type=int, default=128)
-    cmp.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/policies/efficiency)")
+    add_output_arg(cmp, "compression", "efficiency")
     cmp.set_defaults(func=cmd_bench_compression)
 
     off = bench_sub.add_parser(
@@ -119,7 +119,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     off.add_argument("--steps", type=int, default=8, help="measured decode steps per cell")
     off.add_argument("--kv-cache-memory", default="4GiB", help="the slower tier's size")
     off.add_argument("--kv-offload-path", default=None, help="disk tier folder (default: the temp dir)")
-    off.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/infinigen/decode)")
+    add_output_arg(off, "offload", "decode")
     off.set_defaults(func=cmd_bench_offload)
 
     pc = bench_sub.add_parser(
@@ -133,8 +133,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
         "--layout", choices=("prefix", "behind-parameter"), default="prefix",
         help="prefix: the document leads every prompt; behind-parameter: a per-request reader name comes first",
     )  # fmt: skip
-    pc.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/prompt_cache/ttft, "
-                    "ttft-behind-parameter)")  # fmt: skip
+    add_output_arg(pc, "prompt-cache", "ttft or ttft-behind-parameter")
     pc.set_defaults(func=cmd_bench_prompt_cache)
 
     win = bench_sub.add_parser(
@@ -152,7 +151,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     win.add_argument("--max-num-seqs", type=int, default=256, help="part 2: the scheduler's sequence limit")
     win.add_argument("--max-sequences", type=int, default=64, help="part 2: at most this many requests")
     win.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    win.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/window/window)")
+    add_output_arg(win, "window", "window")
 
     srv = bench_sub.add_parser("serve", help="load generator against any OpenAI-compatible server (streaming)")
     srv.add_argument("--base-url", required=True, help="the server's API root, e.g. http://127.0.0.1:8000/v1")
@@ -176,7 +175,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     srv.add_argument("--label", default=None, help="name of the server under test (default: the model name)")
     srv.add_argument("--compare-with", action="append", default=[], metavar="REPORT.json",
                      help="another server's `bench serve` report to draw in the same PNG (repeatable)")  # fmt: skip
-    srv.add_argument("--output", default=None, help="OUTPUT.json/.md(/.png) (default: benchmarks/serve-LABEL)")
+    add_output_arg(srv, "serve", "serve-LABEL", "OUTPUT.json/.md(/.png)")
     srv.set_defaults(func=cmd_bench_serve)
 
     soak = bench_sub.add_parser(
@@ -192,7 +191,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     soak.add_argument("--max-request-bytes", type=int, default=1 << 20, help="the server's body limit (default: 1 MiB)")
     soak.add_argument("--threads", type=int, default=None, help="the server's torch threads")
     soak.add_argument("--seed", type=int, default=0)
-    soak.add_argument("--output", default=None, help="OUTPUT.json/.md/.png (default: benchmarks/soak/soak)")
+    add_output_arg(soak, "soak", "soak")
     soak.set_defaults(func=cmd_bench_soak)
 
 
@@ -221,7 +220,7 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     report = new_report(
         "latency", model=model_path.name, dtype=args.dtype, weights=args.weights, results=[asdict(r) for r in results]
     )
-    write_report(Path(args.output or f"benchmarks/latency-{args.dtype}"), report, _markdown_table(report))
+    write_report(output_path(args, f"latency-{args.dtype}"), report, _markdown_table(report))
     return 0
 
 
@@ -304,7 +303,7 @@ def cmd_bench_prefill(args: argparse.Namespace) -> int:
         threads=torch.get_num_threads(), table=str(table_path) if "KVR-P" in methods else None,
         results=asdict(result),
     )  # fmt: skip
-    out = Path(args.output or f"benchmarks/prefill-p{p}")
+    out = output_path(args, f"prefill-p{p}")
     write_report(out, report, _prefill_table(report))
     plot_prefill_parallel(report, out.with_suffix(".png"))
     return 0
@@ -333,9 +332,12 @@ def _prefill_table(report: dict) -> str:
     if "KVR-S" in r["ttft_s"] and "single" in r["ttft_s"]:
         ratios = " | ".join(f"{r['ttft_s']['single'][n] / r['ttft_s']['KVR-S'][n]:.2f}x" for n in lengths)
         lines.append(f"| **KVR-S speed-up over single** | {ratios} |")
-    lines += ["", "Chunk sizes (tokens per process, first to last):", ""]
-    for method, by_length in r["partitions"].items():
-        lines.append(f"- {method}: " + "; ".join(f"{n}: {sizes}" for n, sizes in by_length.items()))
+    if r["partitions"]:
+        header = "| chunks (tokens per process) | " + " | ".join(f"{n} tokens" for n in lengths) + " |"
+        lines += ["", header, "| --- |" + " ---: |" * len(lengths)]
+        for method, by_length in r["partitions"].items():
+            cells = (" + ".join(map(str, by_length.get(n, []))) for n in lengths)
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -420,7 +422,7 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
         results=[asdict(r) for r in results],
     )
     suffix = "-batch-invariant" if args.batch_invariant else ""  # leaves the default's own report alone
-    out = Path(args.output or f"benchmarks/speed-{args.weights}{suffix}")
+    out = output_path(args, f"speed-{args.weights}{suffix}")
     write_report(out, report, _speed_table(report))
     plot_speed_ratios(report, out.with_suffix(".png"))
     return 0
@@ -525,7 +527,7 @@ def cmd_bench_compression(args: argparse.Namespace) -> int:
         workload=f"{len(prompts)} requests, prompts {low}-{high} tokens (Austen), {args.max_tokens} output tokens",
         results=results,
     )  # fmt: skip
-    out = Path(args.output or "benchmarks/policies/efficiency")
+    out = output_path(args, "efficiency")
     write_report(out, report, markdown(report))
     plot_compression(report, out.with_suffix(".png"))
     return 0
@@ -578,7 +580,7 @@ def cmd_bench_offload(args: argparse.Namespace) -> int:
         "not offloaded (its KV is gathered from host memory each step).",
         results=offload.as_rows(cells),
     )  # fmt: skip
-    out = Path(args.output or "benchmarks/infinigen/decode")
+    out = output_path(args, "decode")
     write_report(out, report, offload.markdown(report))
     plot_offload(report, out.with_suffix(".png"))
     return 0
@@ -617,7 +619,8 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
         scaling["kvserve"][b] = throughput.decode_scaling_kvserve(scaling_engine, prompts[:b], args.decode_tokens)
         log(f"  kvserve decode, batch {b}: {scaling['kvserve'][b]:.1f} tokens/s")
     if not args.no_peer:
-        from transformers import AutoModelForCausalLM  # bench-only dependency
+        with extra_imports("bench", "the transformers peer (--no-peer skips it)"):
+            from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(
             loaded.path.parent, gguf_file=loaded.path.name, dtype=loaded.dtype
@@ -649,7 +652,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
         decode_scaling_tokens_per_s=scaling,
         decode_tokens=args.decode_tokens,
     )
-    out = Path(args.output or f"benchmarks/throughput-{args.dtype}")
+    out = output_path(args, f"throughput-{args.dtype}")
     write_report(out, report, _throughput_table(report))
     plot_decode_scaling(scaling, out.with_suffix(".png"), f"{loaded.path.name}, {args.dtype}")
     return 0
@@ -696,7 +699,7 @@ def _throughput_table(report: dict) -> str:
 
 
 def cmd_bench_prefix(args: argparse.Namespace) -> int:
-    from kvserve.bench.prefix import run_shared_prefix
+    from kvserve.bench.prefix import markdown, run_shared_prefix
     from kvserve.cli import load_from_args
     from kvserve.config import EngineConfig
     from kvserve.engine import LLMEngine
@@ -726,25 +729,7 @@ def cmd_bench_prefix(args: argparse.Namespace) -> int:
         workload={"num_requests": len(prompts), "shared_tokens": len(shared), "max_tokens": args.max_tokens},
         results=[asdict(r) for r in results],
     )
-    on, off = results
-    m = report["machine"]
-    table = "\n".join([
-        f"# Shared system prompt: {report['model']}, {report['dtype']}",
-        "",
-        f"`{report['command']}` on {report['date']}: {m['cpu']}, {m['nproc']} CPUs, torch {m['torch']}, "
-        f"{m['torch_threads']} threads. {len(prompts)} requests arriving together, each a {len(shared)}-token "
-        f"shared prompt (Austen) plus its own question, {args.max_tokens} greedy tokens each.",
-        "",
-        "| prefix caching | total (s) | mean TTFT (s) | p50 TTFT (s) | max TTFT (s) | hit rate | cached tokens/req |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-        *[
-            f"| {'on' if r.prefix_caching else 'off'} | {r.seconds:.1f} | {r.mean_ttft_s:.2f} | {r.p50_ttft_s:.2f} | "
-            f"{r.max_ttft_s:.2f} | {r.prefix_hit_rate:.1%} | {r.cached_tokens_per_request:.0f} |"
-            for r in results
-        ],
-        f"| **saving** | {off.seconds / on.seconds:.2f}x | {off.mean_ttft_s / on.mean_ttft_s:.2f}x | | | | |",
-    ]) + "\n"  # fmt: skip
-    write_report(Path(args.output or f"benchmarks/prefix-{args.dtype}"), report, table)
+    write_report(output_path(args, f"prefix-{args.dtype}"), report, markdown(report))
     return 0
 
 
@@ -778,7 +763,7 @@ def cmd_bench_prompt_cache(args: argparse.Namespace) -> int:
         ),
     )  # fmt: skip
     default = "ttft" if args.layout == "prefix" else f"ttft-{args.layout}"
-    out = Path(args.output or f"benchmarks/prompt_cache/{default}")
+    out = output_path(args, default)
     write_report(out, report, markdown(report))
     plot_prompt_cache(report, out.with_suffix(".png"))
     return 0
@@ -808,14 +793,15 @@ def cmd_bench_window(args: argparse.Namespace) -> int:
         kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, settings=settings, results=results,
     )  # fmt: skip
     report["cpu"] = window.cpu_label(report["machine"])
-    out = Path(args.output or "benchmarks/window/window")
+    out = output_path(args, "window")
     write_report(out, report, window.markdown(report))
     plot_window(report, out.with_suffix(".png"))
     return 0
 
 
 def cmd_bench_soak(args: argparse.Namespace) -> int:
-    from kvserve.bench import soak
+    with extra_imports("bench", "kvserve bench soak"):
+        from kvserve.bench import soak
     from kvserve.bench.plots import plot_soak
     from kvserve.models.catalog import resolve_model_path
 
@@ -829,7 +815,7 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
     )  # fmt: skip
     results = soak.run_soak(opts, log)
     report = new_report("soak", model=resolve_model_path(args.model).name, results=results)
-    out = Path(args.output or "benchmarks/soak/soak")
+    out = output_path(args, "soak")
     write_report(out, report, soak.soak_table(report))
     plot_soak(report, out.with_suffix(".png"))
     return 0 if results["exactly_once"] and not results["processes_left_after_stop"] else 1
@@ -839,7 +825,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     import asyncio
     import re
 
-    from kvserve.bench import serve
+    with extra_imports("bench", "kvserve bench serve"):
+        from kvserve.bench import serve
     from kvserve.bench.plots import plot_serving_latency
 
     def log(line: str) -> None:
@@ -878,7 +865,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         workload=workload,
         runs=[{**run, "request_rate": _rate_json(run["request_rate"])} for run in runs],
     )
-    out = Path(args.output or f"benchmarks/serve-{re.sub(r'[^A-Za-z0-9_.-]+', '_', label)}")
+    out = output_path(args, f"serve-{re.sub(r'[^A-Za-z0-9_.-]+', '_', label)}")
     m = report["machine"]
     text = "\n".join([
         f"# Serving: {label}",

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+from kvserve.bench.machine import machine_line
 from kvserve.engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import ScheduledSequence
@@ -134,7 +135,7 @@ def markdown(report: dict) -> str:
         "",
         f"`{report['command']}`",
         "",
-        f"Machine: {_machine(report['machine'])}; threads {report['threads']}. Workload: {report['workload']}. "
+        f"Machine: {machine_line(report['machine'])}; threads {report['threads']}. Workload: {report['workload']}. "
         f"KV memory {report['kv_cache_memory']} for every policy.",
         "",
         "| policy | budget | KV/seq after prefill (MB) | KV reserved in prefill (MB) | peak batch | "
@@ -150,7 +151,3 @@ def markdown(report: dict) -> str:
             f"{r['decode_tokens_per_s'] / max(full['decode_tokens_per_s'], 1e-9):.2f}x |"
         )
     return "\n".join(lines) + "\n"
-
-
-def _machine(m: dict) -> str:
-    return f"{m.get('cpu')}, {m.get('nproc')} vCPU, {m.get('memory_gib')} GiB, torch {m.get('torch')}"

@@ -24,6 +24,11 @@ def describe_machine() -> dict[str, object]:
     return info
 
 
+def machine_line(m: dict) -> str:
+    """A report's machine for its Markdown: ``CPU, N vCPU, M GiB, torch V``."""
+    return f"{m.get('cpu')}, {m.get('nproc')} vCPU, {m.get('memory_gib')} GiB, torch {m.get('torch')}"
+
+
 def _cpu_model() -> str:
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():

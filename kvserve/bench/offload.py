@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from kvserve.attention.offloaded import OffloadedKVCache
+from kvserve.bench.machine import machine_line
 from kvserve.engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
 
@@ -104,7 +105,7 @@ def markdown(report: dict) -> str:
         "",
         f"`{report['command']}`",
         "",
-        f"Machine: {report['machine']}. {report['note']}",
+        f"Machine: {machine_line(report['machine'])}. {report['note']}",
         "",
     ]
     for tier in tiers:

@@ -53,3 +53,28 @@ def run_shared_prefix(engine: LLMEngine, prompts: Sequence[list[int]], max_token
         cached_tokens_per_request=statistics.mean(finished[i].num_cached_tokens for i in ids),
         prompt_tokens=sum(len(p) for p in prompts),
     )
+
+
+def markdown(report: dict) -> str:
+    """The report's table: prefix caching on, off, and the saving."""
+    m, w = report["machine"], report["workload"]
+    on, off = report["results"]
+    lines = [
+        f"# Shared system prompt: {report['model']}, {report['dtype']}",
+        "",
+        f"`{report['command']}` on {report['date']}: {m['cpu']}, {m['nproc']} CPUs, torch {m['torch']}, "
+        f"{m['torch_threads']} threads. {w['num_requests']} requests arriving together, each a {w['shared_tokens']}"
+        f"-token shared prompt (Austen) plus its own question, {w['max_tokens']} greedy tokens each.",
+        "",
+        "| prefix caching | total (s) | mean TTFT (s) | p50 TTFT (s) | max TTFT (s) | hit rate | cached tokens/req |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in (on, off):
+        lines.append(
+            f"| {'on' if r['prefix_caching'] else 'off'} | {r['seconds']:.1f} | {r['mean_ttft_s']:.2f} | "
+            f"{r['p50_ttft_s']:.2f} | {r['max_ttft_s']:.2f} | {r['prefix_hit_rate']:.1%} | "
+            f"{r['cached_tokens_per_request']:.0f} |"
+        )
+    saving = f"{off['seconds'] / on['seconds']:.2f}x | {off['mean_ttft_s'] / on['mean_ttft_s']:.2f}x"
+    lines.append(f"| **saving** | {saving} | | | | |")
+    return "\n".join(lines) + "\n"

@@ -3,26 +3,27 @@
 from __future__ import annotations
 
 import json
-import sys
 from datetime import date
 from pathlib import Path
 
 from kvserve.bench.machine import describe_machine
+from kvserve.bench.redact import command_line, redact_keys
 
 
 def new_report(benchmark: str, **fields: object) -> dict:
     return {
         "benchmark": benchmark,
         "date": date.today().isoformat(),
-        "command": "kvserve " + " ".join(sys.argv[1:]),
+        "command": command_line(),
         "machine": describe_machine(),
         **fields,
     }
 
 
 def write_report(out: Path, report: dict, markdown: str) -> None:
-    """OUT.json and OUT.md; the Markdown is also printed."""
+    """OUT.json and OUT.md; the Markdown is also printed. Secret values are masked (the command line's by
+    :func:`new_report`)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(redact_keys(report), indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown)
     print(markdown)

@@ -442,6 +442,6 @@ def soak_table(report: dict) -> str:
         f"- Events: {'; '.join(f'{t:.0f} s {e}' for t, e in r['events']) or 'none'}; prefill metrics at the end: "
         + (", ".join(f"`{k}` {v:g}" for k, v in r["prefill_metrics"].items()) or "none")
         + ".",
-        f"- Processes left after stopping the server: {r['processes_left_after_stop'] or 'none'}.",
+        f"- Processes left after stopping the server: {', '.join(map(str, r['processes_left_after_stop'])) or 'none'}.",
     ]
     return "\n".join(lines) + "\n"

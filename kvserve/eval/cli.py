@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from kvserve.bench.results_dir import add_output_arg, output_path
 from kvserve.engine_args import add_engine_args, add_tokenizer_args, describe_config, engine_config_from_args
 from kvserve.models.dtype import DTYPE_NAMES
 
@@ -33,12 +34,14 @@ def add_eval_parser(sub: argparse._SubParsersAction, add_model_args: Callable) -
     ppl.add_argument("--context", type=int, default=PPL_CONTEXT, help="tokens per window")
     ppl.add_argument("--stride", type=int, default=PPL_STRIDE, help="new tokens scored per window")
     ppl.add_argument("--limit-tokens", type=int, default=None, help="score only the text's first N tokens")
+    add_output_arg(ppl, "ppl", "ppl-DATA-DTYPE.json", "the report, OUTPUT.json")
     ppl.set_defaults(func=cmd_ppl)
 
     mc = evsub.add_parser("mc", help="zero-shot multiple-choice accuracy from log-likelihoods")
     _add_common(mc, add_model_args, likelihood=True)
     mc.add_argument("--task", required=True, choices=TASKS)
     mc.add_argument("--limit", type=int, default=None, help="first N questions only")
+    add_output_arg(mc, "mc", "mc-TASK-DTYPE.json", "the report, OUTPUT.json")
     mc.set_defaults(func=cmd_mc)
 
     qa = evsub.add_parser("longqa", help="L-Eval long-document tasks, documents truncated to the context")
@@ -50,6 +53,7 @@ def add_eval_parser(sub: argparse._SubParsersAction, add_model_args: Callable) -
     qa.add_argument("--limit", type=int, default=None, help="first N documents only")
     qa.add_argument("--prompt-cache", action="store_true", help="each document a Prompt Cache module, each "
                     "question a PML prompt importing it (accuracy against the plain prompts)")  # fmt: skip
+    add_output_arg(qa, "longqa", "longqa-TASK-DTYPE.json", "the report, OUTPUT.json")
     qa.set_defaults(func=cmd_longqa)
 
     needle = evsub.add_parser("needle", help="needle-in-a-haystack retrieval over Austen text, with a heatmap")
@@ -58,11 +62,12 @@ def add_eval_parser(sub: argparse._SubParsersAction, add_model_args: Callable) -
     needle.add_argument(
         "--depths", default="0..100%", help="needle depths: 0..100%% (11 steps), 0..100%%/5, or 0,50,100"
     )
+    add_output_arg(needle, "needle", "needle-austen-DTYPE", "the report and heatmap, OUTPUT.json/.png")
     needle.set_defaults(func=cmd_needle)
 
     compare = evsub.add_parser("compare", help="table and plot of several eval reports")
     compare.add_argument("reports", nargs="+", type=Path, metavar="REPORT.json")
-    compare.add_argument("--output", type=Path, default=None, help="PNG path (default: eval-compare.png)")
+    add_output_arg(compare, "compare", "compare.png", "the plot, OUTPUT")
     compare.set_defaults(func=cmd_compare)
 
 
@@ -70,7 +75,6 @@ def _add_common(parser: argparse.ArgumentParser, add_model_args: Callable, likel
     add_model_args(parser)
     add_tokenizer_args(parser)
     add_engine_args(parser)
-    parser.add_argument("--output", type=Path, default=None, help="report path (default: eval-KIND-TASK-DTYPE.json)")
     if likelihood:
         parser.add_argument(
             "--backend", choices=("kvserve", "hf"), default="kvserve",
@@ -138,6 +142,7 @@ def cmd_needle(args: argparse.Namespace) -> int:
     session = _Session(args)
     results = evaluate_needle(session.engine(), lengths, depths)
     output = session.report_path("needle", "austen")
+    output.parent.mkdir(parents=True, exist_ok=True)
     draw_needle_heatmap(results, output.with_suffix(".png"), title=session.label())
     options = {"lengths": lengths, "depths": depths}
     return session.finish("needle", "austen", needle_headline(results), results, options)
@@ -150,7 +155,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     reports = [load_eval_report(path) for path in args.reports]
     names = [path.stem for path in args.reports]
     print(compare_table(reports, names))
-    output = args.output or Path("eval-compare.png")
+    output = output_path(args, "compare.png")
+    output.parent.mkdir(parents=True, exist_ok=True)
     draw_comparison(reports, names, output)
     print(f"wrote {output}")
     return 0
@@ -202,11 +208,10 @@ class _Session:
         return f"{sep}{self.config.kv_policy}{'@' if sep == ' ' else ''}{budget:g}"
 
     def report_path(self, kind: str, task: str) -> Path:
-        if self.args.output is not None:
-            return self.args.output.with_suffix(".json")
         suffix = "-hf" if self.backend == "hf" else self._policy_tag("-")
         suffix += "-prompt-cache" if getattr(self.args, "prompt_cache", False) else ""
-        return Path(f"eval-{kind}-{task}-{DTYPE_NAMES[self.config.torch_dtype]}{suffix}.json")
+        stem = f"{kind}-{task}-{DTYPE_NAMES[self.config.torch_dtype]}{suffix}"
+        return output_path(self.args, f"{stem}.json").with_suffix(".json")
 
     def finish(self, kind: str, task: str, headline: str, results: dict, options: dict) -> int:
         from kvserve.eval.report import eval_report, write_eval_report

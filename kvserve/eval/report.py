@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from datetime import datetime
 from pathlib import Path
 
 from kvserve.bench.machine import describe_machine
+from kvserve.bench.redact import command_line, redact_keys
 
 
 def eval_report(
@@ -22,7 +22,7 @@ def eval_report(
         "engine": engine,
         "model": model,
         "options": options,
-        "command": "kvserve " + " ".join(sys.argv[1:]),
+        "command": command_line(),
         "date": datetime.now().isoformat(timespec="seconds"),
         "machine": describe_machine(),
     }
@@ -31,7 +31,7 @@ def eval_report(
 def write_eval_report(report: dict, output: Path) -> Path:
     output = output if output.suffix == ".json" else output.with_suffix(".json")
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(_finite(report), indent=2, allow_nan=False) + "\n")
+    output.write_text(json.dumps(_finite(redact_keys(report)), indent=2, allow_nan=False) + "\n")
     return output
 
 
