@@ -342,11 +342,15 @@ class LLMEngine:
     def validate_params(self, params: SamplingParams) -> None:
         """Raise ValueError for sampling options this model cannot honour (any thread may call it)."""
         vocab = self.loaded.config.vocab_size
-        bad = [i for i in params.stop_token_ids if not 0 <= i < vocab]
-        if bad:
-            raise ValueError(
-                f"stop_token_ids {bad[:5]} are outside the model's vocabulary of {vocab} tokens (ids 0 to {vocab - 1})"
-            )
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or ())),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):  # fmt: skip
+            bad = [i for i in ids if not 0 <= i < vocab]
+            if bad:
+                raise ValueError(
+                    f"{name} {bad[:5]} are outside the model's vocabulary of {vocab} tokens (ids 0 to {vocab - 1})"
+                )
 
     def _new_sequence(self, ids: list[int], num_prompt: int, params: SamplingParams, seed_offset: int) -> Sequence:
         child = params if params.seed is None else _with_seed(params, params.seed + seed_offset)

@@ -52,7 +52,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 def sample_batch(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[SampledToken]:
     """logits (B, vocab) float32, one row per sequence -> one sampled token per row."""
-    processed = ban_tokens(apply_penalties(logits, rows), rows, logits)
+    processed = steer(apply_penalties(logits, rows), rows, logits)
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]
     if len(greedy) == len(rows):
         chosen = processed.argmax(dim=-1)
@@ -102,12 +102,21 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Te
     return logits
 
 
-def ban_tokens(processed: torch.Tensor, rows: Sequence[SampleRow], raw: torch.Tensor) -> torch.Tensor:
-    """-inf at each row's banned ids; ``raw`` (the logits logprobs are reported from) is never written to."""
-    if not any(row.banned_token_ids for row in rows):
+def steer(processed: torch.Tensor, rows: Sequence[SampleRow], raw: torch.Tensor) -> torch.Tensor:
+    """What a request asks of the choice itself: ``logit_bias`` added, only ``allowed_token_ids`` left, stop
+    tokens banned before ``min_tokens``. ``raw`` (the logits logprobs are reported from) is never written to."""
+    if not any(row.banned_token_ids or row.params.logit_bias or row.params.allowed_token_ids for row in rows):
         return processed
     processed = processed.clone() if processed is raw else processed
     for i, row in enumerate(rows):
+        bias, allowed = row.params.logit_bias, row.params.allowed_token_ids
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.long, device=processed.device)
+            processed[i, ids] += torch.tensor(list(bias.values()), dtype=processed.dtype, device=processed.device)
+        if allowed:
+            keep = processed[i, allowed].clone()
+            processed[i] = float("-inf")
+            processed[i, allowed] = keep
         if row.banned_token_ids:
             processed[i, list(row.banned_token_ids)] = float("-inf")
     return processed

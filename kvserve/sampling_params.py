@@ -45,6 +45,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False  # keep the stop string that ended a sequence at its text's end
     min_tokens: int = 0  # stop tokens (EOS, stop_token_ids) and stop strings take effect only after this many
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's: -100 bans, 100 forces)
+    allowed_token_ids: list[int] | None = None  # sample only among these tokens
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -80,6 +82,7 @@ class SamplingParams:
                 _check_int(name, value, 0, MAX_LOGPROBS)
         self._check_stop()
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        self._check_token_choice()
         if self.use_beam_search:
             self._check_beam_search()
         if self.kv_budget is not None and not 0 < self.kv_budget <= 1:
@@ -99,13 +102,26 @@ class SamplingParams:
                 f"({longest[:20]!r}...)"
             )
 
+    def _check_token_choice(self) -> None:
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+            if not -100 <= bias <= 100:  # also rejects NaN
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not allowed or any(not isinstance(i, int) or i < 0 for i in allowed)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r}")
+        if allowed is not None:
+            self.allowed_token_ids = sorted(set(allowed))  # each id once, whatever the client repeated
+
     def _check_beam_search(self) -> None:
         if self.best_of < 2:
             raise ValueError(f"beam search needs best_of >= 2 beams, got best_of={self.best_of}")
         if self.temperature != 0 or self.top_p != 1 or self.top_k != -1 or self.min_p != 0:
             raise ValueError("beam search is deterministic: temperature must be 0 and top_p/top_k/min_p disabled")
-        if self.min_tokens:
-            raise ValueError(f"min_tokens applies to sampled sequences, not to beam search, got {self.min_tokens}")
+        for name in ("min_tokens", "logit_bias", "allowed_token_ids"):
+            if getattr(self, name):
+                raise ValueError(f"{name} applies to sampled sequences, not to beam search, got {getattr(self, name)}")
 
     @property
     def greedy(self) -> bool:

@@ -27,7 +27,6 @@ METADATA_FIELDS = frozenset(
 # Field -> the values that ask for nothing (the field's "off"); anything else is a 400.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     # OpenAI
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
     "functions": (None, []),
     "function_call": (None, "none"),
@@ -43,7 +42,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     # vLLM
     "prompt_logprobs": (None,),
     "spaces_between_special_tokens": (None, True),
-    "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "logits_processors": (None,),
     "return_tokens_as_token_ids": (None, False),

@@ -9,7 +9,7 @@ from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, _S
 _FIELDS = (
     "n", "best_of", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs", "seed", "stop", "kv_policy",
-    "kv_budget", "min_tokens",
+    "kv_budget", "min_tokens", "logit_bias", "allowed_token_ids",
 )  # fmt: skip
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
@@ -61,6 +61,8 @@ def _build(
             stop_token_ids=list(body.stop_token_ids or []),
             include_stop_str_in_output=body.include_stop_str_in_output,
             min_tokens=body.min_tokens,
+            logit_bias=_logit_bias(body.logit_bias),
+            allowed_token_ids=body.allowed_token_ids,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -81,6 +83,14 @@ def _build(
         param = "use_beam_search" if params.use_beam_search else "best_of"
         raise bad_request(f"{param} cannot be streamed: the best sequences are only known at the end", param)
     return params
+
+
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    """JSON object keys are strings: ``{"1234": -100}`` -> ``{1234: -100.0}``."""
+    bad = [key for key in raw or () if not (key.isascii() and key.isdigit())]
+    if bad:
+        raise bad_request(f"logit_bias keys must be token ids (integers >= 0), got {bad[0]!r}", "logit_bias")
+    return {int(key): bias for key, bias in raw.items()} if raw else None
 
 
 def _named(message: str, body: _SamplingFields, renames: dict[str, str]) -> ApiError:

@@ -70,6 +70,8 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids (as JSON keys) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (server/truncation.py)
     skip_special_tokens: bool = True
     use_beam_search: bool = False

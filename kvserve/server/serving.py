@@ -75,8 +75,8 @@ class ServeContext:
         400 / 503. A PML prompt's errors name ``prompt_param``, the field that held it."""
         try:
             self.engine.engine.validate_params(params)
-        except ValueError as exc:
-            raise bad_request(str(exc), "stop_token_ids") from None
+        except ValueError as exc:  # the message starts with the field's name
+            raise bad_request(str(exc), str(exc).split(" ", 1)[0]) from None
         try:
             self.engine.engine.policy_for(params)
         except ValueError as exc:

@@ -21,12 +21,11 @@ BLOCK = TINY_OPTIONS["block_size"]
 
 # A value that asks for something kvserve does not do, per field.
 ASKING = {
-    "logit_bias": {"5": 100}, "suffix": " the end", "functions": [{"name": "f", "parameters": {}}],
+    "suffix": " the end", "functions": [{"name": "f", "parameters": {}}],
     "function_call": "auto", "parallel_tool_calls": False, "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "service_tier": "flex",
-    "store": True, "web_search_options": {}, "reasoning_effort": "high", "verbosity": "low",
-    "prompt_logprobs": 1,
-    "spaces_between_special_tokens": False, "allowed_token_ids": [5, 6], "bad_words": ["the"],
+    "store": True, "web_search_options": {}, "reasoning_effort": "high", "verbosity": "low", "prompt_logprobs": 1,
+    "spaces_between_special_tokens": False, "bad_words": ["the"],
     "logits_processors": ["x"], "return_tokens_as_token_ids": True, "return_token_ids": True,
     "add_special_tokens": True, "echo": True, "continue_final_message": True, "chat_template": "{{ messages }}",
     "chat_template_kwargs": {"enable_thinking": True}, "documents": [{"text": "x"}], "mm_processor_kwargs": {},
@@ -217,3 +216,37 @@ def test_min_tokens_lets_no_stop_end_a_choice_early(tiny_server):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(**kwargs, extra_body={"min_tokens": 9})
     assert caught.value.body["param"] == "min_tokens" and "[0, 8], got 9" in caught.value.body["message"]
+
+
+def test_logit_bias_and_allowed_token_ids_steer_both_endpoints(tiny_server):
+    client, decode = tiny_server.client(), tiny_server.engine.engine.tokenizer.decode
+    forced = client.completions.create(
+        model=TINY_NAME,
+        prompt="the cat",
+        max_tokens=4,
+        temperature=0,
+        logit_bias={"7": 100},
+        extra_body={"ignore_eos": True},
+    )
+    assert forced.choices[0].text == decode([7] * 4)
+    chat = client.chat.completions.create(
+        model=TINY_NAME, messages=MESSAGES, max_tokens=4, temperature=0.8, seed=1,
+        extra_body={"allowed_token_ids": [9], "ignore_eos": True},
+    )  # fmt: skip
+    assert chat.choices[0].message.content == decode([9] * 4)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "words"),
+    [
+        ({"logit_bias": {"abc": 1}}, "logit_bias", "keys must be token ids"),
+        ({"logit_bias": {"300": 1}}, "logit_bias", "[300] are outside the model's vocabulary of 300"),
+        ({"logit_bias": {"5": 200}}, "logit_bias", "[-100, 100], got 200"),
+        ({"allowed_token_ids": [300]}, "allowed_token_ids", "[300] are outside"),
+        ({"allowed_token_ids": []}, "allowed_token_ids", "non-empty"),
+    ],
+)
+def test_bad_logit_bias_and_allowed_token_ids_are_a_400(tiny_server, extra, param, words):
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(tiny_server.client(), "completions", extra_body=extra)
+    assert caught.value.body["param"] == param and words in caught.value.body["message"]

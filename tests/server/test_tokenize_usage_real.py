@@ -1,8 +1,8 @@
 """On the real default model (SmolLM2-135M-Instruct): ``/tokenize`` and ``/detokenize`` agree with the
 Hugging Face tokenizer and with what the chat endpoint counts, a repeated prompt reports the tokens the
 prefix cache served in ``usage.prompt_tokens_details.cached_tokens``, ``include_stop_str_in_output``
-keeps the stop string, ``truncate_prompt_tokens`` keeps a prompt's last tokens and ``min_tokens`` holds back
-the end of a reply."""
+keeps the stop string, ``truncate_prompt_tokens`` keeps a prompt's last tokens, ``min_tokens`` holds back
+the end of a reply and ``logit_bias`` bans a token."""
 
 from __future__ import annotations
 
@@ -94,3 +94,11 @@ def test_min_tokens_holds_back_the_end_of_the_reply(server):
     )
     assert longer.usage.completion_tokens >= ended + 8
     assert longer.choices[0].message.content.startswith(free.choices[0].message.content)
+
+
+def test_logit_bias_bans_the_likeliest_answer(server):
+    (paris,) = post(server, "/tokenize", {"prompt": " Paris", "add_special_tokens": False})["tokens"]
+    kwargs = dict(model=NAME, prompt="The capital of France is", max_tokens=4, temperature=0)
+    free = server.client().completions.create(**kwargs).choices[0].text
+    banned = server.client().completions.create(**kwargs, logit_bias={str(paris): -100}).choices[0].text
+    assert free.startswith(" Paris") and "Paris" not in banned
