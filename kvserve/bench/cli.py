@@ -597,12 +597,12 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    loaded = load_from_args(args)
-    config = EngineConfig(
+    config = EngineConfig(  # its options are checked before the model loads
         dtype=args.dtype, device=args.device, weights=args.weights, kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         **kv_policy_options(args),
     )  # fmt: skip
+    loaded = load_from_args(args)
     engine = LLMEngine(config, loaded)
     log(f"bench throughput: {loaded.path.name}, {args.dtype}, {torch.get_num_threads()} threads; {engine.kv_summary}")
     requests = load_trace_requests(loaded.tokenizer, args.num_requests, args.scale, engine.max_model_len)
