@@ -64,7 +64,7 @@ def load_model(
     ``batch_invariant`` switches the matmuls to row-invariant kernels (``models/batch_invariant.py``): int4
     for every batch size, no dequantised copies, dense weights in fixed row tiles.
     ``tokenizer`` (a folder, tokenizer.json or GGUF) and ``chat_template`` (a Jinja file or inline template)
-    replace the model's own; both are read and checked before the weights load.
+    replace the model's own; both are read, and the template compiled, before the weights load.
     """
     if weights not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
