@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvserve"
 # Imports that are not kvserve's to declare, with the reason.
 NOT_KVSERVE_DEPENDENCIES = {
-    "llama_cpp": "kvserve/bench/llamacpp_worker.py runs in the llama.cpp peer's own interpreter (--llamacpp-python)",
+    "llama_cpp": "kvserve/bench/llamacpp_worker.py and tests/data/make_gemma3_token_ids.py run in the llama.cpp "
+    "peer's own interpreter (--llamacpp-python)",
 }
 
 
@@ -137,6 +138,27 @@ def undeclared_imports(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
 
 def test_every_third_party_import_is_declared():
     assert undeclared_imports() == []
+
+
+def test_the_makefile_installs_what_kvserve_and_the_tests_import():
+    """``make test`` on a clean clone: its install line's extras hold every package the tests import, and every
+    package kvserve imports, optional ones included (the suite runs the benchmarks and evaluations)."""
+    extras = re.search(r"pip install .*-e '\.\[([\w,]+)\]'", (ROOT / "Makefile").read_text()).group(1).split(",")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    installed = requirement_names(project["dependencies"])
+    installed |= {n for extra in extras for n in requirement_names(project["optional-dependencies"][extra])}
+    distributions = importlib.metadata.packages_distributions()
+    missing = set()
+    for path in [*(ROOT / "tests").rglob("*.py"), *PACKAGE.rglob("*.py")]:
+        collector = ImportCollector("tests")
+        collector.visit(ast.parse(path.read_text()))
+        for imp in collector.found:
+            top = imp.name.split(".")[0]
+            if top in ("kvserve", "tests") or top in sys.stdlib_module_names or top in NOT_KVSERVE_DEPENDENCIES:
+                continue
+            if not {canonical(d) for d in distributions.get(top, [])} & installed:
+                missing.add(f"{path.relative_to(ROOT)} imports {top}")
+    assert sorted(missing) == []
 
 
 def test_the_check_finds_an_undeclared_package(tmp_path):
