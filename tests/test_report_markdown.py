@@ -12,7 +12,7 @@ from kvserve.bench.cli import _markdown_table, _prefill_table, _speed_table, _th
 from kvserve.eval.compare import compare_table
 from tests.eval.test_compare import _mc
 
-RAW_REPR = re.compile(r"\{'|\{\"|\['|\[\d|\[\]|\d\.\d{7,}| object at 0x")
+RAW_REPR = re.compile(r"\{'|\{\"|\{\d|\['|\[\d|\[\]|\d\.\d{7,}| object at 0x")
 X = 0.123456789012345  # a value a writer must round
 MACHINE = {"cpu": "Test CPU", "nproc": 2, "memory_gib": 15.6, "python": "3.11.7", "torch": "2.13.0+cpu",
            "torch_threads": 2, "cpu_capability": "AVX512"}  # fmt: skip
