@@ -21,6 +21,7 @@ from kvserve.engine_args import (
     add_prompt_cache_args,
     add_schema_arg,
     add_tokenizer_args,
+    check_model_fit,
     check_schemas,
 )
 from kvserve.errors import KVServeError
@@ -72,6 +73,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params, prompt = _generate_request(args)
     config = _engine_config(args)  # every engine flag checked before the model loads, also where the Generator runs
     check_schemas(config, args.schema)
+    check_model_fit(config)
     loaded = load_from_args(args)
     # The whole prompt in one parallel step.
     config = dataclasses.replace(config, max_num_batched_tokens=loaded.config.max_position_embeddings)

@@ -17,13 +17,12 @@ import torch
 
 from kvserve import beam_search
 from kvserve.attention.compressed import CompressedKVCache
-from kvserve.attention.offloaded import OffloadedKVCache, offload_block_bytes
+from kvserve.attention.offloaded import OffloadedKVCache
 from kvserve.attention.paged import PagedKVCache
 from kvserve.config import EngineConfig
 from kvserve.detokenizer import IncrementalDetokenizer
-from kvserve.kv.layout import KVLayout, single_group_layout, window_group_layout
 from kvserve.kv.manager import KVCacheManager, KVGroupSpec, KVUsage
-from kvserve.kv.sizing import kv_block_bytes
+from kvserve.kv_plan import plan_kv
 from kvserve.log import get_logger
 from kvserve.models.loader import LoadedModel, load_model
 from kvserve.outputs import CompletionOutput, RequestOutput
@@ -54,27 +53,14 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         cfg = self.loaded.config
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        dtype_size = torch.empty((), dtype=self.loaded.dtype).element_size()
-        self.kv_policy = make_policy(config.kv_policy, config.kv_budget, **config.kv_policy_knobs)
-        self.kv_policy.retention(cfg.num_layers)  # raises now if explicit per-layer fractions do not fit
+        plan = plan_kv(config, cfg, self.loaded.dtype)  # raises when this model cannot run the configuration
+        self.kv_policy = plan.policy
         # A compressing policy keeps different slots per layer: one KV group (block table) per layer.
         self.per_layer_groups = self.kv_policy.per_layer_groups
         self.offloaded = config.kv_offload != "none"  # the KV pool is a slower tier (kv/tiers.py)
-        self.layout = self._kv_layout()
-        block_layers = 1 if self.per_layer_groups else self.layout.rows
-        if self.offloaded:
-            block_bytes = offload_block_bytes(
-                self.kv_policy, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.loaded.dtype, config.block_size
-            )  # fmt: skip
-        else:
-            block_bytes = kv_block_bytes(block_layers, cfg.num_kv_heads, cfg.head_dim, dtype_size, config.block_size)
+        self.layout = plan.layout
+        block_layers, block_bytes, num_blocks = plan.block_layers, plan.block_bytes, plan.num_blocks
         self.kv_block_bytes = block_bytes  # one block of the pool (of one layer, with per-layer groups)
-        num_blocks = config.kv_cache_bytes // block_bytes
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory={config.kv_cache_memory!r} holds no block; one block of {config.block_size} "
-                f"tokens needs {block_bytes} bytes"
-            )
         num_host_blocks = 0 if self.offloaded else config.swap_space_bytes // block_bytes
         groups = [KVGroupSpec((layer,)) for layer in range(cfg.num_layers)] if self.per_layer_groups else None
         groups = groups or self.layout.groups
@@ -126,19 +112,6 @@ class LLMEngine:
             f"(budget {self.kv_policy.budget:g}); host tier for swapping: {num_host_blocks} blocks"
         )
         get_logger().info(self.kv_summary)
-
-    def _kv_layout(self) -> KVLayout:
-        """Window groups for a model with sliding-window layers (unless switched off), else one group;
-        refuses the techniques that do not run over window groups, with the reason."""
-        cfg, config = self.loaded.config, self.config
-        if not any(w is not None for w in cfg.layer_windows):
-            return single_group_layout(cfg.num_layers)
-        refusal = windowed_model_refusal(config, self.kv_policy)
-        if refusal:
-            raise ValueError(f"{cfg.architecture} has sliding-window layers: {refusal}")
-        if not config.kv_window_groups:
-            return single_group_layout(cfg.num_layers)
-        return window_group_layout(cfg.layer_windows)
 
     def _make_cache(self, num_blocks: int) -> PagedKVCache | OffloadedKVCache:
         cfg, config = self.loaded.config, self.config
@@ -629,20 +602,6 @@ class LLMEngine:
             finish_reason=seq.finish_reason if seq.finish_reason != "pruned" else "stop",
             stop_reason=seq.stop_reason,
         )
-
-
-def windowed_model_refusal(config: EngineConfig, policy: KVPolicy) -> str | None:
-    """Why an engine over a model with sliding-window layers cannot run ``config``, or None."""
-    if policy.per_layer_groups:
-        return (
-            f"kv_policy={policy.name!r} keeps its own slots per layer, and a sliding-window layer would need both "
-            "its window and the policy's choice; use kv_policy='full' (window groups already keep only the window)"
-        )
-    if config.kv_offload != "none":
-        return f"kv_offload={config.kv_offload!r} tiers every layer's whole context; use kv_offload='none'"
-    if config.prefill_parallel > 1:
-        return "parallel prefill (KV-Runahead) passes whole caches between processes without windows; use 1"
-    return None
 
 
 def _banned(request: Request, seq: Sequence) -> tuple[int, ...]:

@@ -102,6 +102,15 @@ def prompt_cache_options(args: argparse.Namespace) -> dict[str, object]:
     }  # fmt: skip
 
 
+def check_model_fit(config: EngineConfig) -> None:
+    """Before the weights load: the rules that need the model's facts (a KV block within --kv-cache-memory,
+    sliding-window layers), checked on its metadata with the plan the engine will make."""
+    from kvserve.kv_plan import plan_kv
+    from kvserve.models.loader import read_model_config
+
+    plan_kv(config, read_model_config(config.model), config.torch_dtype)
+
+
 def check_schemas(config: EngineConfig, paths: list[str]) -> None:
     """Before the model loads: ``--schema`` files need an engine that runs Prompt Cache, and must be readable."""
     refusal = config.prompt_cache_refusal() if paths else None

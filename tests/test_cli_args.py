@@ -12,6 +12,7 @@ import torch
 
 import kvserve
 from kvserve import cli
+from tests.tiny_models import TinySpec, write_tiny_model
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -135,3 +136,21 @@ def test_an_unavailable_device_is_refused_in_one_line(device):
     assert lines[0].startswith(f"kvserve: error: device '{device}' ")
     assert f"this torch ({torch.__version__})" in lines[0]
     assert "runs kvserve on: cpu" in lines[0]
+
+
+def test_what_needs_the_models_facts_is_checked_on_its_metadata_before_the_weights_load(monkeypatch, capsys, tmp_path):
+    spec = TinySpec(arch="mistral", num_heads=4, num_kv_heads=2, num_layers=2, extra={"sliding_window": 8})
+    windowed = str(write_tiny_model(tmp_path / "windowed", spec))
+    capsys.readouterr()  # transformers' progress bar while writing the checkpoint
+    _refuse_loading(monkeypatch)
+    cases = [
+        (["serve", windowed, "--kv-policy", "h2o"], "has sliding-window layers: kv_policy='h2o' keeps its own slots"),
+        (["generate", "--model", windowed, "--kv-offload", "host", "hi"], "tiers every layer's whole context"),
+        (["serve", "--kv-cache-memory", "1KiB"], "kv_cache_memory='1KiB' holds no block; one block of 16 tokens"),
+        (["eval", "ppl", "--model", windowed, "--kv-cache-memory", "100"], "kv_cache_memory='100' holds no block"),
+    ]
+    for argv, message in cases:
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvserve: error: ") and err.count("\n") == 1, err
+        assert message in err, err

@@ -13,7 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvserve.bench.results_dir import add_output_arg, output_path
-from kvserve.engine_args import add_engine_args, add_tokenizer_args, describe_config, engine_config_from_args
+from kvserve.engine_args import (
+    add_engine_args,
+    add_tokenizer_args,
+    check_model_fit,
+    describe_config,
+    engine_config_from_args,
+)
 from kvserve.models.dtype import DTYPE_NAMES
 
 PPL_CONTEXT = 2048
@@ -173,6 +179,7 @@ class _Session:
 
         self.args = args
         self.config = engine_config_from_args(args)
+        check_model_fit(self.config)  # before the weights load
         self.loaded = load_from_args(args)  # the tokenizer, and the weights the engine runs
         self.tokenizer = self.loaded.tokenizer
         self._engine = None

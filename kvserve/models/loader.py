@@ -152,14 +152,26 @@ def _weights_summary(types: dict[str, str], int4: set[str], dtype: torch.dtype) 
     return ", ".join(parts)
 
 
-def _load_hf_folder(path: Path, dtype: torch.dtype, progress: Progress | None) -> tuple[LlamaForCausalLM, Tokenizer]:
+def read_model_config(model: str | Path | None) -> ModelConfig:
+    """A model's architecture from its metadata only (GGUF header or config.json), without its weights."""
+    path = resolve_model_path(model)
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist")
+    return _read_hf_config(path) if path.is_dir() else gguf_file.read_config(gguf_file.open_gguf(path))
+
+
+def _read_hf_config(path: Path) -> ModelConfig:
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(f"{path} has no config.json (expected a Hugging Face model folder or a .gguf file)")
     try:
-        config = ModelConfig.from_hf_config(json.loads(config_path.read_text()))
+        return ModelConfig.from_hf_config(json.loads(config_path.read_text()))
     except (json.JSONDecodeError, KeyError) as exc:
         raise ModelLoadError(f"{config_path} is not a usable model config: {exc!r}") from exc
+
+
+def _load_hf_folder(path: Path, dtype: torch.dtype, progress: Progress | None) -> tuple[LlamaForCausalLM, Tokenizer]:
+    config = _read_hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors weight files")

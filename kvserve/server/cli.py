@@ -11,6 +11,7 @@ from kvserve.engine_args import (
     add_engine_args,
     add_schema_arg,
     add_tokenizer_args,
+    check_model_fit,
     check_schemas,
     engine_config_from_args,
     register_schemas,
@@ -76,6 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     args.model = model_from_args(args.model_name, args.model)
     config = engine_config_from_args(args)
     check_schemas(config, args.schema)
+    check_model_fit(config)
     engine = LLMEngine(config, load_from_args(args))
     register_schemas(engine, args.schema)
     path = engine.loaded.path
