@@ -18,6 +18,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_for_health(process: subprocess.Popen, port: int, timeout_s: float = 90.0) -> None:
+    """Until ``kvserve serve`` answers /health with 200; fails with its stderr if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert process.poll() is None, process.communicate()[1]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "kvserve serve did not come up"
+        time.sleep(0.1)
+
+
 def test_serve_command_serves_and_stops_cleanly(tiny_folder):
     port = free_port()
     command = [
@@ -27,16 +41,7 @@ def test_serve_command_serves_and_stops_cleanly(tiny_folder):
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert process.poll() is None, process.communicate()[1]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "kvserve serve did not come up"
-            time.sleep(0.1)
+        wait_for_health(process, port)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-cli", max_retries=0)
         assert client.models.list().data[0].id == "tiny-cli"
         response = client.completions.create(model="tiny-cli", prompt="hello", max_tokens=5, temperature=0)

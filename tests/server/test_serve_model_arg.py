@@ -6,31 +6,16 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 
-import httpx
 import openai
 
 from kvserve.models.tokenizer_override import load_tokenizer
-from tests.server.test_serve_cli import free_port
+from tests.server.test_serve_cli import free_port, wait_for_health
 
 TEMPLATE = (
     "{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<<assistant>>{% endif %}"
 )
-
-
-def _wait_for_health(process: subprocess.Popen, port: int) -> None:
-    deadline = time.monotonic() + 90
-    while True:
-        assert process.poll() is None, process.communicate()[1]
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "kvserve serve did not come up"
-        time.sleep(0.1)
 
 
 def test_serve_takes_the_model_positionally_and_chats_with_the_custom_template(tiny_folder, tmp_path):
@@ -43,7 +28,7 @@ def test_serve_takes_the_model_positionally_and_chats_with_the_custom_template(t
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for_health(process, port)
+        wait_for_health(process, port)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         assert client.models.list().data[0].id == str(tiny_folder)  # served under the name it was given
         messages = [{"role": "user", "content": "the cat sat"}]
