@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import torch
 
@@ -21,6 +22,7 @@ from kvserve.attention.offloaded import OffloadedKVCache
 from kvserve.attention.paged import PagedKVCache
 from kvserve.config import EngineConfig
 from kvserve.detokenizer import IncrementalDetokenizer
+from kvserve.extras import extra_imports
 from kvserve.kv.manager import KVCacheManager, KVGroupSpec, KVUsage
 from kvserve.kv_plan import plan_kv
 from kvserve.log import get_logger
@@ -38,6 +40,7 @@ from kvserve.sampler import SampledToken, SampleRow, make_generator, sample_batc
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.stopping import find_stop, partial_stop_len
+from kvserve.structured.params import GuidedDecodingParams
 
 
 class LLMEngine:
@@ -100,6 +103,9 @@ class LLMEngine:
         self._pinned_modules: dict[str, list[CachedModule]] = {}  # request id -> Prompt Cache modules it pins
         self._pending_beams: dict[str, dict[int, torch.Tensor]] = {}  # request -> beam -> logits row
         self._seq_ids = itertools.count()
+        self._grammar_cache = None  # structured/grammars.py GrammarCache, built at the first guided request
+        self.guided_mask_seconds = 0.0  # time spent filling grammar masks, and the steps that filled any
+        self.guided_mask_steps = 0
         self._request_ids = itertools.count()
         tokens = num_blocks * config.block_size * block_layers // cfg.num_layers
         where = f"offloaded to the {config.kv_offload} tier" if self.offloaded else "on the device"
@@ -245,6 +251,9 @@ class LLMEngine:
             "arrival_time": arrival,
         }  # fmt: skip
         request = Request(request_id, text, ids, params, [seq], kv_policy=policy, score_from=score_from, **cached)
+        if params.guided_decoding is not None:
+            request.grammar = self.compile_grammar(params.guided_decoding)
+            seq.matcher = self._grammar_cache.new_matcher(request.grammar)
         if prepared is not None:
             self._pinned_modules[request_id] = prepared.modules
         eos = () if params.ignore_eos else self.tokenizer.eos_token_ids
@@ -324,6 +333,18 @@ class LLMEngine:
                 raise ValueError(
                     f"{name} {bad[:5]} are outside the model's vocabulary of {vocab} tokens (ids 0 to {vocab - 1})"
                 )
+
+    def compile_grammar(self, guided: GuidedDecodingParams) -> Any:  # xgrammar's CompiledGrammar
+        """The constraint compiled against this engine's tokenizer (cached by the constraint)."""
+        if self._grammar_cache is None:
+            with extra_imports("structured", "guided decoding"):
+                from kvserve.structured.grammars import GrammarCache
+
+            self._grammar_cache = GrammarCache(self.tokenizer, self.loaded.config.vocab_size)
+        try:
+            return self._grammar_cache.compile(guided)
+        except RuntimeError as exc:
+            raise ValueError(f"{guided.kind} cannot be compiled for this tokenizer: {exc}") from None
 
     def _new_sequence(self, ids: list[int], num_prompt: int, params: SamplingParams, seed_offset: int) -> Sequence:
         child = params if params.seed is None else _with_seed(params, params.seed + seed_offset)
@@ -434,12 +455,24 @@ class LLMEngine:
                     logits.append(row)
         if not rows:
             return
+        masks = self._grammar_masks([s for _, s in rows])
         sample_rows = [
-            SampleRow(r.params, s.generator, r.prompt_token_ids, s.output_token_ids, _banned(r, s)) for r, s in rows
+            SampleRow(r.params, s.generator, r.prompt_token_ids, s.output_token_ids, _banned(r, s), mask)
+            for (r, s), mask in zip(rows, masks, strict=True)
         ]
         sample = sample_each if self.config.batch_invariant else sample_batch
         for (request, seq), token in zip(rows, sample(torch.stack(logits), sample_rows), strict=True):
             self._append_token(request, seq, token)
+
+    def _grammar_masks(self, seqs: list[Sequence]) -> list[torch.Tensor | None]:
+        """Each guided sequence's allowed next tokens (None for the rest, which cost nothing)."""
+        if all(s.matcher is None for s in seqs):
+            return [None] * len(seqs)
+        start = time.perf_counter()
+        masks = self._grammar_cache.fill_bitmasks([s.matcher for s in seqs])
+        self.guided_mask_seconds += time.perf_counter() - start
+        self.guided_mask_steps += 1
+        return masks
 
     def _fork_for_best_of(self, request: Request, seq: Sequence) -> list[Sequence]:
         """After the prompt, one sequence becomes best_of sequences sharing its blocks."""
@@ -449,6 +482,7 @@ class LLMEngine:
             child = self._new_sequence(seq.token_ids, seq.num_prompt_tokens, request.params, seed_offset=i)
             child.num_computed_tokens = seq.num_computed_tokens
             child.group_slots = list(seq.group_slots)
+            child.matcher = self._grammar_cache.new_matcher(request.grammar) if request.grammar is not None else None
             self.kv.fork(seq.seq_id, child.seq_id)
             request.seqs.append(child)
             self._seqs[child.seq_id] = (request, child)
@@ -528,7 +562,8 @@ class LLMEngine:
         seq.cumulative_logprob += token.logprob
         if params.logprobs is not None:
             seq.logprobs.append(token.top_logprobs or {token.token_id: token.logprob})
-        if not beam and token.token_id in request.stop_token_ids:
+        grammar_done = seq.matcher is not None and self._grammar_cache.accept(seq.matcher, token.token_id)
+        if not beam and (token.token_id in request.stop_token_ids or grammar_done):
             seq.finish_reason, seq.stop_reason = "stop", token.token_id
             return
         searched = len(seq.text)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +41,8 @@ class Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop string or token that ended it
+    # Guided decoding: an xgrammar GrammarMatcher that has accepted every output token (kept across preemption).
+    matcher: Any = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -93,6 +96,7 @@ class Request:
     # Prompt Cache: each prompt token's position (empty: its index), and the module KV the prompt starts from.
     prompt_positions: tuple[int, ...] = ()
     prompt_cache: CachedPrompt | None = None
+    grammar: Any = None  # guided decoding: the compiled constraint each sequence's matcher starts from
 
     def __post_init__(self) -> None:
         self._next_position = max(self.prompt_positions) + 1 if self.prompt_positions else len(self.prompt_token_ids)

@@ -1,6 +1,7 @@
 """Logits -> next tokens for a batch of sequences, each with its own parameters and generator.
 
-Order of operations (vLLM's): penalties on the raw logits, then temperature, then top-k, top-p
+Order of operations (vLLM's): penalties on the raw logits, then logit_bias / allowed tokens / the
+grammar mask of guided decoding (``structured/``), then temperature, then top-k, top-p
 and min-p filters, then a draw from the row's own ``torch.Generator`` (greedy rows take the
 argmax). Reported logprobs are those of the raw model distribution, as vLLM reports by default.
 """
@@ -24,6 +25,7 @@ class SampleRow:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     banned_token_ids: Sequence[int] = ()  # never sampled this step (stop tokens before min_tokens)
+    token_bitmask: torch.Tensor | None = None  # guided decoding: (1, ceil(V / 32)) int32, the tokens allowed
 
 
 @dataclass
@@ -52,7 +54,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 def sample_batch(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[SampledToken]:
     """logits (B, vocab) float32, one row per sequence -> one sampled token per row."""
-    processed = steer(apply_penalties(logits, rows), rows, logits)
+    processed = constrain(steer(apply_penalties(logits, rows), rows, logits), rows, logits)
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]
     if len(greedy) == len(rows):
         chosen = processed.argmax(dim=-1)
@@ -119,6 +121,19 @@ def steer(processed: torch.Tensor, rows: Sequence[SampleRow], raw: torch.Tensor)
             processed[i, allowed] = keep
         if row.banned_token_ids:
             processed[i, list(row.banned_token_ids)] = float("-inf")
+    return processed
+
+
+def constrain(processed: torch.Tensor, rows: Sequence[SampleRow], raw: torch.Tensor) -> torch.Tensor:
+    """Guided decoding: tokens outside a row's grammar get -inf, in the constrained rows only (the others pay
+    nothing). ``raw`` is never written to: logprobs are reported from the model's own distribution."""
+    constrained = [i for i, row in enumerate(rows) if row.token_bitmask is not None]
+    if not constrained:
+        return processed
+    from kvserve.structured.matching import apply_bitmasks  # xgrammar loads only when a request is guided
+
+    processed = processed.clone() if processed is raw else processed
+    apply_bitmasks(processed, constrained, [rows[i].token_bitmask for i in constrained])
     return processed
 
 

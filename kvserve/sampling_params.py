@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvserve.policies import make_policy
+
+if TYPE_CHECKING:  # xgrammar (and the transformers it imports) loads only when a request is guided
+    from kvserve.structured.params import GuidedDecodingParams
 
 MAX_LOGPROBS = 20
 MAX_N = 64
@@ -47,6 +51,7 @@ class SamplingParams:
     min_tokens: int = 0  # stop tokens (EOS, stop_token_ids) and stop strings take effect only after this many
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's: -100 bans, 100 forces)
     allowed_token_ids: list[int] | None = None  # sample only among these tokens
+    guided_decoding: GuidedDecodingParams | None = None  # structured output: JSON schema, regex, choice, grammar
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -83,6 +88,7 @@ class SamplingParams:
         self._check_stop()
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         self._check_token_choice()
+        self._check_guided()
         if self.use_beam_search:
             self._check_beam_search()
         if self.kv_budget is not None and not 0 < self.kv_budget <= 1:
@@ -113,6 +119,17 @@ class SamplingParams:
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r}")
         if allowed is not None:
             self.allowed_token_ids = sorted(set(allowed))  # each id once, whatever the client repeated
+
+    def _check_guided(self) -> None:
+        if self.guided_decoding is None:
+            return
+        from kvserve.structured.params import GuidedDecodingParams
+
+        if not isinstance(self.guided_decoding, GuidedDecodingParams):
+            kind = type(self.guided_decoding).__name__
+            raise ValueError(f"guided_decoding must be a GuidedDecodingParams, got {kind}")
+        if self.use_beam_search:
+            raise ValueError("guided_decoding applies to sampled sequences, not to beam search")
 
     def _check_beam_search(self) -> None:
         if self.best_of < 2:
