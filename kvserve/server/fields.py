@@ -31,6 +31,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "parallel_tool_calls": (None, True),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -82,8 +84,17 @@ def _same(value: object, off: object) -> bool:
     return type(value) is type(off) and value == off
 
 
+# Fields whose refusal points to what kvserve offers instead.
+_INSTEAD = {
+    name: "tool calls are not implemented; use response_format json_schema or guided_json for JSON output"
+    for name in ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
+}
+
+
 def unsupported_message(name: str) -> str:
     """The 400's message for a field kvserve refused (``name`` may be a path: ``stream_options.x``)."""
+    if name in _INSTEAD:
+        return f"'{name}' is not supported by kvserve: {_INSTEAD[name]}"
     offs = UNSUPPORTED_FIELDS.get(name.rsplit(".", 1)[-1])
     if offs is None:
         return f"'{name}' is not supported by kvserve: this endpoint has no such field"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import ApiError, bad_request
+from kvserve.server.guided import guided_params
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
 _FIELDS = (
@@ -11,6 +12,7 @@ _FIELDS = (
     "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs", "seed", "stop", "kv_policy",
     "kv_budget", "min_tokens", "logit_bias", "allowed_token_ids",
 )  # fmt: skip
+_STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
@@ -42,6 +44,7 @@ def _build(
     if body.seed is not None and not _SEED_RANGE[0] <= body.seed <= _SEED_RANGE[1]:
         raise bad_request(f"seed must be a 64-bit integer, got {body.seed}", "seed")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    guided = guided_params(body)
     try:
         params = SamplingParams(
             n=body.n,
@@ -69,6 +72,7 @@ def _build(
             skip_special_tokens=body.skip_special_tokens,
             kv_policy=body.kv_policy,
             kv_budget=body.kv_budget,
+            guided_decoding=guided,
         )
     except ValueError as exc:
         raise _named(str(exc), body, renames) from None
@@ -101,6 +105,8 @@ def _named(message: str, body: _SamplingFields, renames: dict[str, str]) -> ApiE
         if param != first:
             message = param + message[len(first) :]
         return bad_request(message, param)
+    if message.startswith("guided_decoding"):
+        return bad_request(message, next(f for f in _STRUCTURED if getattr(body, f) is not None))
     if message.startswith("beam search"):
         return bad_request(message, "use_beam_search")
     return bad_request(message)

@@ -47,6 +47,24 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` or not, the output matches it)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Body):
     """Fields both endpoints share: OpenAI's, then vLLM's extras."""
 
@@ -73,6 +91,12 @@ class _SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token ids (as JSON keys) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (server/truncation.py)
+    # structured output (server/guided.py): OpenAI's response_format, or one of vLLM's guided_* fields
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     skip_special_tokens: bool = True
     use_beam_search: bool = False
     length_penalty: float = 1.0

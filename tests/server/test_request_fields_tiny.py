@@ -31,6 +31,7 @@ ASKING = {
     "chat_template_kwargs": {"enable_thinking": True}, "documents": [{"text": "x"}], "mm_processor_kwargs": {},
     "priority": 1, "cache_salt": "salt", "request_id": "mine", "kv_transfer_params": {}, "vllm_xargs": {},
     "cache_prompt": False, "continuous_usage_stats": True,
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "auto",
 }  # fmt: skip
 REQUESTS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
 
