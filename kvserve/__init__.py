@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from kvserve.llm import LLM
     from kvserve.outputs import CompletionOutput, RequestOutput
     from kvserve.sampling_params import SamplingParams
+    from kvserve.structured.params import GuidedDecodingParams
 
 _EXPORTS = {
     "LLM": "kvserve.llm",
@@ -20,9 +21,10 @@ _EXPORTS = {
     "CompletionOutput": "kvserve.outputs",
     "RequestOutput": "kvserve.outputs",
     "SamplingParams": "kvserve.sampling_params",
+    "GuidedDecodingParams": "kvserve.structured.params",
 }
 
-__all__ = ["LLM", "LLMEngine", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "CompletionOutput", "RequestOutput", "SamplingParams", "GuidedDecodingParams"]
 __version__ = "0.1.0"
 
 

@@ -19,6 +19,7 @@ from kvserve.bench.report import new_report, write_report
 from kvserve.bench.results_dir import add_output_arg, output_path
 from kvserve.bench.workload import AUSTEN
 from kvserve.engine_args import add_kv_policy_args, kv_policy_options
+from kvserve.errors import KVServeError
 from kvserve.extras import extra_imports
 from kvserve.models import gguf_file
 from kvserve.models.catalog import default_model_path, resolve_model_path
@@ -193,6 +194,16 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     soak.add_argument("--seed", type=int, default=0)
     add_output_arg(soak, "soak", "soak")
     soak.set_defaults(func=cmd_bench_soak)
+
+    st = bench_sub.add_parser(
+        "structured", help="JSON-schema requests with and without guided decoding: validity and the mask's cost"
+    )
+    add_model_args(st)
+    st.add_argument("--num-prompts", type=int, default=50, help="prompts asking for JSON matching a schema")
+    st.add_argument("--max-tokens", type=int, default=128)
+    st.add_argument("--kv-cache-memory", default="1GiB")
+    add_output_arg(st, "structured", "structured", "OUTPUT.json/.md")
+    st.set_defaults(func=cmd_bench_structured)
 
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
@@ -962,3 +973,47 @@ def _serve_workload(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[lis
         "seed": args.seed,
     }
     return serve.build_requests(tokenizer, trace), workload
+
+
+def cmd_bench_structured(args: argparse.Namespace) -> int:
+    import importlib.metadata
+
+    from kvserve.bench.structured import markdown as structured_markdown
+    from kvserve.bench.structured import prompts, run_batch
+    from kvserve.cli import load_from_args
+    from kvserve.config import EngineConfig
+    from kvserve.engine import LLMEngine
+
+    if args.num_prompts < 2:
+        raise KVServeError(f"--num-prompts must be >= 2 (half the batch is constrained), got {args.num_prompts}")
+    loaded = load_from_args(args)
+    config = EngineConfig(
+        dtype=args.dtype, device=args.device, weights=args.weights, kv_cache_memory=args.kv_cache_memory,
+        swap_space=0, max_num_seqs=args.num_prompts,
+    )  # fmt: skip
+    engine = LLMEngine(config, loaded)
+    chat = [(name, engine.tokenizer.encode_chat([{"role": "user", "content": text}])) for name, text in prompts(
+        args.num_prompts)]  # fmt: skip
+    n = len(chat)
+    run_batch(engine, chat, [i % 2 == 0 for i in range(n)], 8)  # warm-up: kernels for these shapes, grammars
+    runs = []
+    for label, constrain in (("unconstrained", [False] * n), ("all constrained", [True] * n),
+                             ("half constrained", [i % 2 == 0 for i in range(n)])):  # fmt: skip
+        run = run_batch(engine, chat, constrain, args.max_tokens)
+        run.label = label
+        print(f"  {label}: {run.tokens_per_s:.1f} tokens/s, {run.valid}/{n} valid", file=sys.stderr, flush=True)
+        runs.append(run.as_dict())
+    none, every, half = runs
+    report = new_report(
+        "structured", model=loaded.path.name, dtype=str(loaded.dtype).removeprefix("torch."), weights=args.weights,
+        threads=torch.get_num_threads(), xgrammar=importlib.metadata.version("xgrammar"), requests=n,
+        max_tokens=args.max_tokens, runs=runs,
+        summary={
+            "valid_without": none["valid"] / n, "valid_with": every["valid"] / n,
+            "valid_with_completed": every["valid"] / max(1, n - every["cut"]),
+            "half_vs_none_tokens_per_s": half["tokens_per_s"] / none["tokens_per_s"],
+            "mask_ms_per_step": every["mean_mask_ms_per_step"],
+        },
+    )  # fmt: skip
+    write_report(output_path(args, "structured"), report, structured_markdown(report))
+    return 0
