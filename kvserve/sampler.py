@@ -133,7 +133,14 @@ def constrain(processed: torch.Tensor, rows: Sequence[SampleRow], raw: torch.Ten
     from kvserve.structured.matching import apply_bitmasks  # xgrammar loads only when a request is guided
 
     processed = processed.clone() if processed is raw else processed
-    apply_bitmasks(processed, constrained, [rows[i].token_bitmask for i in constrained])
+    masks = [rows[i].token_bitmask for i in constrained]
+    apply_bitmasks(processed, constrained, masks)
+    # The grammar wins over allowed_token_ids and min_tokens' banned stop tokens: where together they leave
+    # no token (the grammar only allows EOS, which min_tokens bans), the row keeps the grammar's choice alone.
+    dead = [i for i, row in zip(constrained, processed[constrained].isinf().all(dim=-1).tolist(), strict=True) if row]
+    if dead:
+        processed[dead] = raw[dead]
+        apply_bitmasks(processed, dead, [rows[i].token_bitmask for i in dead])
     return processed
 
 

@@ -165,3 +165,14 @@ def test_bad_constraints_are_refused_naming_them(engine, build, words):
     with pytest.raises(ValueError, match=words):
         build()
     assert run(engine, [(PROMPTS[1], guided(0, choice=["ok"]))])[0].outputs[0].text == "ok"  # still serving
+
+
+def test_the_grammar_wins_where_min_tokens_or_allowed_tokens_leave_nothing(engine):
+    """Once ``"ok"`` is complete only EOS is allowed, which min_tokens bans: the sequence still ends there."""
+    params = SamplingParams(
+        temperature=0, max_tokens=10, min_tokens=5, guided_decoding=GuidedDecodingParams(choice=["ok"])
+    )
+    (out,) = run(engine, [(PROMPTS[0], params)])
+    assert out.outputs[0].text == "ok" and out.outputs[0].finish_reason == "stop"
+    allowed = SamplingParams(max_tokens=10, allowed_token_ids=[0], guided_decoding=GuidedDecodingParams(choice=["no"]))
+    assert run(engine, [(PROMPTS[1], allowed)])[0].outputs[0].text == "no"
