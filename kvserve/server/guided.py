@@ -6,6 +6,7 @@ OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``) and vL
 
 from __future__ import annotations
 
+from kvserve.extras import MissingExtraError
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import _SamplingFields
 from kvserve.structured import GuidedDecodingParams
@@ -34,6 +35,8 @@ def guided_params(body: _SamplingFields) -> GuidedDecodingParams | None:
         return GuidedDecodingParams(json=_response_schema(body))
     except ValueError as exc:
         raise bad_request(f"{field}: {exc}", field) from None
+    except MissingExtraError as exc:  # a server installed without kvserve[structured]
+        raise bad_request(f"{field} is not available on this server: {exc}", field) from None
 
 
 def _response_schema(body: _SamplingFields) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import jsonschema
 import openai
@@ -99,3 +100,12 @@ def test_bad_constraints_are_a_400_naming_the_field(tiny_server, extra, param, w
     assert caught.value.body["param"] == param
     assert words in caught.value.body["message"]
     assert chat(client, extra_body={"guided_choice": ["fine"]}).choices[0].message.content == "fine"
+
+
+def test_a_server_without_xgrammar_refuses_constraints_naming_the_extra(tiny_server, monkeypatch):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # an import of it now fails as if not installed
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(tiny_server.client(), extra_body={"guided_regex": "[0-9]+"})
+    assert caught.value.body["param"] == "guided_regex"
+    assert "pip install 'kvserve[structured]'" in caught.value.body["message"]
+    assert chat(tiny_server.client(), max_tokens=2).usage.completion_tokens == 2
