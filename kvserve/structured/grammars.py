@@ -44,7 +44,8 @@ class GrammarCache:
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgrammar.TokenizerInfo:
     """xgrammar's TokenizerInfo from the vocabulary strings, as its ``from_huggingface`` builds it: byte-level
-    BPE tokens are spelt in GPT-2's byte alphabet; SentencePiece ones use ``▁`` and ``<0xNN>`` byte tokens.
+    BPE tokens are spelt in GPT-2's byte alphabet; SentencePiece ones use ``▁`` for a space and ``<0xNN>`` byte
+    tokens.
     Special tokens become empty strings, which xgrammar never allows inside the output (EOS ends it)."""
     backend = tokenizer.backend
     vocab = [backend.id_to_token(i) or "" for i in range(min(tokenizer.vocab_size, vocab_size))]
@@ -53,12 +54,14 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgrammar.TokenizerI
             vocab[token_id] = ""
     decoder = json.dumps(json.loads(backend.to_str()).get("decoder"))
     if '"ByteLevel"' in decoder:
-        vocab_type, prefix_space = xgrammar.VocabType.BYTE_LEVEL, False
+        vocab_type = xgrammar.VocabType.BYTE_LEVEL
     elif '"ByteFallback"' in decoder:
-        vocab_type, prefix_space = xgrammar.VocabType.BYTE_FALLBACK, True
+        vocab_type = xgrammar.VocabType.BYTE_FALLBACK
     else:
-        vocab_type, prefix_space = xgrammar.VocabType.RAW, False
+        vocab_type = xgrammar.VocabType.RAW
+    # Output follows the prompt, so a leading "▁" is a space in the text the client gets, and the grammar must
+    # see it (add_prefix_space=True would drop it from a first token, for text encoded on its own).
     return xgrammar.TokenizerInfo(
         vocab, vocab_type, vocab_size=vocab_size, stop_token_ids=list(tokenizer.eos_token_ids),
-        add_prefix_space=prefix_space,
+        add_prefix_space=False,
     )  # fmt: skip
