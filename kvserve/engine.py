@@ -17,20 +17,16 @@ from typing import Any
 import torch
 
 from kvserve import beam_search
-from kvserve.attention.compressed import CompressedKVCache
-from kvserve.attention.offloaded import OffloadedKVCache
-from kvserve.attention.paged import PagedKVCache
+from kvserve.attention.factory import make_kv_cache
 from kvserve.config import EngineConfig
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.extras import extra_imports
-from kvserve.kv.manager import KVCacheManager, KVGroupSpec, KVUsage
-from kvserve.kv_plan import plan_kv
+from kvserve.kv.manager import KVCacheManager, KVUsage
+from kvserve.kv_plan import plan_kv, request_policy
 from kvserve.log import get_logger
 from kvserve.models.loader import LoadedModel, load_model
 from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.policies import KVPolicy, make_policy
-from kvserve.policies.infinigen import InfiniGen, Rehearsal
-from kvserve.policies.skewing import skewing_for
+from kvserve.policies import KVPolicy
 from kvserve.prompt_cache.cache import PreparedPrompt, PromptCache
 from kvserve.prompt_cache.pml import is_pml_prompt
 from kvserve.prompt_cache.store import CachedModule, ModuleStore
@@ -56,48 +52,24 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         cfg = self.loaded.config
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        plan = plan_kv(config, cfg, self.loaded.dtype)  # raises when this model cannot run the configuration
-        self.kv_policy = plan.policy
-        # A compressing policy keeps different slots per layer: one KV group (block table) per layer.
-        self.per_layer_groups = self.kv_policy.per_layer_groups
-        self.offloaded = config.kv_offload != "none"  # the KV pool is a slower tier (kv/tiers.py)
-        self.layout = plan.layout
-        block_layers, block_bytes, num_blocks = plan.block_layers, plan.block_bytes, plan.num_blocks
-        self.kv_block_bytes = block_bytes  # one block of the pool (of one layer, with per-layer groups)
-        num_host_blocks = 0 if self.offloaded else config.swap_space_bytes // block_bytes
-        groups = [KVGroupSpec((layer,)) for layer in range(cfg.num_layers)] if self.per_layer_groups else None
-        groups = groups or self.layout.groups
-        # A pool limit overwrites victims' slots in place, so blocks are no longer what their hash says.
-        in_place = self.offloaded and config.kv_pool_limit < 1
+        self.plan = plan_kv(config, cfg, self.loaded.dtype)  # raises when this model cannot run the configuration
+        self.kv_policy = self.plan.policy
+        self.kv_block_bytes = self.plan.block_bytes  # one block of the pool (of one layer, with per-layer groups)
         self.kv = KVCacheManager(
-            num_blocks, config.block_size, groups=groups, num_host_blocks=num_host_blocks,
-            enable_prefix_caching=config.enable_prefix_caching and not self.per_layer_groups and not in_place,
+            self.plan.num_blocks, config.block_size, groups=list(self.plan.groups(cfg.num_layers)),
+            num_host_blocks=self.plan.num_host_blocks, enable_prefix_caching=self.plan.prefix_caching,
         )  # fmt: skip
-        cache = self._make_cache(num_blocks)
-        host = cache.make_host_cache(num_host_blocks) if num_host_blocks else None
         self.parallel_prefill = self._start_parallel_prefill() if config.prefill_parallel > 1 else None
         self.runner = ModelRunner(
-            self.loaded.model, cache, host, num_groups=len(self.kv.groups), device=config.device,
-            parallel_prefill=self.parallel_prefill, layer_to_group=self.layout.layer_to_group,
-        )  # fmt: skip
+            self.loaded.model, make_kv_cache(config, self.plan, self.loaded), config.device, self.parallel_prefill
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
-                config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, self.per_layer_groups
+                config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, self.plan.per_layer_groups
             ),
             self.kv,
         )
-        # Device-tier modules live in the KV pool: at most half of it, so requests always have room to run.
-        module_budget = config.prompt_cache_bytes
-        if config.prompt_cache_tier == "device":
-            module_budget = min(module_budget, num_blocks * block_bytes // 2)
-        self.prompt_cache = PromptCache(
-            self.tokenizer, self.max_model_len,
-            ModuleStore(
-                self.kv, self.runner, config.prompt_cache_tier, module_budget, config.max_num_batched_tokens,
-                block_bytes // config.block_size,
-            ),
-            eager=config.prompt_cache_encode == "eager",
-        )  # fmt: skip
+        self.prompt_cache = self._make_prompt_cache()
         self.requests: dict[str, Request] = {}
         self._seqs: dict[int, tuple[Request, Sequence]] = {}
         self._pinned_modules: dict[str, list[CachedModule]] = {}  # request id -> Prompt Cache modules it pins
@@ -107,38 +79,20 @@ class LLMEngine:
         self.guided_mask_seconds = 0.0  # time spent filling grammar masks, and the steps that filled any
         self.guided_mask_steps = 0
         self._request_ids = itertools.count()
-        tokens = num_blocks * config.block_size * block_layers // cfg.num_layers
-        where = f"offloaded to the {config.kv_offload} tier" if self.offloaded else "on the device"
-        depth = " (one layer each)" if self.per_layer_groups else ""
-        if self.layout.windowed:
-            depth = f" ({block_layers} layers each, {len(self.kv.groups)} groups; window groups keep their window)"
-        self.kv_summary = (
-            f"KV cache: {num_blocks} blocks x {config.block_size} tokens{depth} = {tokens:,} full-cache tokens {where} "
-            f"({num_blocks * block_bytes / 2**30:.2f} GiB, {self.loaded.dtype}); policy {self.kv_policy.name} "
-            f"(budget {self.kv_policy.budget:g}); host tier for swapping: {num_host_blocks} blocks"
-        )
+        self.kv_summary = self.plan.summary(config.block_size, cfg.num_layers, self.loaded.dtype)
         get_logger().info(self.kv_summary)
 
-    def _make_cache(self, num_blocks: int) -> PagedKVCache | OffloadedKVCache:
-        cfg, config = self.loaded.config, self.config
-        if self.per_layer_groups:
-            return CompressedKVCache(
-                cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, self.loaded.dtype,
-                config.device,
-            )  # fmt: skip
-        if not self.offloaded:
-            return PagedKVCache(
-                cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, self.loaded.dtype,
-                config.device, layer_rows=self.layout.layer_rows, batch_invariant=config.batch_invariant,
-            )  # fmt: skip
-        rehearsal = None
-        if isinstance(self.kv_policy, InfiniGen):
-            skewing, _ = skewing_for(self.loaded)
-            rehearsal = Rehearsal(self.loaded.model, skewing.partial(self.kv_policy.partial_dims(cfg.head_dim)))
-        return OffloadedKVCache(
-            self.kv_policy, config.kv_offload, cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads,
-            cfg.head_dim, self.loaded.dtype, config.device, config.kv_offload_path, rehearsal,
+    def _make_prompt_cache(self) -> PromptCache:
+        config, plan = self.config, self.plan
+        # Device-tier modules live in the KV pool: at most half of it, so requests always have room to run.
+        module_budget = config.prompt_cache_bytes
+        if config.prompt_cache_tier == "device":
+            module_budget = min(module_budget, plan.num_blocks * plan.block_bytes // 2)
+        store = ModuleStore(
+            self.kv, self.runner, config.prompt_cache_tier, module_budget, config.max_num_batched_tokens,
+            plan.block_bytes // config.block_size,
         )  # fmt: skip
+        return PromptCache(self.tokenizer, self.max_model_len, store, eager=config.prompt_cache_encode == "eager")
 
     def _start_parallel_prefill(self):  # noqa: ANN202 - kvserve.parallel.prefill.ParallelPrefill
         from kvserve.models.dtype import DTYPE_NAMES
@@ -164,8 +118,7 @@ class LLMEngine:
             self.abort_request(request_id)
         if self.parallel_prefill is not None:
             self.parallel_prefill.close()
-        if isinstance(self.runner.cache, OffloadedKVCache):
-            self.runner.cache.close()
+        self.runner.cache.close()
 
     def __enter__(self) -> LLMEngine:
         return self
@@ -181,15 +134,9 @@ class LLMEngine:
         return self.prompt_cache.register(pml_text).to_dict()
 
     def _check_prompt_cache(self) -> None:
-        refusal = self.config.prompt_cache_refusal()
+        refusal = self.plan.prompt_cache_refusal(self.config)
         if refusal:
             raise ValueError(refusal)
-        if len(self.kv.groups) > 1:
-            raise ValueError(
-                "Prompt Cache shares a module's blocks as the first blocks of one block table; this model's "
-                f"sliding-window layers keep their KV in {len(self.kv.groups)} groups that release blocks as "
-                "sequences grow: start the engine with kv_window_groups=False (--no-kv-window-groups)"
-            )
 
     # ----- requests -----
 
@@ -269,41 +216,7 @@ class LLMEngine:
 
     def policy_for(self, params: SamplingParams) -> KVPolicy:
         """The request's KV policy: the engine's, unless ``params`` names another policy or budget."""
-        no_override = params.kv_policy is None and params.kv_budget is None
-        policy = self.kv_policy if no_override else self._requested_policy(params)
-        if policy.lossless or self.offloaded:
-            return policy
-        if not self.per_layer_groups:
-            raise ValueError(
-                f"kv_policy={policy.name!r} needs per-layer KV groups; this engine was started with kv_policy="
-                f"{self.kv_policy.name!r} (start it with a compressing kv_policy to choose policies per request)"
-            )
-        if params.best_of > 1:  # the full cache forks fine over per-layer groups: it never compacts
-            raise ValueError(
-                f"kv_policy={policy.name!r} compacts each sequence's own blocks, so samples cannot share them: "
-                f"n and best_of must be 1, got best_of={params.best_of}"
-            )
-        return policy
-
-    def _requested_policy(self, params: SamplingParams) -> KVPolicy:
-        name = params.kv_policy or self.kv_policy.name
-        budget = params.kv_budget if params.kv_budget is not None else (
-            self.kv_policy.budget if name == self.kv_policy.name else None
-        )  # fmt: skip
-        policy = make_policy(name, budget, **self.config.kv_policy_knobs)
-        policy.retention(self.loaded.config.num_layers)
-        if self.offloaded and policy != self.kv_policy:
-            raise ValueError(
-                f"this engine offloads its KV and fetches it by kv_policy={self.kv_policy.name!r} for every request; "
-                f"a request cannot pick kv_policy={policy.name!r}"
-            )
-        # What this engine's configuration would refuse at start-up (EngineConfig's rules, not a copy of them),
-        # a request cannot pick either: the server refuses what the command line refuses.
-        try:
-            dataclasses.replace(self.config, kv_policy=name, kv_budget=budget)
-        except ValueError as exc:
-            raise ValueError(f"this engine cannot run kv_policy={name!r} for a request: {exc}") from None
-        return policy
+        return request_policy(self.plan, self.config, params, self.loaded.config.num_layers)
 
     def validate_prompt(self, ids: list[int]) -> None:
         """Raise ValueError for a prompt that can never run. Reads only fixed sizes, so any thread may call it."""
@@ -386,18 +299,15 @@ class LLMEngine:
             touched[request_id] = request
         rows_from = self._prompt_logprob_rows(out)
         result = self.runner.execute(out, rows_from)
+        self.scheduler.update(out, result.report)
         sampled: dict[str, list[tuple[Sequence, torch.Tensor]]] = {}
         for s in out.scheduled:
             request, seq = self._seqs[s.seq_id]
             touched[request.request_id] = request
-            start = seq.num_computed_tokens
-            seq.num_computed_tokens += len(s.token_ids)
-            if s.seq_id in result.group_slots:  # what the KV policy kept: the rest of the blocks go back
-                self._keep_group_slots(seq, result.group_slots[s.seq_id])
             logits = result.logits[result.rows[s.seq_id]] if result.logits is not None else None
             if s.seq_id in rows_from:
                 first = rows_from[s.seq_id]
-                self._record_prompt_logprobs(request, start + first, s.token_ids[first:], logits)
+                self._record_prompt_logprobs(request, s.num_computed_tokens + first, s.token_ids[first:], logits)
             if s.samples:
                 sampled.setdefault(request.request_id, []).append((seq, logits[-1]))
         self._sample(sampled)
@@ -414,11 +324,6 @@ class LLMEngine:
             if first < len(s.token_ids):
                 rows[s.seq_id] = first
         return rows
-
-    def _keep_group_slots(self, seq: Sequence, held: list[int]) -> None:
-        for group, num_slots in enumerate(held):
-            self.kv.shrink(seq.seq_id, group, num_slots)
-        seq.group_slots = list(held)
 
     def _record_prompt_logprobs(self, request: Request, start: int, chunk: Seq[int], logits: torch.Tensor) -> None:
         """Row i of the chunk (position start + i) predicts the prompt token at start + i + 1."""

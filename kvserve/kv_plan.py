@@ -4,6 +4,7 @@ line makes the same plan from the model's metadata before any weight loads, so a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -11,9 +12,11 @@ import torch
 from kvserve.attention.offloaded import offload_block_bytes
 from kvserve.config import EngineConfig
 from kvserve.kv.layout import KVLayout, single_group_layout, window_group_layout
+from kvserve.kv.manager import KVGroupSpec
 from kvserve.kv.sizing import kv_block_bytes
 from kvserve.models.config import ModelConfig
 from kvserve.policies import KVPolicy, make_policy
+from kvserve.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,45 @@ class KVPlan:
     block_layers: int  # layers one block holds (1 with a group per layer)
     block_bytes: int  # one block of the pool
     num_blocks: int
+    offload: str = "none"  # the tier the pool lives in: none (the device), host or disk
+    num_host_blocks: int = 0  # host tier for preemption by swapping
+    prefix_caching: bool = True  # full blocks findable by their tokens' hash
+
+    @property
+    def per_layer_groups(self) -> bool:
+        """A compressing policy keeps different slots per layer: one KV group (block table) per layer."""
+        return self.policy.per_layer_groups
+
+    def groups(self, num_layers: int) -> tuple[KVGroupSpec, ...]:
+        """The KV groups the manager keeps a block table for, per sequence."""
+        if self.per_layer_groups:
+            return tuple(KVGroupSpec((layer,)) for layer in range(num_layers))
+        return self.layout.groups
+
+    def prompt_cache_refusal(self, config: EngineConfig) -> str | None:
+        """Why this engine cannot take Prompt Cache schemas, or None."""
+        refusal = config.prompt_cache_refusal()
+        if refusal or len(self.layout.groups) == 1:
+            return refusal
+        return (
+            "Prompt Cache shares a module's blocks as the first blocks of one block table; this model's "
+            f"sliding-window layers keep their KV in {len(self.layout.groups)} groups that release blocks as "
+            "sequences grow: start the engine with kv_window_groups=False (--no-kv-window-groups)"
+        )
+
+    def summary(self, block_size: int, num_layers: int, dtype: torch.dtype) -> str:
+        """One line for the log: the pool, where it lives, the policy and the host tier."""
+        tokens = self.num_blocks * block_size * self.block_layers // num_layers
+        where = f"offloaded to the {self.offload} tier" if self.offload != "none" else "on the device"
+        depth = " (one layer each)" if self.per_layer_groups else ""
+        if self.layout.windowed:
+            groups = len(self.layout.groups)
+            depth = f" ({self.block_layers} layers each, {groups} groups; window groups keep their window)"
+        return (
+            f"KV cache: {self.num_blocks} blocks x {block_size} tokens{depth} = {tokens:,} full-cache tokens {where} "
+            f"({self.num_blocks * self.block_bytes / 2**30:.2f} GiB, {dtype}); policy {self.policy.name} "
+            f"(budget {self.policy.budget:g}); host tier for swapping: {self.num_host_blocks} blocks"
+        )
 
 
 def plan_kv(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> KVPlan:
@@ -45,7 +87,14 @@ def plan_kv(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> KVP
             f"kv_cache_memory={config.kv_cache_memory!r} holds no block; one block of {config.block_size} "
             f"tokens needs {block_bytes} bytes"
         )
-    return KVPlan(policy, layout, block_layers, block_bytes, num_blocks)
+    offloaded = config.kv_offload != "none"
+    num_host_blocks = 0 if offloaded else config.swap_space_bytes // block_bytes
+    # Slots no longer match token blocks once a policy compacts them, or a pool limit overwrites victims in place.
+    in_place = offloaded and config.kv_pool_limit < 1
+    prefix_caching = config.enable_prefix_caching and not policy.per_layer_groups and not in_place
+    return KVPlan(
+        policy, layout, block_layers, block_bytes, num_blocks, config.kv_offload, num_host_blocks, prefix_caching
+    )
 
 
 def kv_layout(config: EngineConfig, model: ModelConfig, policy: KVPolicy) -> KVLayout:
@@ -73,3 +122,46 @@ def windowed_model_refusal(config: EngineConfig, policy: KVPolicy) -> str | None
     if config.prefill_parallel > 1:
         return "parallel prefill (KV-Runahead) passes whole caches between processes without windows; use 1"
     return None
+
+
+def request_policy(plan: KVPlan, config: EngineConfig, params: SamplingParams, num_layers: int) -> KVPolicy:
+    """A request's KV policy: the engine's, unless ``params`` names another policy or budget; a ValueError
+    naming why when this engine cannot run the one asked for."""
+    if params.kv_policy is None and params.kv_budget is None:
+        policy = plan.policy
+    else:
+        policy = _requested_policy(plan, config, params, num_layers)
+    if policy.lossless or plan.offload != "none":
+        return policy
+    if not plan.per_layer_groups:
+        raise ValueError(
+            f"kv_policy={policy.name!r} needs per-layer KV groups; this engine was started with kv_policy="
+            f"{plan.policy.name!r} (start it with a compressing kv_policy to choose policies per request)"
+        )
+    if params.best_of > 1:  # the full cache forks fine over per-layer groups: it never compacts
+        raise ValueError(
+            f"kv_policy={policy.name!r} compacts each sequence's own blocks, so samples cannot share them: "
+            f"n and best_of must be 1, got best_of={params.best_of}"
+        )
+    return policy
+
+
+def _requested_policy(plan: KVPlan, config: EngineConfig, params: SamplingParams, num_layers: int) -> KVPolicy:
+    name = params.kv_policy or plan.policy.name
+    budget = params.kv_budget if params.kv_budget is not None else (
+        plan.policy.budget if name == plan.policy.name else None
+    )  # fmt: skip
+    policy = make_policy(name, budget, **config.kv_policy_knobs)
+    policy.retention(num_layers)
+    if plan.offload != "none" and policy != plan.policy:
+        raise ValueError(
+            f"this engine offloads its KV and fetches it by kv_policy={plan.policy.name!r} for every request; "
+            f"a request cannot pick kv_policy={policy.name!r}"
+        )
+    # What this engine's configuration would refuse at start-up (EngineConfig's rules, not a copy of them),
+    # a request cannot pick either: the server refuses what the command line refuses.
+    try:
+        dataclasses.replace(config, kv_policy=name, kv_budget=budget)
+    except ValueError as exc:
+        raise ValueError(f"this engine cannot run kv_policy={name!r} for a request: {exc}") from None
+    return policy

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvserve.attention.backend import StepReport
 from kvserve.kv.manager import AllocationStatus, KVCacheManager
 from kvserve.policies import KVPolicy
 from kvserve.request import Request, RequestStatus, Sequence
@@ -113,6 +114,20 @@ class Scheduler:
         for seq in request.seqs:
             self.free_sequence(seq)
         request.status = RequestStatus.FINISHED
+
+    def update(self, out: SchedulerOutput, report: StepReport) -> None:
+        """Apply what the step ``out`` did (vLLM v1's ``update_from_output``): every scheduled sequence has its
+        tokens computed, and where a policy compacted a sequence's KV groups (``report.group_slots``) the blocks
+        past what each group keeps go back to the pool."""
+        seqs = {seq.seq_id: seq for request in self.running for seq in request.live_seqs}
+        for s in out.scheduled:
+            seq = seqs[s.seq_id]
+            seq.num_computed_tokens += len(s.token_ids)
+            held = report.group_slots.get(s.seq_id)
+            if held is not None:
+                for group, num_slots in enumerate(held):
+                    self.kv.shrink(seq.seq_id, group, num_slots)
+                seq.group_slots = list(held)
 
     # ----- one step -----
 

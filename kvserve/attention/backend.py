@@ -1,11 +1,34 @@
-"""The interface between a model's attention layers and the KV cache that stores their keys/values."""
+"""The one contract between the runner and a KV cache: every cache kvserve runs implements it.
+
+A step flows as::
+
+    SchedulerOutput (plain data) -> cache.apply_moves(out)            swap / copy-on-write / module tails
+                                 -> cache.build_metadata(out, rows)   the cache's own metadata format
+                                 -> model.forward(...)                calls observe_input, forward, surviving_rows
+                                 -> cache.report(metadata)            StepReport -> Scheduler.update
+
+The runner never asks which kind of cache it holds, and the metadata stays what the builder made:
+what a step learns (slots each layer kept, bytes moved) comes back as a ``StepReport``.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # plain data the scheduler emits; the cache only reads it
+    from kvserve.scheduler import SchedulerOutput
+
+# What a parallel prefill hands over per layer: (layer, keys (T, Hkv, D), values (T, Hkv, D)).
+LayerKVSink = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+class UnsupportedKVOperation(NotImplementedError):
+    """A cache was asked for an operation its kind cannot do (the message says why)."""
 
 
 @dataclass(frozen=True)
@@ -39,8 +62,34 @@ class AttentionMetadata:
             )
 
 
+@dataclass(frozen=True)
+class StepReport:
+    """What a step learned that the scheduler applies (``Scheduler.update``), as plain data.
+
+    ``group_slots``: per sequence whose KV groups a policy compacted, the slots each group holds after the
+    step (the blocks past them go back to the pool). ``output_rows``: per sequence, its rows in the model's
+    output (fewer than its tokens where a policy dropped rows during prefill).
+    """
+
+    group_slots: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    output_rows: tuple[int, ...] = ()
+
+
 class AttentionBackend(ABC):
-    """Stores a layer's new keys/values and attends the step's queries over the sequence's cache."""
+    """Stores a layer's new keys/values and attends the step's queries over the sequence's cache.
+
+    The minimum a backend implements is ``forward``; a backend the engine runs (a *KV cache*) also
+    builds its metadata from a ``SchedulerOutput`` and moves blocks as the scheduler says. Operations a
+    kind of cache cannot do raise ``UnsupportedKVOperation`` naming the reason.
+    """
+
+    # ----- a step -----
+
+    def build_metadata(self, out: SchedulerOutput, rows_from: Mapping[int, int]) -> AttentionMetadata:
+        """This cache's metadata for the step ``out`` schedules. ``rows_from``: sequences whose logits are
+        needed for every row of their chunk from that row on (prompt logprobs); a cache that drops rows keeps
+        them."""
+        raise UnsupportedKVOperation(f"{type(self).__name__} is a reference backend; it does not run scheduled steps")
 
     @abstractmethod
     def forward(
@@ -65,4 +114,59 @@ class AttentionBackend(ABC):
         """Rows of ``layer``'s input that go on to the next layer, (N',) long ascending, after its
         ``forward``; None (the default) means every row. A cache that drops tokens during prefill
         (PyramidInfer) drops them from the hidden states too, so deeper layers compute fewer rows."""
+        return None
+
+    def store_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> None:
+        """Write keys/values (N, Hkv, D) of the step's tokens computed elsewhere (a parallel prefill)."""
+        raise UnsupportedKVOperation(f"{type(self).__name__} does not take keys/values computed elsewhere")
+
+    def report(self, metadata: AttentionMetadata) -> StepReport:
+        """What the step just run learned, for the scheduler; nothing by default."""
+        return StepReport(output_rows=metadata.query_lens)
+
+    # ----- moves the scheduler asks for -----
+
+    def apply_moves(self, out: SchedulerOutput) -> None:
+        """Swap-outs first (the blocks they vacate may be handed out again in this very step), then swap-ins,
+        copy-on-write blocks and Prompt Cache module tails."""
+        if out.blocks_to_swap_out:
+            self.swap_out(out.blocks_to_swap_out)
+        if out.blocks_to_swap_in:
+            self.swap_in(out.blocks_to_swap_in)
+        if out.blocks_to_copy:
+            self.copy_blocks(out.blocks_to_copy)
+        if out.slots_to_copy:
+            self.copy_slots(out.slots_to_copy)
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write: each (src, dst) block's contents in every layer."""
+        raise UnsupportedKVOperation(f"{type(self).__name__} cannot copy blocks")
+
+    def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy single token slots (src, dst) in every layer (Prompt Cache module tails)."""
+        raise UnsupportedKVOperation(f"{type(self).__name__} cannot copy slots")
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]], host_cache: AttentionBackend | None = None) -> None:
+        """Copy (device block, host block) pairs to the host tier (preemption by swapping)."""
+        raise UnsupportedKVOperation(f"{type(self).__name__} cannot swap blocks")
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]], host_cache: AttentionBackend | None = None) -> None:
+        """Copy (host block, device block) pairs back from the host tier."""
+        raise UnsupportedKVOperation(f"{type(self).__name__} cannot swap blocks")
+
+    def read_slots(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``slots`` in every layer, (L, n, Hkv, D) each (a module copied to the host tier)."""
+        raise UnsupportedKVOperation(f"{type(self).__name__} cannot read slots")
+
+    def write_slots(self, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write (L, n, Hkv, D) keys and values into ``slots`` of every layer (a host-tier module copied in)."""
+        raise UnsupportedKVOperation(f"{type(self).__name__} cannot write slots")
+
+    def bytes_moved(self) -> dict[str, int]:
+        """Bytes moved between tiers since the cache was made (``fetched``, ``stored``); {} for a cache that
+        keeps everything where attention reads it."""
+        return {}
+
+    def close(self) -> None:
+        """Release threads and files the cache holds (idempotent); nothing by default."""
         return None

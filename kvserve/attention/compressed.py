@@ -18,24 +18,26 @@ Per step and layer, for each sequence holding ``h`` slots and receiving ``m`` ro
 4. for a row-dropping policy (PyramidInfer), rows whose key the layer dropped leave the hidden states,
    so the next layer computes only the survivors (never for a sequence that needs every row's logits).
 
-What each group holds after the step is left in the metadata for the engine, which shrinks the block
+What each group holds after the step comes back in the ``StepReport``; the scheduler shrinks the block
 tables to it (freeing blocks) and remembers the counts.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
-from kvserve.attention.backend import AttentionMetadata
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata, StepReport, UnsupportedKVOperation
 from kvserve.attention.paged import PagedKVCache, attend_prefill
-from kvserve.policies.base import SCORES_ACCUMULATED, SCORES_NONE, SCORES_RECENT, KVPolicy
+from kvserve.attention.step_layout import gqa_attend, pad_tables, row_starts, slot_ids
+from kvserve.policies.base import SCORES_NONE, KVPolicy
+from kvserve.policies.scoring import attend_with_weights, update_scores
 
-_SCORE_CHUNK = 256  # query rows per chunk when scoring a prefill (bounds the (H, rows, keys) weights)
+if TYPE_CHECKING:
+    from kvserve.scheduler import SchedulerOutput
 
 
 @dataclass
@@ -49,7 +51,11 @@ class _StepState:
 
 @dataclass(frozen=True)
 class CompressedAttentionMetadata(AttentionMetadata):
-    """Per sequence: its policy, and per layer its block table, held slots and target after the step."""
+    """Per sequence: its policy, and per layer its block table, held slots and target after the step.
+
+    ``state`` is the step's scratch record (rows still live, slots each layer keeps), made fresh by the
+    builder and filled in as the layers run; ``CompressedKVCache.report`` turns it into a ``StepReport``.
+    """
 
     policies: tuple[KVPolicy, ...] = ()
     group_slots: tuple[tuple[int, ...], ...] = ()  # [seq][layer] slots holding keys before the step
@@ -57,7 +63,7 @@ class CompressedAttentionMetadata(AttentionMetadata):
     block_tables: tuple[tuple[tuple[int, ...], ...], ...] = ()  # [seq][layer] block ids
     keep_all_rows: tuple[bool, ...] = ()  # [seq] every row's logits are needed: drop no rows
     block_size: int = 16
-    state: _StepState = field(default=None)  # type: ignore[assignment]  # set in __post_init__
+    state: _StepState | None = None  # None: a fresh one from the lists above
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -65,20 +71,15 @@ class CompressedAttentionMetadata(AttentionMetadata):
         for name in ("policies", "group_slots", "group_targets", "block_tables", "keep_all_rows"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries for {n} sequences")
-        state = _StepState(list(self.query_lens), [list(s) for s in self.group_slots])
-        object.__setattr__(self, "state", state)
+        if self.state is None:
+            raise ValueError("CompressedAttentionMetadata needs its step state: build it with CompressedKVCache")
 
     @property
     def decode_only(self) -> bool:
         return all(n == 1 for n in self.query_lens)
 
-    @property
-    def final_rows(self) -> list[int]:
-        """Rows per sequence in the model's output (after every layer's drops)."""
-        return list(self.state.rows)
 
-
-class CompressedKVCache(PagedKVCache):
+class CompressedKVCache(AttentionBackend):
     """Keys/values of every layer in one block pool, each layer with its own tables (see the module doc)."""
 
     def __init__(
@@ -91,33 +92,73 @@ class CompressedKVCache(PagedKVCache):
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         pin_memory: bool = False,
+        num_host_blocks: int = 0,
     ) -> None:
-        super().__init__(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, pin_memory)
-        self.model_layers = num_layers
+        # One slab of blocks that any layer's group may hold: a paged store of a single "layer".
+        self.store = PagedKVCache(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, pin_memory)
+        self.k, self.v = self.store.k, self.store.v  # (1, num_blocks, block_size, Hkv, D)
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.scores = torch.zeros(num_blocks * block_size, dtype=torch.float32, device=device, pin_memory=pin_memory)
+        self.host_cache = self.make_host_cache(num_host_blocks) if num_host_blocks else None
 
     def make_host_cache(self, num_blocks: int | None = None) -> CompressedKVCache:
         return CompressedKVCache(
-            self.model_layers, num_blocks or self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
+            self.num_layers, num_blocks or self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
             self.k.dtype, "cpu", pin_memory=self.k.is_cuda,
         )  # fmt: skip
 
-    # Blocks carry their slots' scores with them.
+    def build_metadata(self, out: SchedulerOutput, rows_from: Mapping[int, int]) -> CompressedAttentionMetadata:
+        scheduled = out.scheduled
+        state = _StepState([len(s.token_ids) for s in scheduled], [list(s.group_slots) for s in scheduled])
+        return CompressedAttentionMetadata(
+            seq_ids=tuple(s.seq_id for s in scheduled),
+            query_lens=tuple(len(s.token_ids) for s in scheduled),
+            context_lens=tuple(s.num_computed_tokens for s in scheduled),
+            policies=tuple(s.kv_policy for s in scheduled),
+            group_slots=tuple(s.group_slots for s in scheduled),
+            group_targets=tuple(s.group_targets for s in scheduled),
+            block_tables=tuple(s.block_tables for s in scheduled),
+            keep_all_rows=tuple(rows_from.get(s.seq_id, len(s.token_ids)) < len(s.token_ids) - 1 for s in scheduled),
+            block_size=self.block_size,
+            state=state,
+        )
+
+    def report(self, metadata: AttentionMetadata) -> StepReport:
+        state = metadata.state
+        return StepReport(
+            group_slots={seq: tuple(held) for seq, held in zip(metadata.seq_ids, state.held_after, strict=True)},
+            output_rows=tuple(state.rows),
+        )
+
+    # Blocks carry their slots' scores with them; slots mean different tokens in different layers.
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        super().copy_blocks(pairs)
+        self.store.copy_blocks(pairs)
         self._move_scores(self, self, pairs)
 
-    def swap_out(self, pairs: Sequence[tuple[int, int]], host_cache: PagedKVCache) -> None:
-        super().swap_out(pairs, host_cache)
-        self._move_scores(self, host_cache, pairs)
+    def swap_out(self, pairs: Sequence[tuple[int, int]], host_cache: CompressedKVCache | None = None) -> None:
+        host = self._host(host_cache)
+        self.store.swap_out(pairs, host.store)
+        self._move_scores(self, host, pairs)
 
-    def swap_in(self, pairs: Sequence[tuple[int, int]], host_cache: PagedKVCache) -> None:
-        super().swap_in(pairs, host_cache)
-        self._move_scores(host_cache, self, pairs)
+    def swap_in(self, pairs: Sequence[tuple[int, int]], host_cache: CompressedKVCache | None = None) -> None:
+        host = self._host(host_cache)
+        self.store.swap_in(pairs, host.store)
+        self._move_scores(host, self, pairs)
 
-    def _move_scores(self, src: PagedKVCache, dst: PagedKVCache, pairs: Sequence[tuple[int, int]]) -> None:
-        if not isinstance(src, CompressedKVCache) or not isinstance(dst, CompressedKVCache):
-            raise TypeError("per-layer KV groups swap to and from a CompressedKVCache (it holds the slot scores)")
+    def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
+        raise UnsupportedKVOperation(
+            "a compressed cache keeps different slots per layer, so a Prompt Cache module's slots do not name "
+            "one token across layers"
+        )
+
+    def _host(self, host_cache: CompressedKVCache | None) -> CompressedKVCache:
+        host = host_cache or self.host_cache
+        if not isinstance(host, CompressedKVCache):
+            raise RuntimeError("per-layer KV groups swap to a CompressedKVCache host tier (it holds the slot scores)")
+        return host
+
+    def _move_scores(self, src: CompressedKVCache, dst: CompressedKVCache, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:
             return
         bs = self.block_size
@@ -141,9 +182,7 @@ class CompressedKVCache(PagedKVCache):
         state = metadata.state
         if metadata.decode_only:  # rows are already one per sequence, in order
             return self._decode(layer, q, k, v, metadata, list(range(len(state.rows))))
-        starts = [0]
-        for n in state.rows:
-            starts.append(starts[-1] + n)
+        starts = row_starts(state.rows)
         out = torch.empty_like(q)  # (N_layer, H, D)
         decodes = [i for i, n in enumerate(metadata.query_lens) if n == 1]
         if decodes:
@@ -151,7 +190,7 @@ class CompressedKVCache(PagedKVCache):
             out.index_copy_(0, rows, self._decode(layer, q[rows], k[rows], v[rows], metadata, decodes))
         kept_rows: list[torch.Tensor] = []
         dropped = False
-        for i, n in enumerate(state.rows):
+        for i, n in enumerate(list(state.rows)):
             everything = torch.arange(starts[i], starts[i] + n, device=q.device)
             if metadata.query_lens[i] == 1:
                 kept_rows.append(everything)
@@ -182,10 +221,8 @@ class CompressedKVCache(PagedKVCache):
         out = attend_prefill(q, keys, values, held)
         num_candidates = held + m
         num_tokens = meta.context_lens[i] + meta.query_lens[i]
-        scores = None
-        if policy.scores != SCORES_NONE:
-            previous = self.scores.index_select(0, ctx) if held else None
-            scores = _prefill_scores(policy, q, keys, held, num_tokens, previous)  # (h + m,)
+        previous = self.scores.index_select(0, ctx) if held and policy.scores != SCORES_NONE else None
+        scores = policy.prefill_scores(q, keys, held, num_tokens, previous)  # (h + m,) or None
         if num_candidates <= target:
             new = self._slot_ids(table, held, num_candidates, q.device)
             k_flat.index_copy_(0, new, k)
@@ -211,10 +248,9 @@ class CompressedKVCache(PagedKVCache):
         seqs: list[int],
     ) -> torch.Tensor:
         """One new row per sequence in ``seqs``: q (B, H, D), k/v (B, Hkv, D) -> (B, H, D)."""
-        batch, num_heads, head_dim = q.shape
-        hkv, bs, device = self.num_kv_heads, self.block_size, q.device
+        batch, hkv, head_dim = q.shape[0], self.num_kv_heads, self.head_dim
+        bs, device = self.block_size, q.device
         held = [meta.state.held_after[i][layer] for i in seqs]
-        targets = [meta.group_targets[i][layer] for i in seqs]
         tables = [meta.block_tables[i][layer] for i in seqs]
         policies = [meta.policies[i] for i in seqs]
         scoring = any(p.scores != SCORES_NONE for p in policies)
@@ -228,48 +264,48 @@ class CompressedKVCache(PagedKVCache):
             self.scores.index_fill_(0, new_slots, 0.0)  # a new slot has no history (the entry is stale)
         width = max(h // bs + 1 for h in held)
         length = width * bs
-        padded = torch.tensor([list(t[:width]) + [0] * (width - len(t)) for t in tables], device=device)  # (B, W)
-        # Blocks past a sequence's own (padding: block 0) are read only past its length, then masked.
+        padded = pad_tables(tables, width, device).long()  # (B, W); padding (block 0) is masked below
         keys = self.k[0].index_select(0, padded.view(-1)).view(batch, length, hkv, head_dim)  # a copy
         values = self.v[0].index_select(0, padded.view(-1)).view(batch, length, hkv, head_dim)
-        lengths = torch.tensor(held, device=device) + 1
-        valid = torch.arange(length, device=device)[None, :] < lengths[:, None]  # (B, T)
+        valid = torch.arange(length, device=device)[None, :] < (torch.tensor(held, device=device) + 1)[:, None]
         mask = valid[:, None, None, :]  # (B, 1, 1, T)
-        qg = q.view(batch, hkv, num_heads // hkv, head_dim)  # (B, Hkv, G, D): query head h reads KV head h // G
         kh, vh = keys.transpose(1, 2), values.transpose(1, 2)  # (B, Hkv, T, D)
         scores = None
-        if scoring:  # the weights are needed too: attention by hand, over head-major copies (3-5x faster
-            # products than strided views; the probabilities are rounded to the cache dtype for the second)
-            kh, vh = kh.contiguous(), vh.contiguous()
-            weights = torch.softmax(_scaled_logits(qg, kh).masked_fill_(~mask, float("-inf")), dim=-1)
-            out = torch.matmul(weights.to(vh.dtype), vh)  # (B, Hkv, G, D)
+        if scoring:
             slots = (padded[:, :, None] * bs + torch.arange(bs, device=device)).view(batch, length)  # (B, T)
-            scores = self.scores.index_select(0, slots.view(-1)).view(batch, length)
-            scores = self._update_scores(policies, scores, weights.mean(dim=(1, 2)))  # (B, T)
-            self.scores.index_copy_(0, slots.masked_select(valid), scores.masked_select(valid))
+            out, scores = self._decode_scored(q, kh, vh, mask, policies, slots, valid)
         else:
-            out = F.scaled_dot_product_attention(qg, kh, vh, attn_mask=mask)  # (B, Hkv, G, D)
+            out = gqa_attend(q, kh, vh, mask)
         for b, seq in enumerate(seqs):
-            n = held[b] + 1
-            if n <= targets[b]:
-                meta.state.held_after[seq][layer] = n
-                continue
-            num_tokens = meta.context_lens[seq] + 1
-            kept = policies[b].select(scores[b, :n] if scoring else None, n, targets[b], num_tokens).to(device)
-            self._write_kept(tables[b], keys[b, :n], values[b, :n], scores[b, :n] if scoring else None, kept)
-            meta.state.held_after[seq][layer] = targets[b]
-        return out.reshape(batch, num_heads, head_dim)
-
-    @staticmethod
-    def _update_scores(policies: list[KVPolicy], scores: torch.Tensor, step_weights: torch.Tensor) -> torch.Tensor:
-        """Each sequence's running scores (B, T) folded with its step's weights, batched per policy."""
-        if all(p == policies[0] for p in policies):
-            return policies[0].update(scores, step_weights)
-        out = scores.clone()
-        for policy in set(policies):
-            rows = torch.tensor([b for b, p in enumerate(policies) if p == policy], device=scores.device)
-            out[rows] = policy.update(scores[rows], step_weights[rows])
+            self._compress_decoded(layer, meta, seq, keys[b], values[b], None if scores is None else scores[b])
         return out
+
+    def _decode_scored(
+        self, q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, mask: torch.Tensor, policies: list[KVPolicy],
+        slots: torch.Tensor, valid: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Attention with its weights (the policies fold them into each slot's score): q (B, H, D), kh/vh
+        (B, Hkv, T, D) -> output (B, H, D) and the updated scores (B, T)."""
+        out, weights = attend_with_weights(q, kh, vh, mask)  # (B, H, D), (B, T) mean over heads
+        scores = self.scores.index_select(0, slots.view(-1)).view_as(slots)
+        scores = update_scores(policies, scores, weights)  # (B, T)
+        self.scores.index_copy_(0, slots.masked_select(valid), scores.masked_select(valid))
+        return out, scores
+
+    def _compress_decoded(
+        self, layer: int, meta: CompressedAttentionMetadata, seq: int, keys: torch.Tensor, values: torch.Tensor,
+        scores: torch.Tensor | None,
+    ) -> None:  # fmt: skip
+        """After a decode row: keep everything while the group is within its target, else the policy's choice."""
+        n = meta.state.held_after[seq][layer] + 1
+        target = meta.group_targets[seq][layer]
+        if n <= target:
+            meta.state.held_after[seq][layer] = n
+            return
+        scores = None if scores is None else scores[:n]
+        kept = meta.policies[seq].select(scores, n, target, meta.context_lens[seq] + 1).to(keys.device)
+        self._write_kept(meta.block_tables[seq][layer], keys[:n], values[:n], scores, kept)
+        meta.state.held_after[seq][layer] = target
 
     def _write_kept(
         self,
@@ -292,51 +328,4 @@ class CompressedKVCache(PagedKVCache):
         return self.k.view(-1, self.num_kv_heads, self.head_dim), self.v.view(-1, self.num_kv_heads, self.head_dim)
 
     def _slot_ids(self, table: tuple[int, ...], begin: int, end: int, device: torch.device) -> torch.Tensor:
-        """(end - begin,) long slot ids of a group's positions begin..end-1."""
-        bs = self.block_size
-        first, last = begin // bs, math.ceil(end / bs)
-        blocks = torch.tensor(table[first:last], dtype=torch.long, device=device)
-        ids = (blocks[:, None] * bs + torch.arange(bs, device=device)).view(-1)
-        return ids[begin - first * bs : end - first * bs]
-
-
-def _prefill_scores(
-    policy: KVPolicy, q: torch.Tensor, keys: torch.Tensor, held: int, num_tokens: int, previous: torch.Tensor | None
-) -> torch.Tensor:
-    """Scores (h + m,) float32 of a sequence's candidates from its m new queries q (m, H, D) over keys (h + m, Hkv, D).
-
-    PyramidInfer: the ensemble of S_r's attention (its last |S_r| queries, weighted towards the most
-    recent, mean over heads). H2O: attention summed over all the step's queries (mean over heads),
-    added to the scores the cached slots had.
-    """
-    m, num_heads, head_dim = q.shape
-    n, num_kv_heads = keys.shape[:2]
-    group = num_heads // num_kv_heads
-    kh = keys.transpose(0, 1)[:, None]  # (Hkv, 1, n, D): query head h reads KV head h // group
-    if policy.scores == SCORES_RECENT:
-        first = m - min(policy.recent_count(num_tokens), m)
-        row_weights = policy.query_weights(m - first).to(q.device)
-    elif policy.scores == SCORES_ACCUMULATED:
-        first, row_weights = 0, torch.ones(m, device=q.device)
-    else:
-        raise ValueError(f"policy {policy.name!r} scores by {policy.scores!r}, which prefill cannot compute")
-    total = torch.zeros(n, dtype=torch.float32, device=q.device)
-    for begin in range(first, m, _SCORE_CHUNK):
-        end = min(begin + _SCORE_CHUNK, m)
-        qh = q[begin:end].transpose(0, 1).reshape(num_kv_heads, group, end - begin, head_dim)  # (Hkv, G, c, D)
-        logits = _scaled_logits(qh, kh).view(num_heads, end - begin, n)  # (H, c, n) float32
-        # Query j of the chunk sits at candidate index held + begin + j and sees keys up to there.
-        visible = (
-            torch.arange(n, device=q.device)[None, :] <= (held + torch.arange(begin, end, device=q.device))[:, None]
-        )
-        weights = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).mean(dim=0)  # (c, n)
-        total += row_weights[begin - first : end - first] @ weights
-    if policy.scores == SCORES_ACCUMULATED and previous is not None:
-        total[:held] += previous
-    return total
-
-
-def _scaled_logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q k^T / sqrt(D) as float32, multiplied in the cache dtype (bfloat16 runs on AMX; the scores that
-    rank tokens need no more precision). q (..., r, D), k (..., n, D) -> (..., r, n)."""
-    return torch.matmul(q, k.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])
+        return slot_ids(table, begin, end, self.block_size, device)

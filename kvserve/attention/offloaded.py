@@ -22,19 +22,25 @@ its keys/values overwrite the victim's slot (per KV head) with its partial key a
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata, UnsupportedKVOperation
 from kvserve.attention.paged import attend_prefill
+from kvserve.attention.step_layout import gqa_attend, pad_tables, row_starts, slot_ids
 from kvserve.kv.tiers import KVTier, RowSpec, StagingBuffers, Transfer, TransferQueue, gather_rows, scatter_rows
 from kvserve.policies.base import KVPolicy
 from kvserve.policies.infinigen import InfiniGen, Rehearsal, choose_victims, partial_logits, speculate
 from kvserve.policies.quant import Int4KV, dequantize_int4, quantize_int4
+
+if TYPE_CHECKING:
+    from kvserve.scheduler import SchedulerOutput
 
 _SELECT_ROWS = 256  # rows of a chunk speculated at once
 
@@ -76,7 +82,7 @@ class OffloadAttentionMetadata(AttentionMetadata):
     # everything before them, as InfiniGen's prefill does. () or the chunk length: a plain prompt chunk.
     scored_from: tuple[int, ...] = ()
     block_size: int = 16
-    state: _Step = field(default=None)  # type: ignore[assignment]  # set by OffloadedKVCache.begin_step
+    state: _Step | None = None  # the step's plan and its fetches in flight (OffloadedKVCache.build_metadata)
 
 
 @dataclass
@@ -156,55 +162,69 @@ class OffloadedKVCache(AttentionBackend):
                 blocks.index_copy_(dim, dst, blocks.index_select(dim, src))
 
     def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
-        raise NotImplementedError("Prompt Cache modules are not supported with kv_offload")
+        raise UnsupportedKVOperation("Prompt Cache modules live in the paged cache's blocks, not in an offloaded tier")
 
-    def swap_out(self, pairs: Sequence[tuple[int, int]], host_cache: object) -> None:
-        raise NotImplementedError("an offloading engine preempts by recompute (its KV is already off the device)")
+    def swap_out(self, pairs: Sequence[tuple[int, int]], host_cache: object = None) -> None:
+        raise UnsupportedKVOperation("an offloading engine preempts by recompute (its KV is already off the device)")
 
     swap_in = swap_out
+
+    def bytes_moved(self) -> dict[str, int]:
+        return {"fetched": self.queue.stats.bytes_fetched, "stored": self.queue.stats.bytes_stored}
 
     def close(self) -> None:
         self.queue.close()
 
     # ----- a step -----
 
-    def begin_step(self, metadata: OffloadAttentionMetadata) -> None:
-        """Plan the step's decode batch (the blocks its rows are in) once for every layer."""
+    def build_metadata(self, out: SchedulerOutput, rows_from: Mapping[int, int]) -> OffloadAttentionMetadata:
+        scheduled = out.scheduled
+        metadata = OffloadAttentionMetadata(
+            seq_ids=tuple(s.seq_id for s in scheduled),
+            query_lens=tuple(len(s.token_ids) for s in scheduled),
+            context_lens=tuple(s.num_computed_tokens for s in scheduled),
+            block_tables=tuple(s.block_tables[0] for s in scheduled),
+            full_lengths=tuple(max(s.full_length, s.num_computed_tokens + len(s.token_ids)) for s in scheduled),
+            scored_from=tuple(
+                max(0, s.score_from - s.num_computed_tokens) if s.seq_id in rows_from else len(s.token_ids)
+                for s in scheduled
+            ),
+            block_size=self.block_size,
+        )
+        return dataclasses.replace(metadata, state=self.plan_step(metadata))
+
+    def plan_step(self, metadata: OffloadAttentionMetadata) -> _Step:
+        """The step's decode batch (the blocks its rows are in), planned once for every layer."""
         # One new row over a cache: batched and fetched ahead. A one-token prompt has nothing to fetch.
         decodes = [i for i, n in enumerate(metadata.query_lens) if n == 1 and metadata.context_lens[i] > 0]
         held = [self._held(metadata, i) for i in decodes]
-        width = max(held, default=0)
         bs = self.block_size
         # Whole blocks up to and including each sequence's next row: its own key/value goes there once fetched.
-        blocks = torch.zeros((len(decodes), math.ceil((width + 1) / bs)), dtype=torch.long)
-        for b, (i, h) in enumerate(zip(decodes, held, strict=True)):
-            table = torch.tensor(metadata.block_tables[i][: h // bs + 1], dtype=torch.long)
-            blocks[b, : table.numel()] = table
+        width = math.ceil((max(held, default=0) + 1) / bs)
+        tables = [metadata.block_tables[i][: h // bs + 1] for i, h in zip(decodes, held, strict=True)]
+        blocks = pad_tables(tables, width)  # (Bd, W)
         own = torch.tensor(held, dtype=torch.long)
-        valid = torch.arange(blocks.shape[1] * bs)[None, :] < own[:, None]
-        starts = [sum(metadata.query_lens[:i]) for i in decodes]
+        valid = torch.arange(width * bs)[None, :] < own[:, None]
+        starts = row_starts(metadata.query_lens)
         tokens = [metadata.context_lens[i] for i in decodes]
         evicting = any(t >= self._capacity(metadata, i) for i, t in zip(decodes, tokens, strict=True))
         write = None
         if not evicting:  # each new row at its own slot, in every layer
             own_slots = [metadata.block_tables[i][t // bs] * bs + t % bs for i, t in zip(decodes, tokens, strict=True)]
             write = torch.tensor(own_slots, dtype=torch.long, device=self.device)[:, None].expand(-1, self.num_kv_heads)
-        step = _Step(
-            decodes, blocks.to(self.device), own.to(self.device), valid.to(self.device),
-            torch.tensor(starts, dtype=torch.long, device=self.device),
-            torch.tensor(tokens, dtype=torch.int32, device=self.device), write,
-        )  # fmt: skip
-        object.__setattr__(metadata, "state", step)
         if decodes:
             self.stats.decode_steps += 1
+        return _Step(
+            decodes, blocks.long().to(self.device), own.to(self.device), valid.to(self.device),
+            torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=self.device),
+            torch.tensor(tokens, dtype=torch.int32, device=self.device), write,
+        )  # fmt: skip
 
     def observe_input(
         self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata
     ) -> None:
         if not isinstance(metadata, OffloadAttentionMetadata):
             return
-        if metadata.state is None:
-            self.begin_step(metadata)
         step = metadata.state
         nxt = layer + 1
         if self.rehearsal is not None and nxt < self.num_layers:
@@ -224,11 +244,7 @@ class OffloadedKVCache(AttentionBackend):
     ) -> torch.Tensor:
         if not isinstance(metadata, OffloadAttentionMetadata):
             raise TypeError(f"OffloadedKVCache needs OffloadAttentionMetadata, got {type(metadata).__name__}")
-        if metadata.state is None:
-            self.begin_step(metadata)
-        starts = [0]
-        for n in metadata.query_lens:
-            starts.append(starts[-1] + n)
+        starts = row_starts(metadata.query_lens)
         step = metadata.state
         if len(step.decodes) == len(metadata.query_lens):
             return self._decode(layer, q, k, v, metadata)
@@ -250,8 +266,7 @@ class OffloadedKVCache(AttentionBackend):
     ) -> torch.Tensor:
         """One new row per decode sequence: q (B, H, D), k/v (B, Hkv, D) -> (B, H, D)."""
         step = meta.state
-        batch, num_heads, head_dim = q.shape
-        hkv = self.num_kv_heads
+        batch = q.shape[0]
         fetch = step.pending.pop(layer)
         fetch.transfer.wait()
         keys, values = self._dequantized(fetch.buffers, fetch.shape)
@@ -266,10 +281,9 @@ class OffloadedKVCache(AttentionBackend):
         if batch == 1:  # its valid rows are a prefix: cut the rest off instead of masking (SDPA is faster unmasked)
             keep = int(fetch.valid[0].sum())
             keys, values, mask = keys[:, :, :keep], values[:, :, :keep], None
-        qg = q.view(batch, hkv, num_heads // hkv, head_dim)  # query head h reads KV head h // G
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)  # (B, Hkv, G, D)
+        out = gqa_attend(q, keys, values, mask)  # (B, H, D)
         self._store_decodes(layer, k, v, meta)
-        return out.reshape(batch, num_heads, head_dim)
+        return out
 
     def _fetch_blocks(self, layer: int, step: _Step) -> _Fetch:
         """Every cached row of the decode sequences, as whole blocks (the fetch-everything baseline)."""
@@ -526,12 +540,7 @@ class OffloadedKVCache(AttentionBackend):
 
     def _slots(self, table: tuple[int, ...], end: int, begin: int = 0) -> torch.Tensor:
         """(end - begin,) slot ids of a sequence's rows begin..end-1."""
-        bs = self.block_size
-        first = begin // bs
-        blocks = torch.tensor(table[first : math.ceil(end / bs)], dtype=torch.long, device=self.device)
-        return (blocks[:, None] * bs + torch.arange(bs, device=self.device)).view(-1)[
-            begin - first * bs : end - first * bs
-        ]
+        return slot_ids(table, begin, end, self.block_size, self.device)
 
 
 def offload_block_bytes(

@@ -29,9 +29,10 @@ is zero-initialised so that no slot ever holds NaN (0 * NaN would leak through a
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,10 @@ import torch.nn.functional as F
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.attention.masks import causal_mask, window_binds
 from kvserve.attention.row_invariant import RowPlan, attend_row_calls, plan_row_calls
+from kvserve.attention.step_layout import gqa_attend, padded_table, row_starts, token_positions
+
+if TYPE_CHECKING:
+    from kvserve.scheduler import SchedulerOutput
 
 BlockTable = Sequence[int]
 
@@ -148,10 +153,10 @@ class PagedAttentionMetadata(AttentionMetadata):
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         query_lens, context_lens = tuple(query_lens), tuple(context_lens)
         seq_lens = tuple(c + q for c, q in zip(context_lens, query_lens, strict=True))
-        token_seq, token_pos = _token_positions(query_lens, context_lens)  # (N,), (N,) on CPU
+        token_seq, token_pos = token_positions(query_lens, context_lens)  # (N,), (N,) on CPU
         tables, slots = [], []
         for tables_of_group in group_block_tables:
-            table = _padded_table(tables_of_group, seq_lens, block_size)  # (S, max_blocks) int32
+            table = padded_table(tables_of_group, seq_lens, block_size)  # (S, max_blocks) int32
             block_ids = table[token_seq, token_pos // block_size].long()
             slots.append((block_ids * block_size + token_pos % block_size).to(device))
             tables.append(table.to(device))
@@ -187,34 +192,9 @@ class PagedAttentionMetadata(AttentionMetadata):
         return _make_plan(self)
 
 
-def _token_positions(query_lens: tuple[int, ...], context_lens: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each of the step's N tokens: its sequence's index and its cache position (both (N,) long)."""
-    q = torch.tensor(query_lens, dtype=torch.long)
-    ctx = torch.tensor(context_lens, dtype=torch.long)
-    token_seq = torch.repeat_interleave(torch.arange(len(query_lens)), q)  # (N,)
-    starts = torch.cumsum(q, 0) - q  # first row of each sequence
-    token_pos = torch.arange(int(q.sum())) - starts[token_seq] + ctx[token_seq]  # (N,)
-    return token_seq, token_pos
-
-
-def _padded_table(tables: Sequence[BlockTable], seq_lens: tuple[int, ...], block_size: int) -> torch.Tensor:
-    """Block tables as one (num_seqs, max_blocks) int32 tensor padded with block 0."""
-    if len(tables) != len(seq_lens):
-        raise ValueError(f"{len(tables)} block tables for {len(seq_lens)} sequences")
-    for i, (table, length) in enumerate(zip(tables, seq_lens, strict=True)):
-        if len(table) * block_size < length:
-            raise ValueError(
-                f"sequence {i} needs {length} slots but its block table has {len(table)} blocks of {block_size} tokens"
-            )
-    width = max((len(t) for t in tables), default=0)
-    return torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32).view(len(tables), width)
-
-
 def _make_plan(meta: PagedAttentionMetadata) -> _StepPlan:
     device = meta.slot_mappings[0].device
-    starts = [0]
-    for q_len in meta.query_lens:
-        starts.append(starts[-1] + q_len)
+    starts = row_starts(meta.query_lens)
     decodes = tuple(i for i, (q, c) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)) if q == 1)
     prefills = tuple(
         _Prefill(i, starts[i], q, c)
@@ -284,10 +264,15 @@ class PagedKVCache(AttentionBackend):
         pin_memory: bool = False,
         layer_rows: Sequence[int] = (),
         batch_invariant: bool = False,
+        num_host_blocks: int = 0,
+        layer_to_group: Sequence[int] = (),
+        layer_windows: Sequence[int | None] = (),
     ) -> None:
         """``layer_rows``: per layer, its row of a block when KV groups share block storage (``kv/layout.py``);
         () gives every layer a row of its own. ``batch_invariant``: attend each query row in a call shaped by
-        its own position (``row_invariant.py``), so its result does not depend on the rest of the step."""
+        its own position (``row_invariant.py``), so its result does not depend on the rest of the step.
+        ``num_host_blocks``: a host tier of that many blocks to swap to (0: none). ``layer_to_group`` and
+        ``layer_windows`` go into the metadata this cache builds (KV groups and sliding windows)."""
         sizes = dict(
             num_layers=num_layers,
             num_blocks=num_blocks,
@@ -308,6 +293,9 @@ class PagedKVCache(AttentionBackend):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.batch_invariant = batch_invariant
+        self.layer_to_group = tuple(layer_to_group)
+        self.layer_windows = tuple(layer_windows) if any(w is not None for w in layer_windows) else ()
+        self.host_cache = self.make_host_cache(num_host_blocks) if num_host_blocks else None
 
     def make_host_cache(self, num_blocks: int | None = None) -> PagedKVCache:
         """A CPU cache with this one's block shape to swap to (pinned when this cache is on CUDA)."""
@@ -370,19 +358,26 @@ class PagedKVCache(AttentionBackend):
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
-    def swap_out(self, pairs: Sequence[tuple[int, int]], host_cache: PagedKVCache) -> None:
-        """Copy (this cache's block, host block) pairs to ``host_cache``.
+    def swap_out(self, pairs: Sequence[tuple[int, int]], host_cache: PagedKVCache | None = None) -> None:
+        """Copy (this cache's block, host block) pairs to ``host_cache`` (default: this cache's host tier).
 
         On CUDA the copies are asynchronous on the current stream: synchronise it (or wait on an
         event recorded after this call) before reading the host blocks.
         """
-        self._check_peer(host_cache)
-        _transfer(self, host_cache, pairs)
+        host = self._host(host_cache)
+        _transfer(self, host, pairs)
 
-    def swap_in(self, pairs: Sequence[tuple[int, int]], host_cache: PagedKVCache) -> None:
+    def swap_in(self, pairs: Sequence[tuple[int, int]], host_cache: PagedKVCache | None = None) -> None:
         """Copy (host block, this cache's block) pairs from ``host_cache`` (asynchronous on CUDA)."""
-        self._check_peer(host_cache)
-        _transfer(host_cache, self, pairs)
+        host = self._host(host_cache)
+        _transfer(host, self, pairs)
+
+    def _host(self, host_cache: PagedKVCache | None) -> PagedKVCache:
+        host = host_cache or self.host_cache
+        if host is None:
+            raise RuntimeError("the scheduler asked for a swap but the cache has no host tier (swap_space=0)")
+        self._check_peer(host)
+        return host
 
     def _check_peer(self, other: PagedKVCache) -> None:
         mine = (self.layer_rows, self.block_size, self.num_kv_heads, self.head_dim, self.k.dtype)
@@ -394,18 +389,39 @@ class PagedKVCache(AttentionBackend):
 
     # ----- attention -----
 
-    def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
+    def build_metadata(self, out: SchedulerOutput, rows_from: Mapping[int, int]) -> PagedAttentionMetadata:
+        scheduled = out.scheduled
+        return PagedAttentionMetadata.build_grouped(
+            seq_ids=[s.seq_id for s in scheduled],
+            query_lens=[len(s.token_ids) for s in scheduled],
+            context_lens=[s.num_computed_tokens for s in scheduled],
+            group_block_tables=[[s.block_tables[g] for s in scheduled] for g in range(len(scheduled[0].block_tables))],
+            block_size=self.block_size,
+            device=self.k.device,
+            layer_to_group=self.layer_to_group,
+            layer_windows=self.layer_windows,
+        )
+
+    def store_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> None:
+        metadata = self._check_metadata(metadata)
+        group, row = metadata.group_of(layer), self.layer_rows[layer]
+        slots = metadata.slot_mappings[group]
+        self.k[row].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)  # (slots, Hkv, D)
+        self.v[row].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
+
+    def _check_metadata(self, metadata: AttentionMetadata) -> PagedAttentionMetadata:
         if not isinstance(metadata, PagedAttentionMetadata):
             raise TypeError(f"PagedKVCache needs PagedAttentionMetadata, got {type(metadata).__name__}")
         if metadata.block_size != self.block_size:
             raise ValueError(f"metadata is for blocks of {metadata.block_size} tokens, the cache has {self.block_size}")
+        return metadata
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        self.store_layer(layer, k, v, metadata)
         group, row = metadata.group_of(layer), self.layer_rows[layer]
         k_cache, v_cache = self.k[row], self.v[row]  # (num_blocks, block_size, Hkv, D)
-        slots = metadata.slot_mappings[group]
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)  # (slots, Hkv, D)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
         plan, window = metadata.plan, metadata.window_of(layer)
         if self.batch_invariant:
             return attend_row_calls(q, k_cache, v_cache, self._row_plan(metadata, group, window))
@@ -447,19 +463,15 @@ class PagedKVCache(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, view: _DecodeView) -> torch.Tensor:
         """q (B, H, D), one query per decode sequence, over their gathered blocks -> (B, H, D)."""
-        batch, num_heads, head_dim = q.shape
-        hkv = self.num_kv_heads
+        batch, head_dim, hkv = q.shape[0], self.head_dim, self.num_kv_heads
         if view.run is not None:  # one sequence in consecutive blocks: a view, no copy
             keys = k_cache[view.run : view.run + view.table.numel()]
             values = v_cache[view.run : view.run + view.table.numel()]
         else:
             keys, values = k_cache.index_select(0, view.table), v_cache.index_select(0, view.table)
-        keys = keys.view(batch, -1, hkv, head_dim)[:, : view.length].transpose(1, 2)
+        keys = keys.view(batch, -1, hkv, head_dim)[:, : view.length].transpose(1, 2)  # (B, Hkv, T, D)
         values = values.view(batch, -1, hkv, head_dim)[:, : view.length].transpose(1, 2)
-        # (B, Hkv, T, D). Query head h reads KV head h // G: fold the G heads of a group into query rows.
-        qg = q.reshape(batch, hkv, num_heads // hkv, head_dim)  # (B, Hkv, G, D)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=view.mask)  # (B, Hkv, G, D)
-        return out.reshape(batch, num_heads, head_dim)
+        return gqa_attend(q, keys, values, view.mask)
 
 
 def attend_prefill(

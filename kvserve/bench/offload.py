@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from kvserve.attention.offloaded import OffloadedKVCache
+from kvserve.attention.backend import AttentionBackend
 from kvserve.bench.machine import machine_line
 from kvserve.engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
@@ -70,7 +70,7 @@ def measure(
             fetched += _fetched(cache) - before
     for request_id in ids:  # those still decoding (finished ones are ignored)
         engine.abort_request(request_id)
-    if not isinstance(cache, OffloadedKVCache):  # h2o: what each layer holds, read once per step
+    if not cache.bytes_moved():  # h2o: what each layer holds, read once per step
         lengths = [len(p) + produced[i] for p, i in zip(prompts, ids, strict=True)]
         fetched = _compressed_bytes(engine, lengths) * len(times)
     median = statistics.median(times) if times else float("nan")
@@ -79,8 +79,8 @@ def measure(
     return median * 1e3, per_token, len(times)
 
 
-def _fetched(cache: object) -> int:
-    return cache.queue.stats.bytes_fetched if isinstance(cache, OffloadedKVCache) else 0
+def _fetched(cache: AttentionBackend) -> int:
+    return cache.bytes_moved().get("fetched", 0)
 
 
 def _compressed_bytes(engine: LLMEngine, lengths: Sequence[int]) -> float:

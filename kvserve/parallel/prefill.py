@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from kvserve.attention.backend import LayerKVSink
 from kvserve.config import PREFILL_PARTITIONS
 from kvserve.errors import ParallelPrefillError
 from kvserve.log import get_logger
@@ -31,6 +34,9 @@ from kvserve.parallel.partition import (
 )
 from kvserve.parallel.remote import RemotePrefillGroup, joined_from_env
 from kvserve.parallel.supervisor import GroupState, GroupSupervisor
+
+if TYPE_CHECKING:
+    from kvserve.scheduler import SchedulerOutput
 
 MIN_TOKENS_PER_PROC = 16
 
@@ -118,17 +124,21 @@ class ParallelPrefill:
             self.searched[context_len] = self.search(context_len).partition.boundaries
         return self.searched[context_len]
 
-    def run(
-        self, token_ids: list[int], slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> torch.Tensor | None:
-        """Prefill ``token_ids`` over the group, writing each layer's KV at ``slots`` of the (layers, slots,
-        Hkv, D) caches; the last chunk's final hidden states, or None after a failure (run it locally)."""
+    def takes(self, out: SchedulerOutput, rows_from: Mapping[int, int]) -> bool:
+        """Whether the step ``out`` runs over the group: one sequence's whole prompt, nothing cached, logits for
+        its last token only (no prompt logprobs), and long enough (``qualifies``)."""
+        if len(out.scheduled) != 1:
+            return False
+        seq = out.scheduled[0]
+        return (
+            seq.num_computed_tokens == 0 and seq.samples and seq.seq_id not in rows_from
+            and self.qualifies(len(seq.token_ids))
+        )  # fmt: skip
+
+    def run(self, token_ids: list[int], sink: LayerKVSink) -> torch.Tensor | None:
+        """Prefill ``token_ids`` over the group, handing each layer's KV (T, Hkv, D) to ``sink`` (the KV cache
+        stores it); the last chunk's final hidden states, or None after a failure (run it locally)."""
         scheme = "tsp" if self.partition == "tsp" else "runahead"
-
-        def sink(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            k_cache[layer].index_copy_(0, slots, k)
-            v_cache[layer].index_copy_(0, slots, v)
-
         try:
             with self.supervisor.held() as group:  # a failure loses the group: logged, restarted later
                 job = ChunkJob(scheme, tuple(token_ids), self.boundaries(len(token_ids)))

@@ -89,6 +89,14 @@ class KVPolicy:
         """
         return torch.arange(num_candidates - keep, num_candidates)
 
+    def prefill_scores(
+        self, q: torch.Tensor, keys: torch.Tensor, held: int, num_tokens: int, previous: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Scores (h + m,) float32 of a sequence's candidates after a chunk: its m new queries q (m, H, D) over
+        keys (h + m, Hkv, D), the first h cached with scores ``previous`` (h,) (None if h = 0). None for a
+        positional policy (the default)."""
+        return None
+
     def update(self, scores: torch.Tensor, step_weights: torch.Tensor) -> torch.Tensor:
         """Fold one decode step's attention weights (n,) into the running scores (n,)."""
         return scores + step_weights

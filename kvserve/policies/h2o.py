@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.policies.base import SCORES_ACCUMULATED, KVPolicy, recent_and_top
+from kvserve.policies.scoring import column_sums
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,15 @@ class HeavyHitters(KVPolicy):
         super().__post_init__()
         if not 0 <= self.recent_ratio <= 1:
             raise ValueError(f"recent_ratio must be in [0, 1], got {self.recent_ratio!r}")
+
+    def prefill_scores(
+        self, q: torch.Tensor, keys: torch.Tensor, held: int, num_tokens: int, previous: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Attention summed over all the chunk's queries (mean over heads), added to the cached slots' scores."""
+        total = column_sums(q, keys, held, 0, torch.ones(q.shape[0], device=q.device))
+        if previous is not None:
+            total[:held] += previous
+        return total
 
     def select(self, scores: torch.Tensor | None, num_candidates: int, keep: int, num_tokens: int) -> torch.Tensor:
         return recent_and_top(scores, num_candidates, keep, round(self.recent_ratio * keep))

@@ -21,7 +21,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvserve.attention.offloaded import OffloadedKVCache
 from kvserve.engine import LLMEngine
 from kvserve.heap import HeapTrimmer
 from kvserve.log import get_logger
@@ -32,11 +31,8 @@ from kvserve.server.metrics import EngineSnapshot, ServerMetrics
 
 def offload_counters(engine: LLMEngine) -> dict[str, int]:
     """Bytes an offloading engine has moved between its tiers (none for the others)."""
-    cache = engine.runner.cache
-    if not isinstance(cache, OffloadedKVCache):
-        return {}
-    stats = cache.queue.stats
-    return {"kv_offload_bytes_fetched": stats.bytes_fetched, "kv_offload_bytes_stored": stats.bytes_stored}
+    moved = engine.runner.cache.bytes_moved()
+    return {f"kv_offload_bytes_{name}": count for name, count in moved.items()}
 
 
 class QueueFullError(Exception):

@@ -302,13 +302,14 @@ def _chunked_infinigen(loaded, params: SamplingParams) -> tuple:
         loaded, kv_offload="host", kv_policy="infinigen", infinigen_alpha=0.5, max_num_batched_tokens=16
     )
     chunks = []
-    begin = engine.runner.cache.begin_step
+    build = engine.runner.cache.build_metadata
 
-    def spy(metadata) -> None:
+    def spy(out, rows_from):
+        metadata = build(out, rows_from)
         chunks.append(metadata.query_lens[0])
-        begin(metadata)
+        return metadata
 
-    engine.runner.cache.begin_step = spy
+    engine.runner.cache.build_metadata = spy
     (out,) = run(engine, [prompt_ids(40, seed=9)], params)
     engine.close()
     return out, chunks, engine.runner.cache
@@ -382,13 +383,14 @@ def pool_run(loaded, eviction: str, prompt: list[int], max_tokens: int):
     engine = make_engine(loaded, kv_offload="host", kv_policy="infinigen", kv_pool_limit=0.5, kv_pool_eviction=eviction)
     cache = engine.runner.cache
     tables = []
-    begin = cache.begin_step
+    build = cache.build_metadata
 
-    def spy(metadata) -> None:
+    def spy(out, rows_from):
+        metadata = build(out, rows_from)
         tables.append(metadata.block_tables[0])
-        begin(metadata)
+        return metadata
 
-    cache.begin_step = spy
+    cache.build_metadata = spy
     (out,) = run(engine, [prompt], greedy(max_tokens))
     engine.close()
     return out, cache, tables[-1]
