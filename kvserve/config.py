@@ -92,8 +92,11 @@ class EngineConfig:
             raise ValueError(f"kv_policy must be one of {list(KV_POLICY_NAMES)}, got {self.kv_policy!r}")
         policy = make_policy(self.kv_policy, self.kv_budget, **self.kv_policy_knobs)  # raises on a bad knob
         self._check_offload(policy.offload_only)
-        if not policy.lossless and self.prefill_parallel > 1:
-            raise ValueError(f"kv_policy={self.kv_policy!r} runs prefill in this process; prefill_parallel must be 1")
+        if policy.per_layer_groups and self.prefill_parallel > 1:
+            raise ValueError(
+                f"kv_policy={self.kv_policy!r} chooses each layer's slots from the attention of the prompt's last "
+                "tokens, which only this process computes; prefill_parallel must be 1"
+            )
         if parse_memory_size(self.kv_cache_memory) < 1:  # raises on a bad size, naming it
             # Whether it holds a block depends on the model: the engine says so once the model is known.
             raise ValueError(f"kv_cache_memory must be more than 0 bytes, got {self.kv_cache_memory!r}")
@@ -111,10 +114,16 @@ class EngineConfig:
     def prompt_cache_refusal(self) -> str | None:
         """Why this engine cannot take Prompt Cache schemas, or None. (A model's sliding-window groups are refused
         by the engine, which knows the model.)"""
-        if self.kv_offload != "none":
+        if self.kv_offload != "none" and self.prompt_cache_tier == "host":
             return (
-                f"Prompt Cache keeps module KV on the device; this engine offloads its KV (kv_offload="
-                f"{self.kv_offload!r}): start it with kv_offload='none'"
+                f"an offloading engine keeps every block, modules' too, in its {self.kv_offload} tier already; "
+                "prompt_cache_tier='host' would copy them into it a second time: use prompt_cache_tier='device' "
+                "(modules stay in the offloaded pool)"
+            )
+        if self.kv_offload != "none" and self.kv_pool_limit < 1:
+            return (
+                f"kv_pool_limit={self.kv_pool_limit} overwrites a sequence's slots in place once its pool is full, "
+                "and a module's blocks are shared by every request that imports it: use kv_pool_limit=1"
             )
         policy = make_policy(self.kv_policy, self.kv_budget, **self.kv_policy_knobs)
         if policy.per_layer_groups:
@@ -168,8 +177,11 @@ class EngineConfig:
                 "an offloaded cache preempts by recompute (its KV is already off the device); "
                 "preemption_mode='swap' does not apply"
             )
-        if self.prefill_parallel > 1:
-            raise ValueError(f"kv_offload={self.kv_offload!r} runs prefill in this process; prefill_parallel must be 1")
+        if self.prefill_parallel > 1 and self.kv_pool_limit < 1:
+            raise ValueError(
+                f"kv_pool_limit={self.kv_pool_limit} picks each evicted row by InfiniGen's selection as the prompt is "
+                "stored row by row, which a parallel prefill does not run; prefill_parallel must be 1"
+            )
 
     @property
     def kv_policy_knobs(self) -> dict[str, float | str]:

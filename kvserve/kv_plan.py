@@ -35,6 +35,12 @@ class KVPlan:
         """A compressing policy keeps different slots per layer: one KV group (block table) per layer."""
         return self.policy.per_layer_groups
 
+    @property
+    def same_step_prefix_hits(self) -> bool:
+        """Whether a block is a prefix hit in the step that computes it: not for an offloaded cache, which
+        fetches a decode's rows ahead of the layer that writes them (``SchedulerConfig``)."""
+        return self.offload == "none"
+
     def groups(self, num_layers: int) -> tuple[KVGroupSpec, ...]:
         """The KV groups the manager keeps a block table for, per sequence."""
         if self.per_layer_groups:

@@ -33,6 +33,10 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # or "swap" (falls back to recompute when the host tier is full)
     # Per-layer KV groups (a compressing policy may run): each group holds what the request's policy keeps.
     per_layer_groups: bool = False
+    # Whether a block computed in a step can be a prefix hit for a request admitted in the same step: true where
+    # every layer writes the whole step's keys before any sequence attends (the paged cache); an offloaded cache
+    # fetches a decode's rows ahead of the layer, so its blocks become findable once the step has run.
+    same_step_prefix_hits: bool = True
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,8 @@ class Scheduler:
         for s in out.scheduled:
             seq = seqs[s.seq_id]
             seq.num_computed_tokens += len(s.token_ids)
+            if not self.config.same_step_prefix_hits:
+                self.kv.cache_full_blocks(seq.seq_id, seq.token_ids[: seq.num_computed_tokens])
             held = report.group_slots.get(s.seq_id)
             if held is not None:
                 for group, num_slots in enumerate(held):
@@ -311,8 +317,9 @@ class Scheduler:
             start = seq.num_computed_tokens
             # Full blocks this step computes are findable at once (as in vLLM v1): a request admitted
             # later in this same step may reuse them, because every layer writes the step's keys and
-            # values before any sequence attends.
-            self.kv.cache_full_blocks(seq.seq_id, seq.token_ids[: start + n])
+            # values before any sequence attends (else ``update`` registers them after the step).
+            if self.config.same_step_prefix_hits:
+                self.kv.cache_full_blocks(seq.seq_id, seq.token_ids[: start + n])
             step.scheduled.append(
                 ScheduledSequence(
                     request_id=request.request_id,

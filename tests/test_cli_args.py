@@ -72,7 +72,11 @@ SCHEMA = "<schema name='s'><module name='m'>text</module></schema>"
     [
         (["generate", "--kv-policy", "infinigen", "hi"], "kv_policy='infinigen' fetches from an offloaded cache"),
         (["generate", "--kv-offload", "host", "--kv-policy", "h2o", "hi"], "kv_offload='host' runs kv_policy"),
-        (["generate", "--kv-offload", "host", "--prefill-parallel", "2", "hi"], "prefill_parallel must be 1"),
+        (
+            ["generate", "--kv-offload", "host", "--kv-policy", "infinigen", "--kv-pool-limit", "0.5",
+             "--prefill-parallel", "2", "hi"],
+            "prefill_parallel must be 1",
+        ),  # fmt: skip
         (["generate", "--kv-policy", "pyramid", "--prefill-parallel", "2", "hi"], "prefill_parallel must be 1"),
         (["generate", "--batch-invariant", "--kv-policy", "h2o", "hi"], "it needs kv_policy='full'"),
         (["generate", "--pml-prompt", "<prompt schema='s'/>"], "--pml-prompt needs the schema"),
@@ -86,7 +90,10 @@ SCHEMA = "<schema name='s'><module name='m'>text</module></schema>"
         (["serve", "--kv-cache-memory", "12XB"], "memory size '12XB' is not a byte count"),
         (["serve", "--kv-cache-memory", "0"], "kv_cache_memory must be more than 0 bytes, got '0'"),
         (["serve", "--port", "70000"], "--port must be in [0, 65535], got 70000"),
-        (["serve", "--kv-offload", "disk", "--schema", "{schema}"], "--schema: Prompt Cache keeps module KV on"),
+        (
+            ["serve", "--kv-offload", "disk", "--prompt-cache-tier", "host", "--schema", "{schema}"],
+            "--schema: an offloading engine keeps every block, modules' too, in its disk tier",
+        ),
         (["serve", "--kv-offload", "host", "--preemption-mode", "swap"], "preemption_mode='swap' does not apply"),
         (["serve", "--block-size", "0"], "block_size must be an integer >= 1, got 0"),
         (["serve", "--kv-pool-limit", "0.5"], "kv_pool_limit=0.5 limits an offloaded cache"),

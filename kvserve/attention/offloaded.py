@@ -162,7 +162,17 @@ class OffloadedKVCache(AttentionBackend):
                 blocks.index_copy_(dim, dst, blocks.index_select(dim, src))
 
     def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
-        raise UnsupportedKVOperation("Prompt Cache modules live in the paged cache's blocks, not in an offloaded tier")
+        """Single token slots (src, dst) in every layer: a Prompt Cache module's partial last block copied into a
+        request that imports it, in the tier, with the slots' partial keys and pool counters."""
+        if not pairs:
+            return
+        self.queue.synchronize()  # the module's stores have landed, and none lands in a slot while it is copied
+        self.tier.copy_slots(list(pairs))
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        for array in (self.partial_keys, self.pool):  # slots on dim 2 of both
+            if array is not None:
+                array.index_copy_(2, dst, array.index_select(2, src))
 
     def swap_out(self, pairs: Sequence[tuple[int, int]], host_cache: object = None) -> None:
         raise UnsupportedKVOperation("an offloading engine preempts by recompute (its KV is already off the device)")
@@ -219,6 +229,15 @@ class OffloadedKVCache(AttentionBackend):
             torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=self.device),
             torch.tensor(tokens, dtype=torch.int32, device=self.device), write,
         )  # fmt: skip
+
+    def store_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> None:
+        """A parallel prefill's keys/values (T, Hkv, D) of one sequence's whole prompt, to its slots in the tier
+        (with their partial keys and pool counters)."""
+        if len(metadata.seq_ids) != 1 or metadata.context_lens[0] != 0:
+            raise ValueError("an offloaded cache stores layers computed elsewhere for one whole prompt at a time")
+        m = k.shape[0]
+        write = self._write_slots(layer, metadata, 0, 0, m)  # (m, Hkv)
+        self._store(layer, write, k, v, torch.arange(m, dtype=torch.int32, device=self.device))
 
     def observe_input(
         self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata

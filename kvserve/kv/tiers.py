@@ -91,6 +91,16 @@ class KVTier:
             blocks.index_copy_(1, dst, blocks.index_select(1, src))
 
 
+    def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy single token slots (src, dst) in every layer (a Prompt Cache module's tail into a request)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
+        for array in self.arrays.values():
+            array.index_copy_(1, dst, array.index_select(1, src))
+
+
 def _mapped_file(path: str | os.PathLike | None, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled tensor backed by a new file in ``path`` (the system's temp dir if None)."""
     folder = Path(path) if path is not None else Path(tempfile.gettempdir())

@@ -1,0 +1,173 @@
+"""Every pair of kvserve's techniques on a tiny random checkpoint (float32): a lossless pair generates exactly
+what its single-technique reference does, a lossy pair generates well-formed output and reports what it
+saved, and a pair that cannot mean anything is refused with the technical reason (README: Composing the
+techniques).
+
+Techniques: Prompt Cache (a schema of two modules), compression (PyramidInfer, H2O), offloading (fetch
+everything, INT4, InfiniGen; host and disk tiers), KV-Runahead (``prefill_parallel=2``, worker processes),
+and the paged cache's own: prefix caching, preemption by swap and by recompute, n > 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM
+from kvserve.config import EngineConfig
+from kvserve.sampling_params import SamplingParams
+from tests.composition.conftest import GREEDY, PML, SCHEMA, make_engine, prompt_ids, run, tokens
+from tests.tiny_models import torch_single_thread  # noqa: F401 - autouse fixture
+
+OFFLOAD_FULL = {"kv_offload": "host", "kv_policy": "full"}
+
+
+def _prompt_cache_tokens(loaded, repeats: int = 1, **options) -> tuple[list[list[int]], list]:
+    engine = make_engine(loaded, **options)
+    try:
+        engine.register_schema(SCHEMA)
+        outputs = run(engine, [PML] * repeats)
+        return tokens(outputs), outputs
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def prompt_cache_reference(loaded) -> list[int]:
+    """Prompt Cache alone, on the paged cache."""
+    return _prompt_cache_tokens(loaded)[0][0]
+
+
+# ----- lossless pairs: token-identical to the single-technique reference -----
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_prompt_cache_with_offloaded_kv_equals_prompt_cache_alone(loaded, prompt_cache_reference, tier) -> None:
+    got, outputs = _prompt_cache_tokens(loaded, kv_offload=tier, kv_policy="full")
+    assert got == [prompt_cache_reference]
+    assert outputs[0].num_cached_tokens > 0  # the modules were imported, not recomputed
+
+
+def test_prompt_cache_offload_prefix_hits_and_concurrent_imports(loaded, prompt_cache_reference) -> None:
+    """Three requests import the same modules at once from the offloaded pool (shared blocks, tails copied in
+    the tier), and later ones also hit the prefix cache past the modules."""
+    got, outputs = _prompt_cache_tokens(loaded, repeats=3, **OFFLOAD_FULL)
+    assert got == [prompt_cache_reference] * 3
+    assert outputs[2].num_cached_tokens >= outputs[0].num_cached_tokens
+
+
+def test_prompt_cache_offload_preempted_by_recompute(loaded, folder) -> None:
+    """A pool too small for every request at once: requests are preempted and recomputed, modules stay pinned."""
+    roomy = make_engine(loaded, **OFFLOAD_FULL)
+    roomy.register_schema(SCHEMA)
+    prompts = [PML.replace("so what", f"so {w}") for w in ("what", "where", "why", "who")]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    expected = tokens(run(roomy, prompts, params))
+    roomy.close()
+    tight = make_engine(loaded, kv_cache_memory=roomy.kv_block_bytes * 48, **OFFLOAD_FULL)
+    tight.register_schema(SCHEMA)
+    assert tokens(run(tight, prompts, params)) == expected
+    assert tight.scheduler.num_preemptions > 0
+    tight.close()
+
+
+def test_offload_prefix_hit_on_blocks_computed_in_the_same_step(loaded) -> None:
+    """Identical prompts arriving together: the later ones hit the first one's blocks, registered once its step
+    has run (an offloaded cache fetches a decode's rows before the layer that writes them)."""
+    ids = prompt_ids(33, seed=1)
+    paged = make_engine(loaded)
+    expected = tokens(run(paged, [ids] * 3))
+    offloaded = make_engine(loaded, **OFFLOAD_FULL)
+    outputs = run(offloaded, [ids] * 3)
+    later = run(offloaded, [ids])  # the blocks are findable once their step has run
+    offloaded.close()
+    assert tokens(outputs + later) == expected + expected[:1]
+    assert later[0].num_cached_tokens == 32
+
+
+@pytest.mark.parametrize("policy", ["full", "int4"])
+def test_parallel_prefill_into_an_offloaded_cache_equals_single_process(folder, policy) -> None:
+    """KV-Runahead's KV lands in the host tier (INT4-coded for int4); decoding fetches it as usual."""
+    ids = prompt_ids(75, seed=4)
+    options = {"model": str(folder), "dtype": "float32", "kv_offload": "host", "kv_policy": policy}
+    with LLM(**options) as single:
+        expected = single.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(prefill_parallel=2, prefill_partition="even", **options) as parallel:
+        got = parallel.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        assert parallel.engine.parallel_prefill.last_route.processes == 2  # it did run over two processes
+        assert parallel.engine.runner.cache.bytes_moved()["stored"] > 0
+    assert got == expected
+
+
+# ----- lossy pairs: well-formed, and what they save measured -----
+
+
+def test_prompt_cache_with_infinigen_fetches_fewer_rows(loaded, prompt_cache_reference) -> None:
+    engine = make_engine(loaded, kv_offload="host", kv_policy="infinigen", infinigen_alpha=0.5)
+    engine.register_schema(SCHEMA)
+    (out,) = run(engine, [PML])
+    cache = engine.runner.cache
+    engine.close()
+    assert len(out.outputs[0].token_ids) == GREEDY.max_tokens and out.num_cached_tokens > 0
+    assert all(0 <= t < loaded.config.vocab_size for t in out.outputs[0].token_ids)
+    assert min(cache.stats.fetch_fraction()[1:]) < 1  # past layer 0 it read fewer rows than it holds
+
+
+def test_parallel_prefill_with_infinigen_generates_well_formed_output(folder) -> None:
+    ids = prompt_ids(70, seed=6)
+    options = {"model": str(folder), "dtype": "float32", "kv_offload": "host", "kv_policy": "infinigen"}
+    with LLM(prefill_parallel=2, prefill_partition="even", infinigen_alpha=0.5, **options) as llm:
+        out = llm.generate(ids, GREEDY, use_tqdm=False)[0]
+        assert llm.engine.parallel_prefill.last_route.processes == 2
+        fractions = llm.engine.runner.cache.stats.fetch_fraction()
+    assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+    assert min(fractions[1:]) < 1  # the partial keys the parallel prefill stored drive the selection
+
+
+# ----- refused pairs: the reason, in the error -----
+
+REFUSED = {
+    "prompt cache x pyramid": (
+        {"kv_policy": "pyramid"}, True, "Prompt Cache shares module blocks across requests",
+    ),
+    "prompt cache x h2o": ({"kv_policy": "h2o"}, True, "Prompt Cache shares module blocks across requests"),
+    "prompt cache (host tier) x offload": (
+        {"kv_offload": "host", "prompt_cache_tier": "host"}, True, "would copy them into it a second time",
+    ),
+    "prompt cache x infinigen pool limit": (
+        {"kv_offload": "host", "kv_policy": "infinigen", "kv_pool_limit": 0.5}, True, "overwrites a sequence's slots",
+    ),
+    "pyramid x offload": ({"kv_offload": "host", "kv_policy": "pyramid"}, False, "runs kv_policy"),
+    "h2o x offload": ({"kv_offload": "disk", "kv_policy": "h2o"}, False, "runs kv_policy"),
+    "runahead x pyramid": ({"kv_policy": "pyramid", "prefill_parallel": 2}, False, "which only this process"),
+    "runahead x h2o": ({"kv_policy": "h2o", "prefill_parallel": 2}, False, "which only this process"),
+    "runahead x infinigen pool limit": (
+        {"kv_offload": "host", "kv_policy": "infinigen", "kv_pool_limit": 0.5, "prefill_parallel": 2}, False,
+        "which a parallel prefill does not run",
+    ),
+    "swap preemption x offload": (
+        {"kv_offload": "host", "preemption_mode": "swap"}, False, "its KV is already off the device",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("pair", sorted(REFUSED))
+def test_a_pair_that_cannot_compose_is_refused_with_its_reason(loaded, pair) -> None:
+    options, at_schema, reason = REFUSED[pair]
+    if not at_schema:
+        with pytest.raises(ValueError, match=reason):
+            EngineConfig(model=str(loaded.path), **options)
+        return
+    engine = make_engine(loaded, **options)
+    try:
+        with pytest.raises(ValueError, match=reason):
+            engine.register_schema(SCHEMA)
+        assert tokens(run(engine, [prompt_ids(9)]))[0]  # the engine still serves plain prompts
+    finally:
+        engine.close()
+
+
+def test_compression_refuses_samples_that_would_share_compacted_blocks(loaded) -> None:
+    engine = make_engine(loaded, kv_policy="h2o")
+    with pytest.raises(ValueError, match="samples cannot share them"):
+        engine.add_request(prompt_ids(9), SamplingParams(n=2, max_tokens=2))
+    engine.close()
