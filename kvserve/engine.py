@@ -29,7 +29,7 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.policies import KVPolicy
 from kvserve.prompt_cache.cache import PreparedPrompt, PromptCache
 from kvserve.prompt_cache.pml import is_pml_prompt
-from kvserve.prompt_cache.store import CachedModule, ModuleStore
+from kvserve.prompt_cache.store import CachedModule, EncodeJob, ModuleStore
 from kvserve.request import Request, Sequence
 from kvserve.runner import ModelRunner
 from kvserve.sampler import SampledToken, SampleRow, make_generator, sample_batch, sample_each
@@ -75,6 +75,7 @@ class LLMEngine:
         self._seqs: dict[int, tuple[Request, Sequence]] = {}
         self._pinned_modules: dict[str, list[CachedModule]] = {}  # request id -> Prompt Cache modules it pins
         self._pending_beams: dict[str, dict[int, torch.Tensor]] = {}  # request -> beam -> logits row
+        self._encodings: dict[int, EncodeJob] = {}  # module sequence -> its encoding, while the scheduler runs it
         self._seq_ids = itertools.count()
         self._grammar_cache = None  # structured/grammars.py GrammarCache, built at the first guided request
         self.guided_mask_seconds = 0.0  # time spent filling grammar masks, and the steps that filled any
@@ -90,9 +91,8 @@ class LLMEngine:
         if config.prompt_cache_tier == "device":
             module_budget = min(module_budget, plan.num_blocks * plan.block_bytes // 2)
         store = ModuleStore(
-            self.kv, self.runner, config.prompt_cache_tier, module_budget, config.max_num_batched_tokens,
-            plan.block_bytes // config.block_size,
-        )  # fmt: skip
+            self.kv, self.runner.cache, config.prompt_cache_tier, module_budget, plan.block_bytes // config.block_size
+        )
         return PromptCache(self.tokenizer, self.max_model_len, store, eager=config.prompt_cache_encode == "eager")
 
     def _start_parallel_prefill(self):  # noqa: ANN202 - kvserve.parallel.prefill.ParallelPrefill
@@ -132,7 +132,30 @@ class LLMEngine:
     def register_schema(self, pml_text: str) -> dict:
         """Register a PML schema; its modules are encoded now (``prompt_cache_encode="eager"``) or on first use."""
         self._check_prompt_cache()
-        return self.prompt_cache.register(pml_text).to_dict()
+        try:
+            return self.prompt_cache.register(pml_text).to_dict()
+        finally:
+            self._queue_encodings()
+
+    def encode_modules(self) -> None:
+        """Step until every module encoding queued so far is done: for a caller that drives the engine itself
+        (the offline API, benchmarks) and wants eagerly registered modules ready before its first prompt. The
+        steps also run whatever else is scheduled; their outputs are dropped, so call it between requests."""
+        while self.scheduler.encoding:
+            self.step()
+
+    def _queue_encodings(self) -> None:
+        """Hand the modules the store allocated to the scheduler: each is encoded by a prefill of its own tokens
+        at its schema positions, admitted and chunked like any prompt (FCFS: before the prompts importing it)."""
+        for job in self.prompt_cache.store.take_encode_jobs():
+            module = job.module
+            seq = Sequence(job.seq_id, list(module.token_ids), module.num_tokens, None, None, job.computed)
+            request = Request(
+                f"prompt-cache:{module.key[0]}/{module.key[1]}", None, list(module.token_ids), _ENCODE_PARAMS, [seq],
+                prompt_positions=module.positions, encodes_module=True,
+            )  # fmt: skip
+            self._encodings[job.seq_id] = job
+            self.scheduler.add(request)
 
     def _check_prompt_cache(self) -> None:
         refusal = self.plan.prompt_cache_refusal(self.config)
@@ -172,7 +195,10 @@ class LLMEngine:
         if params.prompt_logprobs is not None or score_from:
             raise ValueError("prompt_logprobs need every prompt position's logits; a PML prompt computes only its "
                              "uncached tokens (send the prompt as plain text to score it)")  # fmt: skip
-        prepared = self.prompt_cache.prepare(pml_text)
+        try:
+            prepared = self.prompt_cache.prepare(pml_text)
+        finally:
+            self._queue_encodings()
         try:
             return self._queue(request_id, pml_text, prepared.token_ids, params, 0, prepared, arrival)
         except Exception:
@@ -300,9 +326,12 @@ class LLMEngine:
             touched[request_id] = request
         rows_from = self._prompt_logprob_rows(out)
         result = self.runner.execute(out, rows_from)
-        self.scheduler.update(out, result.report)
+        for seq_id in self.scheduler.update(out, result.report):
+            self.prompt_cache.store.finish_encoding(self._encodings.pop(seq_id))
         sampled: dict[str, list[tuple[Sequence, torch.Tensor]]] = {}
         for s in out.scheduled:
+            if s.seq_id not in self._seqs:  # a module's encoding: nothing to report
+                continue
             request, seq = self._seqs[s.seq_id]
             touched[request.request_id] = request
             logits = result.logits[result.rows[s.seq_id]] if result.logits is not None else None
@@ -318,6 +347,8 @@ class LLMEngine:
         """seq_id -> the first row of its chunk whose logits prompt logprobs need (from there on)."""
         rows = {}
         for s in out.scheduled:
+            if s.seq_id not in self._seqs:  # a module's encoding
+                continue
             request, seq = self._seqs[s.seq_id]
             if request.prompt_logprobs is None or s.num_computed_tokens >= seq.num_prompt_tokens:
                 continue
@@ -543,6 +574,9 @@ class LLMEngine:
             finish_reason=seq.finish_reason if seq.finish_reason != "pruned" else "stop",
             stop_reason=seq.stop_reason,
         )
+
+
+_ENCODE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)  # a module's encoding samples nothing
 
 
 def _banned(request: Request, seq: Sequence) -> tuple[int, ...]:

@@ -54,8 +54,11 @@ class LLM:
 
     def register_schema(self, pml_text: str) -> dict:
         """Register a Prompt Cache schema (PML); ``generate`` then accepts ``<prompt schema=...>`` prompts that
-        import its modules. Returns the schema's layout: each module's positions, tokens and parameters."""
-        return self.engine.register_schema(pml_text)
+        import its modules. Returns the schema's layout: each module's positions, tokens and parameters. With
+        ``prompt_cache_encode="eager"`` (the default) the modules are encoded before it returns."""
+        name = self.engine.register_schema(pml_text)["name"]
+        self.engine.encode_modules()
+        return self.engine.prompt_cache.info(name).to_dict()
 
     def delete_schema(self, name: str) -> None:
         """Forget a schema and evict its modules' KV (requests using them keep it until they finish)."""

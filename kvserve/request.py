@@ -71,6 +71,7 @@ class CachedPrompt:
 
     shared_blocks: tuple[int, ...] = ()
     tail_slots: tuple[int, ...] = ()
+    module_seq_ids: tuple[int, ...] = ()  # the module sequences holding them: admitted once they are encoded
 
 
 @dataclass
@@ -97,6 +98,10 @@ class Request:
     prompt_positions: tuple[int, ...] = ()
     prompt_cache: CachedPrompt | None = None
     grammar: Any = None  # guided decoding: the compiled constraint each sequence's matcher starts from
+    # A Prompt Cache module's encoding: a prefill the scheduler admits and chunks like any other, whose sequence
+    # already holds the module's blocks (the store allocated them); it samples nothing, is never preempted, and
+    # leaves its blocks to the store when done.
+    encodes_module: bool = False
 
     def __post_init__(self) -> None:
         self._next_position = max(self.prompt_positions) + 1 if self.prompt_positions else len(self.prompt_token_ids)

@@ -53,10 +53,13 @@ class ModelRunner:
         scheduled = out.scheduled
         metadata = self.cache.build_metadata(out, rows_from)
         if self.parallel_prefill is not None and self.parallel_prefill.takes(out, rows_from):
-            hidden = self._prefill_in_parallel(scheduled[0], metadata)
+            seq = scheduled[0]
+            hidden = self._prefill_in_parallel(seq, metadata)
+            if hidden is not None and not seq.samples:  # a module's encoding: its KV is all it leaves
+                return RunnerOutput(rows={seq.seq_id: slice(0, 0)}, report=self.cache.report(metadata))
             if hidden is not None:  # the last chunk's rows: its last one is the prompt's last token
                 logits = self.model.compute_logits(hidden[-1:]).cpu()
-                return RunnerOutput(logits, {scheduled[0].seq_id: slice(0, 1)}, self.cache.report(metadata))
+                return RunnerOutput(logits, {seq.seq_id: slice(0, 1)}, self.cache.report(metadata))
         input_ids = torch.tensor([t for s in scheduled for t in s.token_ids], dtype=torch.long)
         positions = torch.cat([_positions(s) for s in scheduled])
         hidden = self.model(input_ids.to(self.device), positions.to(self.device), self.cache, metadata)  # (N', hidden)
@@ -69,7 +72,7 @@ class ModelRunner:
         def sink(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
             self.cache.store_layer(layer, k, v, metadata)
 
-        return self.parallel_prefill.run(list(seq.token_ids), sink)
+        return self.parallel_prefill.run(list(seq.token_ids), sink, seq.positions)
 
     def _logits(
         self, hidden: torch.Tensor, report: StepReport, scheduled: tuple, rows_from: Mapping[int, int]

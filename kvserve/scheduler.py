@@ -47,6 +47,7 @@ class ScheduledSequence:
     num_computed_tokens: int  # tokens already in the cache before this step
     block_tables: tuple[tuple[int, ...], ...]  # one per KV group
     samples: bool  # this chunk reaches the sequence's last token, so its logits are sampled
+    ends_prompt: bool = False  # this chunk reaches the prompt's last token (a module's encoding too)
     # Per-layer groups only: the policy, the slots each group holds before the step and keeps after it.
     kv_policy: KVPolicy | None = None
     group_slots: tuple[int, ...] = ()
@@ -97,9 +98,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
+        self.encoding: set[int] = set()  # module sequences whose encoding has not finished
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
+        if request.encodes_module:
+            self.encoding.update(s.seq_id for s in request.seqs)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -119,13 +123,15 @@ class Scheduler:
             self.free_sequence(seq)
         request.status = RequestStatus.FINISHED
 
-    def update(self, out: SchedulerOutput, report: StepReport) -> None:
+    def update(self, out: SchedulerOutput, report: StepReport) -> list[int]:
         """Apply what the step ``out`` did (vLLM v1's ``update_from_output``): every scheduled sequence has its
         tokens computed, and where a policy compacted a sequence's KV groups (``report.group_slots``) the blocks
-        past what each group keeps go back to the pool."""
-        seqs = {seq.seq_id: seq for request in self.running for seq in request.live_seqs}
+        past what each group keeps go back to the pool. Returns the module sequences whose encoding is done
+        (their blocks now belong to the Prompt Cache store alone)."""
+        owners = {seq.seq_id: (request, seq) for request in self.running for seq in request.live_seqs}
+        encoded: list[int] = []
         for s in out.scheduled:
-            seq = seqs[s.seq_id]
+            request, seq = owners[s.seq_id]
             seq.num_computed_tokens += len(s.token_ids)
             if not self.config.same_step_prefix_hits:
                 self.kv.cache_full_blocks(seq.seq_id, seq.token_ids[: seq.num_computed_tokens])
@@ -134,6 +140,12 @@ class Scheduler:
                 for group, num_slots in enumerate(held):
                     self.kv.shrink(seq.seq_id, group, num_slots)
                 seq.group_slots = list(held)
+            if request.encodes_module and seq.num_uncomputed_tokens == 0:
+                self.running.remove(request)
+                self.encoding.discard(seq.seq_id)
+                request.status = RequestStatus.FINISHED
+                encoded.append(seq.seq_id)
+        return encoded
 
     # ----- one step -----
 
@@ -171,7 +183,7 @@ class Scheduler:
         while queue:
             request = queue.pop(0)
             while not self._reserve(request, step.tokens_left):
-                victim = queue.pop() if queue else request  # the latest arrival goes first
+                victim = _latest_preemptible(queue) or request  # the latest arrival goes first
                 self._preempt(victim, step)
                 if victim is request:
                     break
@@ -197,6 +209,12 @@ class Scheduler:
         while self.waiting and step.tokens_left > 0:
             request = self.waiting[0]
             seqs = request.live_seqs
+            if request.prompt_cache and self.encoding.intersection(request.prompt_cache.module_seq_ids):
+                return  # FCFS: its modules' encodings arrived first and run before it
+            if request.encodes_module:  # its blocks are allocated, its prefix hits counted by the store
+                self.waiting.popleft()
+                self._start(request, step)
+                continue
             status = self._admission(request)
             if status == AllocationStatus.NEVER:
                 self.waiting.popleft()
@@ -327,7 +345,8 @@ class Scheduler:
                     token_ids=tuple(seq.token_ids[start : start + n]),
                     num_computed_tokens=start,
                     block_tables=tuple(tuple(self.kv.block_table(seq.seq_id, g)) for g in range(len(self.kv.groups))),
-                    samples=start + n == seq.num_tokens,
+                    samples=start + n == seq.num_tokens and not request.encodes_module,
+                    ends_prompt=start + n >= seq.num_prompt_tokens,
                     positions=request.positions(start, start + n),
                     full_length=seq.num_prompt_tokens + request.params.max_tokens,
                     score_from=request.score_from,
@@ -388,6 +407,15 @@ class Scheduler:
 
     def _num_running_seqs(self) -> int:
         return sum(_num_seqs(r) for r in self.running)
+
+
+def _latest_preemptible(queue: list[Request]) -> Request | None:
+    """Take the latest arrival in ``queue`` that may be preempted (a module's encoding never is: the store owns
+    its blocks, which it allocated whole), or None."""
+    for i in range(len(queue) - 1, -1, -1):
+        if not queue[i].encodes_module:
+            return queue.pop(i)
+    return None
 
 
 def _num_seqs(request: Request) -> int:

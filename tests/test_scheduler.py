@@ -170,8 +170,8 @@ def test_first_step_prefills_whole_prompts_in_arrival_order_then_decodes():
     h.add("b", prompt(2, 3))
     out = h.step()
     assert out.scheduled == (
-        ScheduledSequence("a", 0, tuple(prompt(1, 5)), 0, ((0, 1),), True, full_length=5 + 100),
-        ScheduledSequence("b", 1, tuple(prompt(2, 3)), 0, ((2,),), True, full_length=3 + 100),
+        ScheduledSequence("a", 0, tuple(prompt(1, 5)), 0, ((0, 1),), True, ends_prompt=True, full_length=5 + 100),
+        ScheduledSequence("b", 1, tuple(prompt(2, 3)), 0, ((2,),), True, ends_prompt=True, full_length=3 + 100),
     )
     assert out.num_batched_tokens == 8
     assert not (out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy or out.preempted)
@@ -179,8 +179,8 @@ def test_first_step_prefills_whole_prompts_in_arrival_order_then_decodes():
 
     out = h.step()  # decodes: one token each, the one sampled last step
     assert out.scheduled == (
-        ScheduledSequence("a", 0, (fake_token_at(0, 5),), 5, ((0, 1),), True, full_length=5 + 100),
-        ScheduledSequence("b", 1, (fake_token_at(1, 3),), 3, ((2,),), True, full_length=3 + 100),
+        ScheduledSequence("a", 0, (fake_token_at(0, 5),), 5, ((0, 1),), True, ends_prompt=True, full_length=5 + 100),
+        ScheduledSequence("b", 1, (fake_token_at(1, 3),), 3, ((2,),), True, ends_prompt=True, full_length=3 + 100),
     )
     out = h.step()  # b's fifth slot needs a second block
     assert rows(out) == [("a", 1, 6, True), ("b", 1, 4, True)]
@@ -267,8 +267,8 @@ def test_prefix_hit_sets_computed_tokens_and_shares_exact_blocks():
     c = h.add("c", shared[:8])  # fully cached: its last block is recomputed for logits
     out = h.step()
     assert out.scheduled[1:] == (
-        ScheduledSequence("b", 1, (900, 901, 902), 8, ((0, 1, 3),), True, full_length=11 + 100),
-        ScheduledSequence("c", 2, tuple(shared[4:8]), 4, ((0, 4),), True, full_length=8 + 100),
+        ScheduledSequence("b", 1, (900, 901, 902), 8, ((0, 1, 3),), True, ends_prompt=True, full_length=11 + 100),
+        ScheduledSequence("c", 2, tuple(shared[4:8]), 4, ((0, 4),), True, ends_prompt=True, full_length=8 + 100),
     )
     assert (b.num_cached_prompt_tokens, c.num_cached_prompt_tokens) == (8, 4)
     assert [h.kv.pool.blocks[i].ref_count for i in range(5)] == [3, 2, 1, 1, 1]
@@ -317,7 +317,9 @@ def test_recompute_preempts_the_latest_arrival_and_later_recomputes_all_its_toke
     out = h.step()  # b needs 5 blocks, 3 are free: a alone decodes its last token and finishes
     assert rows(out) == [("a", 1, 17, True)] and h.finished == ["a"]
     out = h.step()
-    expected = ScheduledSequence("b", 1, tuple(b_tokens), 0, ((5, 4, 3, 7, 6),), True, full_length=12 + 7)
+    expected = ScheduledSequence(
+        "b", 1, tuple(b_tokens), 0, ((5, 4, 3, 7, 6),), True, ends_prompt=True, full_length=12 + 7
+    )
     assert out.scheduled[0] == expected
     assert rows(out) == [("b", 17, 0, True), ("c", 2, 0, True)]
     h.run()
@@ -332,7 +334,9 @@ def test_recompute_with_prefix_caching_resumes_from_the_cached_prompt_blocks():
     h.step()  # a finishes
     b_tokens = list(b.seqs[0].token_ids)
     out = h.step()
-    expected = ScheduledSequence("b", 1, tuple(b_tokens[12:]), 12, ((3, 4, 5, 7, 6),), True, full_length=12 + 7)
+    expected = ScheduledSequence(
+        "b", 1, tuple(b_tokens[12:]), 12, ((3, 4, 5, 7, 6),), True, ends_prompt=True, full_length=12 + 7
+    )
     assert out.scheduled[0] == expected
     assert b.num_cached_prompt_tokens == 0  # not a prompt hit: b had generated tokens already
 
@@ -366,7 +370,9 @@ def test_swap_preempts_to_host_and_swaps_back_when_blocks_free():
     assert rows(out) == [("a", 1, 17, True)] and not out.blocks_to_swap_in
     out = h.step()
     assert out.blocks_to_swap_in == ((0, 5), (1, 4), (2, 3), (3, 7))
-    expected = ScheduledSequence("b", 1, (b.seqs[0].token_ids[16],), 16, ((5, 4, 3, 7, 6),), True, full_length=12 + 7)
+    expected = ScheduledSequence(
+        "b", 1, (b.seqs[0].token_ids[16],), 16, ((5, 4, 3, 7, 6),), True, ends_prompt=True, full_length=12 + 7
+    )
     assert out.scheduled[0] == expected
     assert rows(out) == [("b", 1, 16, True), ("c", 2, 0, True)]
     assert b.status is RequestStatus.RUNNING and h.kv.usage().host_used_blocks == 0

@@ -30,6 +30,7 @@ class ChunkJob:
     scheme: str  # "runahead" or "tsp"
     token_ids: tuple[int, ...]
     boundaries: tuple[int, ...]  # b_0 = 0 < b_1 < ... < b_p = len(token_ids); rank r computes [b_r, b_r+1)
+    positions: tuple[int, ...] = ()  # each token's position id (a Prompt Cache module's); (): its index
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -37,6 +38,8 @@ class ChunkJob:
         b = self.boundaries
         if b[0] != 0 or b[-1] != len(self.token_ids) or any(x >= y for x, y in zip(b, b[1:], strict=False)):
             raise ValueError(f"boundaries {b} do not split {len(self.token_ids)} tokens into non-empty chunks")
+        if self.positions and len(self.positions) != len(self.token_ids):
+            raise ValueError(f"{len(self.positions)} positions for {len(self.token_ids)} tokens")
 
     @property
     def world_size(self) -> int:
@@ -81,7 +84,10 @@ def run_chunk(
     start, end = backend.start, backend.end
     device = model.norm.weight.device
     ids = torch.tensor(job.token_ids[start:end], dtype=torch.long, device=device)
-    positions = torch.arange(start, end, device=device)
+    if job.positions:
+        positions = torch.tensor(job.positions[start:end], dtype=torch.long, device=device)
+    else:
+        positions = torch.arange(start, end, device=device)
     metadata = AttentionMetadata(seq_ids=(0,), query_lens=(end - start,), context_lens=(start,))
     with torch.inference_mode():
         hidden = model(ids, positions, backend, metadata)

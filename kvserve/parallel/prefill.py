@@ -125,23 +125,26 @@ class ParallelPrefill:
         return self.searched[context_len]
 
     def takes(self, out: SchedulerOutput, rows_from: Mapping[int, int]) -> bool:
-        """Whether the step ``out`` runs over the group: one sequence's whole prompt, nothing cached, logits for
-        its last token only (no prompt logprobs), and long enough (``qualifies``)."""
+        """Whether the step ``out`` runs over the group: one sequence's whole prompt (a Prompt Cache module's
+        too), nothing cached, no prompt logprobs, and long enough (``qualifies``)."""
         if len(out.scheduled) != 1:
             return False
         seq = out.scheduled[0]
         return (
-            seq.num_computed_tokens == 0 and seq.samples and seq.seq_id not in rows_from
+            seq.num_computed_tokens == 0 and seq.ends_prompt and seq.seq_id not in rows_from
             and self.qualifies(len(seq.token_ids))
         )  # fmt: skip
 
-    def run(self, token_ids: list[int], sink: LayerKVSink) -> torch.Tensor | None:
-        """Prefill ``token_ids`` over the group, handing each layer's KV (T, Hkv, D) to ``sink`` (the KV cache
-        stores it); the last chunk's final hidden states, or None after a failure (run it locally)."""
+    def run(
+        self, token_ids: list[int], sink: LayerKVSink, positions: tuple[int, ...] = ()
+    ) -> torch.Tensor | None:
+        """Prefill ``token_ids`` (at ``positions``; (): their indices) over the group, handing each layer's KV
+        (T, Hkv, D) to ``sink`` (the KV cache stores it); the last chunk's final hidden states, or None after a
+        failure (run it locally)."""
         scheme = "tsp" if self.partition == "tsp" else "runahead"
         try:
             with self.supervisor.held() as group:  # a failure loses the group: logged, restarted later
-                job = ChunkJob(scheme, tuple(token_ids), self.boundaries(len(token_ids)))
+                job = ChunkJob(scheme, tuple(token_ids), self.boundaries(len(token_ids)), tuple(positions))
                 hidden = group.prefill(job, sink)
         except ParallelPrefillError as exc:
             self.last_route = PrefillRoute(len(token_ids), 1, f"the parallel prefill failed: {exc}")

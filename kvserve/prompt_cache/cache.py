@@ -101,6 +101,10 @@ class PromptCache:
         for module in registered.layout.modules:
             self.store.remove((name, module))
 
+    def encoding(self, name: str) -> bool:
+        """Whether any of schema ``name``'s modules is queued or running to be encoded."""
+        return any(m.encoding for key, m in self.store.modules.items() if key[0] == name)
+
     def names(self) -> list[str]:
         return sorted(self._schemas)
 
@@ -121,8 +125,8 @@ class PromptCache:
     # ----- prompts -----
 
     def prepare(self, pml_text: str) -> PreparedPrompt:
-        """Bind a PML prompt to its schema and pin its modules' KV in device blocks (encoding any not yet
-        encoded). The caller unpins ``modules`` when the request ends."""
+        """Bind a PML prompt to its schema and pin its modules' KV in device blocks (an encoding queued for any
+        not yet encoded: ``store.take_encode_jobs``). The caller unpins ``modules`` when the request ends."""
         prompt = parse_prompt(pml_text)
         check_schema_name(prompt.schema, prompt.line)
         registered = self._schemas.get(prompt.schema)
@@ -179,8 +183,10 @@ def _assemble(
     token_ids += uncached
     positions += uncached_positions
     shared = tuple(b for blocks in pinned for b in blocks.full_blocks)
+    module_seqs = tuple(blocks.module.seq_id for blocks in pinned)
     digest = hashlib.sha256(repr((schema_text, tuple(token_ids), tuple(positions))).encode()).hexdigest()
     return PreparedPrompt(
-        token_ids, positions, CachedPrompt(shared, tuple(tail_slots)), [b.module for b in pinned], len(uncached),
+        token_ids, positions, CachedPrompt(shared, tuple(tail_slots), module_seqs), [b.module for b in pinned],
+        len(uncached),
         ("prompt-cache", digest),
     )  # fmt: skip

@@ -2,9 +2,12 @@
 
 Each module's attention states are computed by a prefill of its own tokens alone (attention confined
 to the module, Prompt Cache's rule) at its schema positions, into blocks of the engine's pool held by
-a *module sequence* of the KV manager (negative ids keep them apart from requests). Requests that
-import a module share those blocks through their block tables (``KVCacheManager.allocate(shared=)``)
-and *pin* the module until they finish, so a preempted request can share them again.
+a *module sequence* of the KV manager (negative ids keep them apart from requests). The store allocates
+those blocks and hands out an ``EncodeJob``; the engine queues it to the scheduler, which admits and
+chunks it like any prefill (interleaved with other requests' decodes), and the store takes the blocks
+back once it is done (``finish_encoding``). Requests that import a module share its blocks through their
+block tables (``KVCacheManager.allocate(shared=)``), wait until it is encoded, and *pin* the module until
+they finish, so a preempted request can share them again.
 
 Tiers: ``device`` keeps the module sequence for as long as the module is stored. ``host`` keeps the
 keys and values in CPU tensors (pinned on CUDA) and copies them into device blocks when a request
@@ -25,11 +28,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.attention.backend import AttentionBackend
 from kvserve.errors import KVServeError
 from kvserve.kv.block_pool import NoFreeBlocksError
 from kvserve.kv.manager import KVCacheManager
-from kvserve.runner import ModelRunner
-from kvserve.scheduler import ScheduledSequence, SchedulerOutput
 
 TIERS = ("device", "host")
 
@@ -47,9 +49,10 @@ class CachedModule:
     positions: tuple[int, ...]
     seq_id: int | None = None  # the module sequence holding its device blocks, while it has them
     host_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # host tier: (L, n, Hkv, D) keys, values
-    pins: int = 0  # requests using it now
+    pins: int = 0  # requests using it now (and its encoding while it runs)
     stored: bool = True  # False once evicted or removed: freed when the last pin goes
     hash_salt: tuple = field(default=())
+    encoding: bool = False  # its encoding is queued or running: its blocks hold no keys yet
 
     @property
     def num_tokens(self) -> int:
@@ -57,7 +60,17 @@ class CachedModule:
 
     @property
     def encoded(self) -> bool:
-        return self.seq_id is not None or self.host_kv is not None
+        return (self.seq_id is not None and not self.encoding) or self.host_kv is not None
+
+
+@dataclass(frozen=True)
+class EncodeJob:
+    """A module's prefill for the scheduler: its tokens at its positions into its module sequence's blocks,
+    from ``computed`` on (the tokens before it were prefix hits)."""
+
+    module: CachedModule
+    seq_id: int
+    computed: int
 
 
 @dataclass(frozen=True)
@@ -79,16 +92,21 @@ class StoreStats:
 
 class ModuleStore:
     def __init__(
-        self, kv: KVCacheManager, runner: ModelRunner, tier: str, budget_bytes: int, chunk_tokens: int,
-        token_bytes: int,
-    ) -> None:  # fmt: skip
+        self, kv: KVCacheManager, cache: AttentionBackend, tier: str, budget_bytes: int, token_bytes: int
+    ) -> None:
         if tier not in TIERS:
             raise ValueError(f"prompt_cache_tier must be one of {TIERS}, got {tier!r}")
-        self.kv, self.runner, self.tier = kv, runner, tier
-        self.budget_bytes, self.chunk_tokens, self.token_bytes = budget_bytes, chunk_tokens, token_bytes
+        self.kv, self.cache, self.tier = kv, cache, tier
+        self.budget_bytes, self.token_bytes = budget_bytes, token_bytes
         self.modules: OrderedDict[tuple[str, str], CachedModule] = OrderedDict()  # least recently used first
         self.stats = StoreStats()
         self._seq_ids = itertools.count(-1, -1)
+        self._jobs: list[EncodeJob] = []  # encodings not yet handed to the engine
+
+    def take_encode_jobs(self) -> list[EncodeJob]:
+        """The encodings to queue to the scheduler, oldest first (each handed out once)."""
+        jobs, self._jobs = self._jobs, []
+        return jobs
 
     # ----- contents -----
 
@@ -97,10 +115,8 @@ class ModuleStore:
         digest = hashlib.sha256(repr((key, tuple(token_ids), tuple(positions))).encode()).hexdigest()
         module = CachedModule(key, tuple(token_ids), tuple(positions), hash_salt=("prompt-cache-module", digest))
         self.modules[key] = module
-        if encode:
+        if encode:  # the host tier drops the device copy when the encoding's pin goes
             self._ensure_device(module)
-            if self.tier == "host":  # unpinned: the host copy is all that stays
-                self._drop_device(module)
             self._enforce_budget(keep=module)
         return module
 
@@ -153,8 +169,9 @@ class ModuleStore:
         module.seq_id = seq_id
         if module.host_kv is not None:
             self._copy_in(module, computed)
-        else:
-            self._encode(module, computed)
+            return
+        module.encoding, module.pins = True, module.pins + 1  # the encoding pins it until done
+        self._jobs.append(EncodeJob(module, seq_id, computed))
 
     def _allocate(self, seq_id: int, module: CachedModule) -> int:
         """Device blocks for a module sequence, evicting unpinned modules if the pool is short."""
@@ -169,29 +186,25 @@ class ModuleStore:
                         "give the engine more kv_cache_memory or import fewer modules at once"
                     ) from None
 
-    def _encode(self, module: CachedModule, computed: int) -> None:
-        """Prefill the module's tokens alone at its positions, in chunks (a prefix hit skips the start)."""
-        table = (tuple(self.kv.block_table(module.seq_id)),)
-        for start in range(computed, module.num_tokens, self.chunk_tokens):
-            end = min(start + self.chunk_tokens, module.num_tokens)
-            step = ScheduledSequence(
-                request_id=f"prompt-cache:{module.key[0]}/{module.key[1]}", seq_id=module.seq_id,
-                token_ids=module.token_ids[start:end], num_computed_tokens=start, block_tables=table,
-                samples=False, positions=module.positions[start:end],
-            )  # fmt: skip
-            self.runner.execute(SchedulerOutput(scheduled=(step,)))
-            self.kv.cache_full_blocks(module.seq_id, module.token_ids[:end])
+    def finish_encoding(self, job: EncodeJob) -> None:
+        """The scheduler ran ``job``: its blocks hold the module's keys and values (findable by prefix hash);
+        the host tier keeps a copy of them."""
+        module = job.module
+        module.encoding = False
+        self.kv.cache_full_blocks(module.seq_id, module.token_ids)
         self.stats.encoded_modules += 1
-        self.stats.encoded_tokens += module.num_tokens - computed
-        if self.tier == "host":  # the host tier keeps a copy of what was just encoded
-            k, v = self.runner.cache.read_slots(self.kv.slots(module.seq_id, 0, module.num_tokens))
+        self.stats.encoded_tokens += module.num_tokens - job.computed
+        if self.tier == "host" and module.stored:
+            k, v = self.cache.read_slots(self.kv.slots(module.seq_id, 0, module.num_tokens))
             pin = k.is_cuda
             module.host_kv = (k.to("cpu").pin_memory() if pin else k, v.to("cpu").pin_memory() if pin else v)
+        self.unpin(module)
+        self._enforce_budget(keep=module)
 
     def _copy_in(self, module: CachedModule, computed: int) -> None:
         k, v = module.host_kv
         slots = self.kv.slots(module.seq_id, computed, module.num_tokens)
-        self.runner.cache.write_slots(slots, k[:, computed:], v[:, computed:])
+        self.cache.write_slots(slots, k[:, computed:], v[:, computed:])
         self.kv.cache_full_blocks(module.seq_id, module.token_ids)
         self.stats.host_copies += 1
 
@@ -207,10 +220,13 @@ class ModuleStore:
             pass
 
     def _evict_one(self, keep: CachedModule, pinned_ok: bool = True) -> bool:
-        """Evict the least recently used stored module holding memory (not ``keep``); False if none.
-        A pinned module leaves the store but keeps its device blocks until its last pin goes, so evicting
+        """Evict the least recently used stored module holding memory (not ``keep``, not one being encoded); False
+        if none. A pinned module leaves the store but keeps its device blocks until its last pin goes, so evicting
         one frees nothing now (``pinned_ok=False`` when blocks are needed now)."""
         for key, module in self.modules.items():
+            # A module being encoded stays: its blocks are in use until then (the budget is enforced again after).
+            if module.encoding:
+                continue
             if module is not keep and self._bytes(module) > 0 and (pinned_ok or module.pins == 0):
                 self.remove(key)
                 self.stats.evictions += 1

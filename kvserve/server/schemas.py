@@ -1,13 +1,15 @@
 """Prompt Cache schemas over HTTP: ``POST /v1/schemas`` ({"pml": "<schema ...>"}), ``GET /v1/schemas``,
 ``GET /v1/schemas/{name}``, ``DELETE /v1/schemas/{name}``.
 
-Registering encodes the schema's modules (eagerly unless the engine encodes lazily), so it runs in the
-engine thread between steps; requests in flight keep their modules until they finish even if their
+Registering queues the schema's modules to be encoded (eagerly unless the engine encodes lazily): the
+scheduler runs each encoding as a prefill in chunks, between the steps of requests in flight, and the
+response comes once they are done. Requests in flight keep their modules until they finish even if their
 schema is deleted. A schema is a list entry with its module layout (positions, tokens, parameters).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from starlette.responses import Response
@@ -19,12 +21,21 @@ from kvserve.server.errors import ApiError, bad_request
 from kvserve.server.protocol import SchemaRequest
 from kvserve.server.serving import ServeContext
 
+ENCODING_POLL_S = 0.02  # how often a registration checks whether its modules are encoded
+
 
 async def create_schema(ctx: ServeContext, body: SchemaRequest) -> Response:
     try:
-        info = await ctx.engine.call(lambda engine: engine.register_schema(body.pml))
+        name = (await ctx.engine.call(lambda engine: engine.register_schema(body.pml)))["name"]
     except (PMLError, PromptCacheError, ValueError) as exc:
         raise bad_request(str(exc), "pml") from None
+    # The engine thread encodes the modules in its steps, between other requests' work; answer once they are.
+    while await ctx.engine.call(lambda engine: engine.prompt_cache.encoding(name)):
+        await asyncio.sleep(ENCODING_POLL_S)
+    try:
+        info = await ctx.engine.call(lambda engine: engine.prompt_cache.info(name).to_dict())
+    except KeyError as exc:  # deleted meanwhile
+        raise _not_found(exc) from None
     return _json({"object": "schema", **info})
 
 

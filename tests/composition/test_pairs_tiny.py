@@ -98,6 +98,40 @@ def test_parallel_prefill_into_an_offloaded_cache_equals_single_process(folder, 
     assert got == expected
 
 
+DOC_SCHEMA = (
+    '<schema name="book"><module name="doc">one two three four five six seven eight nine ten eleven twelve '
+    "thirteen fourteen fifteen sixteen seventeen eighteen nineteen twenty</module></schema>"
+)
+DOC_PML = '<prompt schema="book"><doc/> and after that comes</prompt>'
+
+
+@pytest.mark.parametrize("offload", ["none", "host"])
+def test_a_module_encoded_by_parallel_prefill_equals_prompt_cache_alone(folder, offload) -> None:
+    """KV-Runahead x Prompt Cache: a module's encoding is a scheduled prefill, so a long one (alone in its step)
+    runs over the prefill group, at its schema positions (and into an offloaded pool)."""
+    options = {"model": str(folder), "dtype": "float32", "block_size": 4, "kv_offload": offload}
+    with LLM(**options) as single:
+        single.register_schema(DOC_SCHEMA)
+        expected = single.generate(DOC_PML, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(prefill_parallel=2, prefill_partition="even", **options) as llm:
+        routes = []
+        run_prefill = llm.engine.parallel_prefill.run
+
+        def spy(token_ids, sink, positions=()):
+            hidden = run_prefill(token_ids, sink, positions)
+            routes.append((len(token_ids), tuple(positions), llm.engine.parallel_prefill.last_route.processes))
+            return hidden
+
+        llm.engine.parallel_prefill.run = spy
+        info = llm.register_schema(DOC_SCHEMA)
+        got = llm.generate(DOC_PML, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    doc = info["modules"]["doc"]
+    assert doc["cached"] and doc["tokens"] >= 32
+    # Encoded over two processes, at its schema positions.
+    assert routes[0] == (doc["tokens"], tuple(range(doc["start"], doc["start"] + doc["tokens"])), 2)
+    assert got == expected
+
+
 # ----- lossy pairs: well-formed, and what they save measured -----
 
 

@@ -54,6 +54,12 @@ def make_engine(loaded: LoadedModel, **options) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(loaded.path), **options), loaded=loaded)
 
 
+def encode(engine: LLMEngine) -> None:
+    """Run the steps that encode the modules queued so far (the scheduler runs them like any prefill)."""
+    while engine.scheduler.encoding:
+        assert engine.step() == []  # an encoding reports nothing to any client
+
+
 def run(engine: LLMEngine, prompts: list, params: SamplingParams = GREEDY) -> list[RequestOutput]:
     ids = [engine.add_request(p, params) for p in prompts]
     done: dict[str, RequestOutput] = {}
@@ -106,6 +112,7 @@ def test_layout_puts_new_text_after_the_schema_and_arguments_at_their_param(load
 def test_concurrent_requests_share_module_blocks_and_copy_tails(loaded):
     engine = make_engine(loaded)
     engine.register_schema(SCHEMA)
+    encode(engine)
     doc = engine.prompt_cache.store.modules[("shop", "doc")]
     doc_blocks = engine.kv.block_table(doc.seq_id)
     assert doc.num_tokens > BLOCK and doc.num_tokens % BLOCK  # full blocks to share and a tail to copy
@@ -172,6 +179,8 @@ def test_host_tier_keeps_no_device_blocks_between_requests(loaded):
     engine = make_engine(loaded, prompt_cache_tier="host")
     free = engine.kv.pool.num_free
     engine.register_schema(SCHEMA)
+    assert engine.kv.pool.num_free < free  # encoding: the modules' device blocks, until they are copied out
+    encode(engine)
     assert engine.kv.pool.num_free == free
     store = engine.prompt_cache.store
     assert store.memory_bytes() == sum(m.num_tokens for m in store.modules.values()) * store.token_bytes
@@ -184,6 +193,7 @@ def test_lru_eviction_under_the_memory_budget_frees_blocks(loaded):
     free = engine.kv.pool.num_free
     engine.register_schema(SCHEMA)
     store = engine.prompt_cache.store
+    encode(engine)  # a module being encoded is not evicted: the budget holds again once they are done
     assert list(store.modules) == [("shop", "inner")] and store.stats.evictions == 4  # of 5 modules
     (out,) = run(engine, [MULTI])  # evicted modules are encoded again on use
     assert len(out.outputs[0].token_ids) == 8
@@ -271,3 +281,24 @@ def test_schema_over_the_context_and_compressing_engines_are_refused(loaded):
     with pytest.raises(PMLError, match="different schema named 'shop'"):
         engine.register_schema(SCHEMA.replace("hello world", "hi world"))
     assert engine.register_schema(SCHEMA)["name"] == "shop"  # the same text again is fine
+
+
+def test_a_module_encodes_in_chunks_while_running_requests_keep_decoding(loaded):
+    """Module encoding is scheduled work: a long module is prefilled chunk by chunk within the step's token
+    budget, and a request already decoding gets a token in every one of those steps."""
+    engine = make_engine(loaded, max_num_batched_tokens=16)
+    running = engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    engine.step()
+    long_module = " ".join(["the cat sat on the mat"] * 12)
+    engine.register_schema(f'<schema name="s"><module name="big">{long_module}</module></schema>')
+    module = engine.prompt_cache.store.modules[("s", "big")]
+    assert module.num_tokens > 3 * 16 and not module.encoded
+    produced, steps = [], 0
+    while not module.encoded:
+        (out,) = engine.step()  # only the running request reports; the encoding reports nothing
+        produced.append(len(out.outputs[0].token_ids))
+        steps += 1
+    assert steps >= module.num_tokens // 16  # chunked within the token budget
+    assert produced == list(range(produced[0], produced[0] + steps))  # one token every step
+    assert engine.prompt_cache.store.stats.encoded_tokens == module.num_tokens
+    engine.abort_request(running)
