@@ -36,7 +36,7 @@ from kvserve.attention.paged import attend_prefill
 from kvserve.attention.step_layout import gqa_attend, pad_tables, row_starts, slot_ids
 from kvserve.kv.tiers import KVTier, RowSpec, StagingBuffers, Transfer, TransferQueue, gather_rows, scatter_rows
 from kvserve.policies.base import KVPolicy
-from kvserve.policies.infinigen import InfiniGen, Rehearsal, choose_victims, partial_logits, speculate
+from kvserve.policies.infinigen import InfiniGen, Rehearsal, choose_victims
 from kvserve.policies.quant import Int4KV, dequantize_int4, quantize_int4
 
 if TYPE_CHECKING:
@@ -335,8 +335,7 @@ class OffloadedKVCache(AttentionBackend):
         valid = step.candidate_valid
         if batch == 1:  # its candidates are a prefix: cut the rest off instead of masking them
             partial_k, valid = partial_k[:, :, : int(step.own[0])], None
-        logits = partial_logits(partial_q, partial_k, self.head_dim).transpose(0, 1)  # (B, Hkv, G, W * bs)
-        selection = speculate(logits, valid, self.policy.alpha)
+        selection = self.policy.select_decode_rows(partial_q, partial_k, valid, self.head_dim)
         index = selection.index.flatten(1)  # (B, Hkv * K) rows of the blocks
         slots = (blocks.gather(1, index // bs) * bs + index % bs).view_as(selection.index)  # (B, Hkv, K)
         # One more row per (sequence, head), any row: the step's own key/value goes there once fetched.
@@ -430,17 +429,7 @@ class OffloadedKVCache(AttentionBackend):
         partial_q = meta.state.partial_queries[layer][first_row : first_row + m]  # (m, Hkv, G, r)
         cached = self.partial_keys[layer].index_select(1, slots)  # (Hkv, h, r)
         partial_k = torch.cat((cached, self.rehearsal.partial_key(layer, k).transpose(0, 1)), dim=1)  # (Hkv, h + m, r)
-        row = torch.arange(m, device=self.device)
-        earlier = torch.arange(held + m, device=self.device)[None, :] < held + row[:, None]  # (m, h + m)
-        grouped = partial_q.permute(1, 0, 2, 3).flatten(1, 2)  # (Hkv, m * G, r): one matmul per KV head
-        logits = partial_logits(grouped, partial_k, self.head_dim).view(self.num_kv_heads, m, -1, held + m)
-        logits = logits.transpose(0, 1)  # (m, Hkv, G, h + m)
-        selection = speculate(logits, earlier, self.policy.alpha)
-        allowed = torch.zeros((m, self.num_kv_heads, held + m), dtype=torch.bool, device=self.device)
-        chosen = selection.chosen[:, None, :].expand_as(selection.index)
-        # Only the chosen entries: past a row's count the index holds placeholders (speculate's zeros).
-        allowed.scatter_(2, selection.index.where(chosen, selection.index[..., :1]), True)
-        allowed[row, :, held + row] = True  # a row always reads its own key, as a decode step does
+        allowed = self.policy.rows_allowed(partial_q, partial_k, held, self.head_dim)  # (m, Hkv, h + m)
         cached_picks = allowed[:, :, :held]
         # Per row: rows selected among the h + j before it (every KV head), against all of them.
         self._count(

@@ -60,6 +60,32 @@ class InfiniGen(KVPolicy):
         """Slots a sequence that may reach ``full_length`` tokens holds at most."""
         return max(1, math.ceil(self.pool_limit * full_length)) if self.pool_limit < 1 else full_length
 
+    def select_decode_rows(
+        self, partial_q: torch.Tensor, partial_k: torch.Tensor, valid: torch.Tensor | None, head_dim: int
+    ) -> Selection:
+        """The rows each decode sequence's next layer reads: partial queries (Hkv, B, G, r) against the partial
+        keys of its candidates (Hkv, B, T, r); ``valid`` (B, T) marks the real candidates (None: all)."""
+        logits = partial_logits(partial_q, partial_k, head_dim).transpose(0, 1)  # (B, Hkv, G, T)
+        return speculate(logits, valid, self.alpha)
+
+    def rows_allowed(self, partial_q: torch.Tensor, partial_k: torch.Tensor, held: int, head_dim: int) -> torch.Tensor:
+        """Which of h cached and m new rows each of m new rows of a chunk reads, as decoding them one by one would:
+        partial queries (m, Hkv, G, r) against partial keys (Hkv, h + m, r) -> (m, Hkv, h + m) bool, each row
+        its selection among the rows before it, plus itself."""
+        m, hkv = partial_q.shape[:2]
+        device = partial_q.device
+        row = torch.arange(m, device=device)
+        earlier = torch.arange(held + m, device=device)[None, :] < held + row[:, None]  # (m, h + m)
+        grouped = partial_q.permute(1, 0, 2, 3).flatten(1, 2)  # (Hkv, m * G, r): one matmul per KV head
+        logits = partial_logits(grouped, partial_k, head_dim).view(hkv, m, -1, held + m).transpose(0, 1)
+        selection = speculate(logits, earlier, self.alpha)  # over (m, Hkv, G, h + m) logits
+        allowed = torch.zeros((m, hkv, held + m), dtype=torch.bool, device=device)
+        chosen = selection.chosen[:, None, :].expand_as(selection.index)
+        # Only the chosen entries: past a row's count the index holds placeholders (speculate's zeros).
+        allowed.scatter_(2, selection.index.where(chosen, selection.index[..., :1]), True)
+        allowed[row, :, held + row] = True  # a row always reads its own key, as a decode step does
+        return allowed
+
 
 @dataclass(frozen=True)
 class Selection:
