@@ -420,7 +420,7 @@ class LLMEngine:
             child.num_computed_tokens = seq.num_computed_tokens
             child.group_slots = list(seq.group_slots)
             child.matcher = self._grammar_cache.new_matcher(request.grammar) if request.grammar is not None else None
-            self.kv.fork(seq.seq_id, child.seq_id)
+            self.scheduler.fork(seq, child)
             request.seqs.append(child)
             self._seqs[child.seq_id] = (request, child)
         return list(request.seqs)
@@ -451,7 +451,7 @@ class LLMEngine:
             if cand.parent in used:
                 child = self._new_sequence(parent.token_ids, parent.num_prompt_tokens, params, 0)
                 _copy_progress(parent, child)
-                self.kv.fork(parent.seq_id, child.seq_id)
+                self.scheduler.fork(parent, child)
                 request.seqs.append(child)
                 self._seqs[child.seq_id] = (request, child)
                 beam = child

@@ -109,6 +109,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` (best_of sample, beam) starts from ``parent``'s KV: it shares every block (copy-on-write)."""
+        self.kv.fork(parent.seq_id, child.seq_id)
+
     def free_sequence(self, seq: Sequence) -> None:
         """Release a finished or pruned sequence's blocks."""
         if seq.seq_id in self.kv:

@@ -85,6 +85,15 @@ def build_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     _add_error_handlers(app)
 
+    _add_generation_routes(app, ctx)
+    _add_schema_routes(app, ctx)
+    _add_service_routes(app, ctx, model_name, model_root)
+    return app
+
+
+def _add_generation_routes(app: FastAPI, ctx: ServeContext) -> None:
+    """The OpenAI endpoints and the tokenizer's."""
+
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
         return await create_completion(ctx, await _parse(ctx, raw, CompletionRequest), raw)
@@ -92,6 +101,18 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
         return await create_chat_completion(ctx, await _parse(ctx, raw, ChatCompletionRequest), raw)
+
+    @app.post("/tokenize")
+    async def tokenize_route(raw: Request) -> Response:
+        return await tokenize(ctx, await _parse(ctx, raw, TokenizeRequest))
+
+    @app.post("/detokenize")
+    async def detokenize_route(raw: Request) -> Response:
+        return await detokenize(ctx, await _parse(ctx, raw, DetokenizeRequest))
+
+
+def _add_schema_routes(app: FastAPI, ctx: ServeContext) -> None:
+    """Prompt Cache schemas."""
 
     @app.post("/v1/schemas")
     async def schemas_create(raw: Request) -> Response:
@@ -109,18 +130,15 @@ def build_app(
     async def schemas_delete(name: str) -> Response:
         return await delete_schema(ctx, name)
 
+
+def _add_service_routes(app: FastAPI, ctx: ServeContext, model_name: str, model_root: str | None) -> None:
+    """The model list, version, health and metrics."""
+    async_engine = ctx.engine
+
     @app.get("/v1/models")
     async def models() -> Response:
         card = ModelCard(id=model_name, root=model_root, max_model_len=ctx.max_model_len)
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
-
-    @app.post("/tokenize")
-    async def tokenize_route(raw: Request) -> Response:
-        return await tokenize(ctx, await _parse(ctx, raw, TokenizeRequest))
-
-    @app.post("/detokenize")
-    async def detokenize_route(raw: Request) -> Response:
-        return await detokenize(ctx, await _parse(ctx, raw, DetokenizeRequest))
 
     @app.get("/version")
     async def version() -> Response:
@@ -136,8 +154,6 @@ def build_app(
     async def metrics() -> Response:
         body = async_engine.metrics.render() if async_engine.metrics is not None else b""
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    return app
 
 
 async def _parse(ctx: ServeContext, raw: Request, model: type[BaseModel]) -> BaseModel:
