@@ -404,8 +404,7 @@ class PagedKVCache(AttentionBackend):
 
     def store_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> None:
         metadata = self._check_metadata(metadata)
-        group, row = metadata.group_of(layer), self.layer_rows[layer]
-        slots = metadata.slot_mappings[group]
+        row, slots = self.layer_rows[layer], metadata.slot_mappings[metadata.group_of(layer)]
         self.k[row].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)  # (slots, Hkv, D)
         self.v[row].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
 
@@ -419,9 +418,12 @@ class PagedKVCache(AttentionBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        self.store_layer(layer, k, v, metadata)
+        metadata = self._check_metadata(metadata)
         group, row = metadata.group_of(layer), self.layer_rows[layer]
         k_cache, v_cache = self.k[row], self.v[row]  # (num_blocks, block_size, Hkv, D)
+        slots = metadata.slot_mappings[group]
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)  # (slots, Hkv, D)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
         plan, window = metadata.plan, metadata.window_of(layer)
         if self.batch_invariant:
             return attend_row_calls(q, k_cache, v_cache, self._row_plan(metadata, group, window))
