@@ -63,7 +63,7 @@ class CompressedAttentionMetadata(AttentionMetadata):
     block_tables: tuple[tuple[tuple[int, ...], ...], ...] = ()  # [seq][layer] block ids
     keep_all_rows: tuple[bool, ...] = ()  # [seq] every row's logits are needed: drop no rows
     block_size: int = 16
-    state: _StepState | None = None  # None: a fresh one from the lists above
+    state: _StepState | None = None  # required: CompressedKVCache.build_metadata makes a fresh one per step
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -190,7 +190,7 @@ class CompressedKVCache(AttentionBackend):
             out.index_copy_(0, rows, self._decode(layer, q[rows], k[rows], v[rows], metadata, decodes))
         kept_rows: list[torch.Tensor] = []
         dropped = False
-        for i, n in enumerate(list(state.rows)):
+        for i, n in enumerate(state.rows):
             everything = torch.arange(starts[i], starts[i] + n, device=q.device)
             if metadata.query_lens[i] == 1:
                 kept_rows.append(everything)

@@ -201,9 +201,9 @@ class OffloadedKVCache(AttentionBackend):
             ),
             block_size=self.block_size,
         )
-        return dataclasses.replace(metadata, state=self.plan_step(metadata))
+        return dataclasses.replace(metadata, state=self._plan_step(metadata))
 
-    def plan_step(self, metadata: OffloadAttentionMetadata) -> _Step:
+    def _plan_step(self, metadata: OffloadAttentionMetadata) -> _Step:
         """The step's decode batch (the blocks its rows are in), planned once for every layer."""
         # One new row over a cache: batched and fetched ahead. A one-token prompt has nothing to fetch.
         decodes = [i for i, n in enumerate(metadata.query_lens) if n == 1 and metadata.context_lens[i] > 0]

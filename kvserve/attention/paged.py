@@ -404,7 +404,10 @@ class PagedKVCache(AttentionBackend):
 
     def store_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> None:
         metadata = self._check_metadata(metadata)
-        row, slots = self.layer_rows[layer], metadata.slot_mappings[metadata.group_of(layer)]
+        self._write(self.layer_rows[layer], metadata.slot_mappings[metadata.group_of(layer)], k, v)
+
+    def _write(self, row: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys/values (N, Hkv, D) into ``slots`` of block row ``row``."""
         self.k[row].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)  # (slots, Hkv, D)
         self.v[row].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
 
@@ -420,10 +423,8 @@ class PagedKVCache(AttentionBackend):
     ) -> torch.Tensor:
         metadata = self._check_metadata(metadata)
         group, row = metadata.group_of(layer), self.layer_rows[layer]
+        self._write(row, metadata.slot_mappings[group], k, v)
         k_cache, v_cache = self.k[row], self.v[row]  # (num_blocks, block_size, Hkv, D)
-        slots = metadata.slot_mappings[group]
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)  # (slots, Hkv, D)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
         plan, window = metadata.plan, metadata.window_of(layer)
         if self.batch_invariant:
             return attend_row_calls(q, k_cache, v_cache, self._row_plan(metadata, group, window))
