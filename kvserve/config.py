@@ -16,14 +16,13 @@ from kvserve.policies.infinigen import POOL_EVICTIONS
 
 __all__ = [
     "DTYPES", "DTYPE_CHOICES", "WEIGHT_MODES", "PREEMPTION_MODES", "PREFILL_PARTITIONS", "PROMPT_CACHE_TIERS",
-    "PROMPT_CACHE_ENCODES", "KV_OFFLOAD_MODES", "POOL_EVICTIONS", "OFFLOAD_POLICIES", "EngineConfig",
+    "PROMPT_CACHE_ENCODES", "KV_OFFLOAD_MODES", "POOL_EVICTIONS", "EngineConfig",
 ]  # fmt: skip
 
 PREEMPTION_MODES = ("recompute", "swap")
 PREFILL_PARTITIONS = ("even", "searched", "predicted", "tsp")
 PROMPT_CACHE_TIERS = ("device", "host")
 PROMPT_CACHE_ENCODES = ("eager", "lazy")
-OFFLOAD_POLICIES = ("full", "infinigen", "int4")  # what an offloading engine fetches per step
 
 
 @dataclass(frozen=True)
@@ -92,11 +91,6 @@ class EngineConfig:
             raise ValueError(f"kv_policy must be one of {list(KV_POLICY_NAMES)}, got {self.kv_policy!r}")
         policy = make_policy(self.kv_policy, self.kv_budget, **self.kv_policy_knobs)  # raises on a bad knob
         self._check_offload(policy.offload_only)
-        if policy.per_layer_groups and self.prefill_parallel > 1:
-            raise ValueError(
-                f"kv_policy={self.kv_policy!r} chooses each layer's slots from the attention of the prompt's last "
-                "tokens, which only this process computes; prefill_parallel must be 1"
-            )
         if parse_memory_size(self.kv_cache_memory) < 1:  # raises on a bad size, naming it
             # Whether it holds a block depends on the model: the engine says so once the model is known.
             raise ValueError(f"kv_cache_memory must be more than 0 bytes, got {self.kv_cache_memory!r}")
@@ -163,10 +157,6 @@ class EngineConfig:
                     "kv_policy='infinigen'"
                 )
             return
-        if self.kv_policy not in OFFLOAD_POLICIES:
-            raise ValueError(
-                f"kv_offload={self.kv_offload!r} runs kv_policy {list(OFFLOAD_POLICIES)}, got {self.kv_policy!r}"
-            )
         if self.kv_pool_limit != 1 and self.kv_policy != "infinigen":
             raise ValueError(
                 f"kv_pool_limit evicts by InfiniGen's selection counts: it needs kv_policy='infinigen', "

@@ -80,7 +80,7 @@ def plan_kv(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> KVP
     layout = kv_layout(config, model, policy)
     # A compressing policy keeps different slots per layer: one KV group (block table) per layer.
     block_layers = 1 if policy.per_layer_groups else layout.rows
-    if config.kv_offload != "none":
+    if config.kv_offload != "none" and not policy.per_layer_groups:
         block_bytes = offload_block_bytes(
             policy, model.num_layers, model.num_kv_heads, model.head_dim, dtype, config.block_size
         )
@@ -137,7 +137,7 @@ def request_policy(plan: KVPlan, config: EngineConfig, params: SamplingParams, n
         policy = plan.policy
     else:
         policy = _requested_policy(plan, config, params, num_layers)
-    if policy.lossless or plan.offload != "none":
+    if not policy.per_layer_groups:  # the full cache, or what an offloading engine fetches by
         return policy
     if not plan.per_layer_groups:
         raise ValueError(
@@ -159,7 +159,7 @@ def _requested_policy(plan: KVPlan, config: EngineConfig, params: SamplingParams
     )  # fmt: skip
     policy = make_policy(name, budget, **config.kv_policy_knobs)
     policy.retention(num_layers)
-    if plan.offload != "none" and policy != plan.policy:
+    if plan.offload != "none" and not plan.per_layer_groups and policy != plan.policy:
         raise ValueError(
             f"this engine offloads its KV and fetches it by kv_policy={plan.policy.name!r} for every request; "
             f"a request cannot pick kv_policy={policy.name!r}"

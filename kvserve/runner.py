@@ -69,10 +69,10 @@ class ModelRunner:
     def _prefill_in_parallel(self, seq: ScheduledSequence, metadata: AttentionMetadata) -> torch.Tensor | None:
         """The whole prompt over the prefill group, each layer's KV stored by the cache; None after a failure."""
 
-        def sink(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            self.cache.store_layer(layer, k, v, metadata)
+        def sink(layer: int, k: torch.Tensor, v: torch.Tensor, scores: torch.Tensor | None) -> None:
+            self.cache.store_layer(layer, k, v, metadata, scores)
 
-        return self.parallel_prefill.run(list(seq.token_ids), sink, seq.positions)
+        return self.parallel_prefill.run(list(seq.token_ids), sink, seq.positions, seq.kv_policy)
 
     def _logits(
         self, hidden: torch.Tensor, report: StepReport, scheduled: tuple, rows_from: Mapping[int, int]

@@ -23,8 +23,9 @@ import torch
 if TYPE_CHECKING:  # plain data the scheduler emits; the cache only reads it
     from kvserve.scheduler import SchedulerOutput
 
-# What a parallel prefill hands over per layer: (layer, keys (T, Hkv, D), values (T, Hkv, D)).
-LayerKVSink = Callable[[int, torch.Tensor, torch.Tensor], None]
+# What a parallel prefill hands over per layer: (layer, keys (T, Hkv, D), values (T, Hkv, D), and the
+# sequence's policy scores (T,) float32 when its policy votes (KVPolicy.votes), else None).
+LayerKVSink = Callable[[int, torch.Tensor, torch.Tensor, "torch.Tensor | None"], None]
 
 
 class UnsupportedKVOperation(NotImplementedError):
@@ -116,8 +117,17 @@ class AttentionBackend(ABC):
         (PyramidInfer) drops them from the hidden states too, so deeper layers compute fewer rows."""
         return None
 
-    def store_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> None:
-        """Write keys/values (N, Hkv, D) of the step's tokens computed elsewhere (a parallel prefill)."""
+    def store_layer(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        metadata: AttentionMetadata,
+        scores: torch.Tensor | None = None,
+    ) -> None:
+        """Write keys/values (N, Hkv, D) of the step's tokens computed elsewhere (a parallel prefill); ``scores``
+        (N,) float32 are the sequence policy's scores of them (``KVPolicy.votes``), None for a policy that
+        does not score. A cache that keeps every token ignores them."""
         raise UnsupportedKVOperation(f"{type(self).__name__} does not take keys/values computed elsewhere")
 
     def report(self, metadata: AttentionMetadata) -> StepReport:

@@ -18,6 +18,10 @@ Per step and layer, for each sequence holding ``h`` slots and receiving ``m`` ro
 4. for a row-dropping policy (PyramidInfer), rows whose key the layer dropped leave the hidden states,
    so the next layer computes only the survivors (never for a sequence that needs every row's logits).
 
+With ``kv_offload`` the slab lives in the host or disk tier (``kv/tiers.py``) instead of the device: a
+layer reads the slots it attends over from there and writes its kept ones back, so the policy's
+compression is also what spares the transfers (read synchronously, without InfiniGen's prefetch).
+
 What each group holds after the step comes back in the ``StepReport``; the scheduler shrinks the block
 tables to it (freeing blocks) and remembers the counts.
 """
@@ -33,6 +37,7 @@ import torch
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata, StepReport, UnsupportedKVOperation
 from kvserve.attention.paged import PagedKVCache, attend_prefill
 from kvserve.attention.step_layout import gqa_attend, pad_tables, row_starts, slot_ids
+from kvserve.kv.tiers import KVTier, RowSpec
 from kvserve.policies.base import SCORES_NONE, KVPolicy
 from kvserve.policies.scoring import attend_with_weights, update_scores
 
@@ -93,10 +98,22 @@ class CompressedKVCache(AttentionBackend):
         device: torch.device | str = "cpu",
         pin_memory: bool = False,
         num_host_blocks: int = 0,
+        tier: str = "none",
+        path: str | None = None,
     ) -> None:
-        # One slab of blocks that any layer's group may hold: a paged store of a single "layer".
-        self.store = PagedKVCache(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, pin_memory)
-        self.k, self.v = self.store.k, self.store.v  # (1, num_blocks, block_size, Hkv, D)
+        """``tier``: where the slab lives, ``none`` (the device) or a slower tier (``host``, ``disk``: kv_offload),
+        from which each layer reads the rows it attends over; ``path`` is the disk tier's folder."""
+        self.device, self.tier = torch.device(device), None
+        if tier == "none":  # one slab of blocks that any layer's group may hold: a paged store of one "layer"
+            self.store = PagedKVCache(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, pin_memory)
+            self.k, self.v = self.store.k, self.store.v  # (1, num_blocks, block_size, Hkv, D)
+        else:
+            row = RowSpec((num_kv_heads, head_dim), dtype)
+            self.tier = KVTier(tier, 1, num_blocks * block_size, {"k": row, "v": row}, self.device.type == "cuda", path)
+            self.store = None
+            shape = (1, num_blocks, block_size, num_kv_heads, head_dim)
+            self.k, self.v = self.tier.arrays["k"].view(shape), self.tier.arrays["v"].view(shape)
+        self.moved = {"fetched": 0, "stored": 0}  # bytes between the tier and the device
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.scores = torch.zeros(num_blocks * block_size, dtype=torch.float32, device=device, pin_memory=pin_memory)
@@ -133,7 +150,10 @@ class CompressedKVCache(AttentionBackend):
 
     # Blocks carry their slots' scores with them; slots mean different tokens in different layers.
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        self.store.copy_blocks(pairs)
+        if self.tier is not None:
+            self.tier.copy_blocks(list(pairs), self.block_size)
+        else:
+            self.store.copy_blocks(pairs)
         self._move_scores(self, self, pairs)
 
     def swap_out(self, pairs: Sequence[tuple[int, int]], host_cache: CompressedKVCache | None = None) -> None:
@@ -152,7 +172,14 @@ class CompressedKVCache(AttentionBackend):
             "one token across layers"
         )
 
+    def bytes_moved(self) -> dict[str, int]:
+        return dict(self.moved) if self.tier is not None else {}
+
     def _host(self, host_cache: CompressedKVCache | None) -> CompressedKVCache:
+        if self.tier is not None:
+            raise UnsupportedKVOperation(
+                f"the KV is in the {self.tier.kind} tier already: an offloading engine preempts by recompute"
+            )
         host = host_cache or self.host_cache
         if not isinstance(host, CompressedKVCache):
             raise RuntimeError("per-layer KV groups swap to a CompressedKVCache host tier (it holds the slot scores)")
@@ -167,6 +194,28 @@ class CompressedKVCache(AttentionBackend):
         rows = src.scores.view(-1, bs).index_select(0, s.to(src.scores.device))
         dst.scores.view(-1, bs).index_copy_(0, d.to(dst.scores.device), rows.to(dst.scores.device))
 
+    def store_layer(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        metadata: AttentionMetadata,
+        scores: torch.Tensor | None = None,
+    ) -> None:
+        """A whole prompt's layer from a parallel prefill, k/v (T, Hkv, D) with the policy's ``scores`` (T,) (its
+        votes, added up over the ranks): the layer keeps the policy's choice, as a one-process prefill of the
+        prompt would. Every rank computed every row, so no row leaves the hidden states (``drops_rows`` cannot
+        hold: which rows a layer drops is known only once the last rank's queries have voted)."""
+        meta = self._check_metadata(metadata)
+        if len(meta.seq_ids) != 1 or meta.context_lens[0] or meta.query_lens[0] != k.shape[0]:
+            raise ValueError("a parallel prefill stores one sequence's whole prompt, with nothing cached before it")
+        n, target = k.shape[0], meta.group_targets[0][layer]
+        kept = torch.arange(n) if n <= target else meta.policies[0].select(scores, n, target, n)
+        device = self.device
+        scores = None if scores is None else scores.to(device)
+        self._write_kept(meta.block_tables[0][layer], k.to(device), v.to(device), scores, kept.to(device))
+        meta.state.held_after[0][layer] = kept.numel()
+
     # ----- attention -----
 
     def surviving_rows(self, layer: int, metadata: AttentionMetadata) -> torch.Tensor | None:
@@ -177,8 +226,7 @@ class CompressedKVCache(AttentionBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        if not isinstance(metadata, CompressedAttentionMetadata):
-            raise TypeError(f"CompressedKVCache needs CompressedAttentionMetadata, got {type(metadata).__name__}")
+        metadata = self._check_metadata(metadata)
         state = metadata.state
         if metadata.decode_only:  # rows are already one per sequence, in order
             return self._decode(layer, q, k, v, metadata, list(range(len(state.rows))))
@@ -214,19 +262,19 @@ class CompressedKVCache(AttentionBackend):
         policy, table = meta.policies[i], meta.block_tables[i][layer]
         held, target = meta.state.held_after[i][layer], meta.group_targets[i][layer]
         m = q.shape[0]
-        k_flat, v_flat = self._flat()
         ctx = self._slot_ids(table, 0, held, q.device)
-        keys = torch.cat((k_flat.index_select(0, ctx), k)) if held else k  # (h + m, Hkv, D)
-        values = torch.cat((v_flat.index_select(0, ctx), v)) if held else v
+        if held:
+            cached_k, cached_v = self._read(ctx)
+            keys, values = torch.cat((cached_k, k)), torch.cat((cached_v, v))  # (h + m, Hkv, D)
+        else:
+            keys, values = k, v
         out = attend_prefill(q, keys, values, held)
         num_candidates = held + m
         num_tokens = meta.context_lens[i] + meta.query_lens[i]
         previous = self.scores.index_select(0, ctx) if held and policy.scores != SCORES_NONE else None
         scores = policy.prefill_scores(q, keys, held, num_tokens, previous)  # (h + m,) or None
         if num_candidates <= target:
-            new = self._slot_ids(table, held, num_candidates, q.device)
-            k_flat.index_copy_(0, new, k)
-            v_flat.index_copy_(0, new, v)
+            self._write(self._slot_ids(table, held, num_candidates, q.device), k, v)
             if scores is not None:
                 self.scores.index_copy_(0, self._slot_ids(table, 0, num_candidates, q.device), scores)
             meta.state.held_after[i][layer] = num_candidates
@@ -256,17 +304,15 @@ class CompressedKVCache(AttentionBackend):
         scoring = any(p.scores != SCORES_NONE for p in policies)
         # The new token goes to slot h first (the scheduler reserved it even where the layer then compresses),
         # so one gather reads the whole candidate set.
-        k_flat, v_flat = self._flat()
         new_slots = torch.tensor([t[h // bs] * bs + h % bs for t, h in zip(tables, held, strict=True)], device=device)
-        k_flat.index_copy_(0, new_slots, k)
-        v_flat.index_copy_(0, new_slots, v)
+        self._write(new_slots, k, v)
         if scoring:
             self.scores.index_fill_(0, new_slots, 0.0)  # a new slot has no history (the entry is stale)
         width = max(h // bs + 1 for h in held)
         length = width * bs
         padded = pad_tables(tables, width, device).long()  # (B, W); padding (block 0) is masked below
-        keys = self.k[0].index_select(0, padded.view(-1)).view(batch, length, hkv, head_dim)  # a copy
-        values = self.v[0].index_select(0, padded.view(-1)).view(batch, length, hkv, head_dim)
+        keys, values = self._read(padded.view(-1), blocks=True)  # copies, (B * W, block_size, Hkv, D)
+        keys, values = keys.view(batch, length, hkv, head_dim), values.view(batch, length, hkv, head_dim)
         valid = torch.arange(length, device=device)[None, :] < (torch.tensor(held, device=device) + 1)[:, None]
         mask = valid[:, None, None, :]  # (B, 1, 1, T)
         kh, vh = keys.transpose(1, 2), values.transpose(1, 2)  # (B, Hkv, T, D)
@@ -316,12 +362,35 @@ class CompressedKVCache(AttentionBackend):
         kept: torch.Tensor,
     ) -> None:
         """Candidates ``kept`` (ascending) into the group's first slots; keys/values (n, Hkv, D) are copies."""
-        k_flat, v_flat = self._flat()
         dst = self._slot_ids(table, 0, kept.numel(), keys.device)
-        k_flat.index_copy_(0, dst, keys.index_select(0, kept))
-        v_flat.index_copy_(0, dst, values.index_select(0, kept))
+        self._write(dst, keys.index_select(0, kept), values.index_select(0, kept))
         if scores is not None:
             self.scores.index_copy_(0, dst, scores.index_select(0, kept))
+
+    @staticmethod
+    def _check_metadata(metadata: AttentionMetadata) -> CompressedAttentionMetadata:
+        if not isinstance(metadata, CompressedAttentionMetadata):
+            raise TypeError(f"CompressedKVCache needs CompressedAttentionMetadata, got {type(metadata).__name__}")
+        return metadata
+
+    def _read(self, index: torch.Tensor, blocks: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots ``index`` (n,) on the compute device, (n, Hkv, D) each, or of whole blocks
+        (n, block_size, Hkv, D) with ``blocks``: copies, fetched from the tier when the slab lives there."""
+        k, v = (self.k[0], self.v[0]) if blocks else self._flat()
+        index = index.to(k.device)
+        k, v = k.index_select(0, index), v.index_select(0, index)
+        if self.tier is not None:
+            self.moved["fetched"] += 2 * k.numel() * k.element_size()
+        return k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)
+
+    def _write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys and values (n, Hkv, D) into ``slots`` (n,), in the tier when the slab lives there."""
+        k_flat, v_flat = self._flat()
+        slots = slots.to(k_flat.device)
+        k_flat.index_copy_(0, slots, k.to(k_flat.device))
+        v_flat.index_copy_(0, slots, v.to(v_flat.device))
+        if self.tier is not None:
+            self.moved["stored"] += 2 * k.numel() * k.element_size()
 
     def _flat(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V as (slots, Hkv, D) views."""

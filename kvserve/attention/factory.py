@@ -18,12 +18,15 @@ if TYPE_CHECKING:
 
 
 def make_kv_cache(config: EngineConfig, plan: KVPlan, loaded: LoadedModel) -> AttentionBackend:
-    """Per-layer groups for a compressing policy, an offloaded tier when ``kv_offload`` is set, else the paged
-    cache (with KV groups for sliding-window layers and a host tier for swapping)."""
+    """Per-layer groups for a compressing policy (in the offloaded tier when ``kv_offload`` is set), the offloaded
+    cache for ``kv_offload`` with the full cache, INT4 or InfiniGen, else the paged cache (with KV groups for
+    sliding-window layers and a host tier for swapping)."""
     cfg, dtype = loaded.config, loaded.dtype
     shape = (cfg.num_layers, plan.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, config.device)
     if plan.per_layer_groups:
-        return CompressedKVCache(*shape, num_host_blocks=plan.num_host_blocks)
+        return CompressedKVCache(
+            *shape, num_host_blocks=plan.num_host_blocks, tier=plan.offload, path=config.kv_offload_path
+        )  # fmt: skip
     if plan.offload == "none":
         return PagedKVCache(
             *shape, layer_rows=plan.layout.layer_rows, batch_invariant=config.batch_invariant,

@@ -230,7 +230,14 @@ class OffloadedKVCache(AttentionBackend):
             torch.tensor(tokens, dtype=torch.int32, device=self.device), write,
         )  # fmt: skip
 
-    def store_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> None:
+    def store_layer(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        metadata: AttentionMetadata,
+        scores: torch.Tensor | None = None,
+    ) -> None:
         """A parallel prefill's keys/values (T, Hkv, D) of one sequence's whole prompt, to its slots in the tier
         (with their partial keys and pool counters)."""
         if len(metadata.seq_ids) != 1 or metadata.context_lens[0] != 0:

@@ -402,7 +402,14 @@ class PagedKVCache(AttentionBackend):
             layer_windows=self.layer_windows,
         )
 
-    def store_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> None:
+    def store_layer(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        metadata: AttentionMetadata,
+        scores: torch.Tensor | None = None,
+    ) -> None:
         metadata = self._check_metadata(metadata)
         self._write(self.layer_rows[layer], metadata.slot_mappings[metadata.group_of(layer)], k, v)
 

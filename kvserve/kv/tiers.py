@@ -90,7 +90,6 @@ class KVTier:
             blocks = array.view(self.num_layers, -1, block_size, *array.shape[2:])
             blocks.index_copy_(1, dst, blocks.index_select(1, src))
 
-
     def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
         """Copy single token slots (src, dst) in every layer (a Prompt Cache module's tail into a request)."""
         if not pairs:

@@ -9,17 +9,16 @@ full KV of each layer to a ``sink`` (the engine writes it into its paged cache).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 
-from kvserve.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata, LayerKVSink
 from kvserve.errors import ParallelPrefillError
 from kvserve.models.llama import LlamaForCausalLM
+from kvserve.parallel.votes import PromptVotes
 
-KVSink = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, keys (C, Hkv, D), values (C, Hkv, D))
 SCHEMES = ("runahead", "tsp")
 
 
@@ -31,6 +30,10 @@ class ChunkJob:
     token_ids: tuple[int, ...]
     boundaries: tuple[int, ...]  # b_0 = 0 < b_1 < ... < b_p = len(token_ids); rank r computes [b_r, b_r+1)
     positions: tuple[int, ...] = ()  # each token's position id (a Prompt Cache module's); (): its index
+    # A compressing policy's votes (KVPolicy.votes over the whole prompt): queries vote_from.. score the keys
+    # with these weights; (): no scores (parallel/votes.py).
+    vote_from: int = 0
+    vote_weights: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -40,6 +43,10 @@ class ChunkJob:
             raise ValueError(f"boundaries {b} do not split {len(self.token_ids)} tokens into non-empty chunks")
         if self.positions and len(self.positions) != len(self.token_ids):
             raise ValueError(f"{len(self.positions)} positions for {len(self.token_ids)} tokens")
+        if self.vote_weights and len(self.vote_weights) != len(self.token_ids) - self.vote_from:
+            raise ValueError(
+                f"{len(self.vote_weights)} vote weights for queries {self.vote_from}..{len(self.token_ids) - 1}"
+            )
 
     @property
     def world_size(self) -> int:
@@ -49,7 +56,7 @@ class ChunkJob:
 class ChunkBackend(AttentionBackend):
     """Shared by both schemes: where this rank's chunk starts, the timeout, and the sink."""
 
-    def __init__(self, job: ChunkJob, rank: int, model: LlamaForCausalLM, timeout_s: float, sink: KVSink | None):
+    def __init__(self, job: ChunkJob, rank: int, model: LlamaForCausalLM, timeout_s: float, sink: LayerKVSink | None):
         self.job, self.rank = job, rank
         self.start, self.end = job.boundaries[rank], job.boundaries[rank + 1]
         config = model.config
@@ -58,6 +65,22 @@ class ChunkBackend(AttentionBackend):
         self.dtype = model.norm.weight.dtype
         self.timeout = timedelta(seconds=timeout_s)
         self.sink = sink
+        self.votes = None
+        if job.vote_weights:
+            weights = torch.tensor(job.vote_weights, dtype=torch.float32)
+            self.votes = PromptVotes(job.vote_from, weights, job.boundaries, rank, self.num_layers, self.wait)
+        self.delivered: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+
+    def deliver(self, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """A layer's part once this rank has the keys (C, Hkv, D) of its whole context: its votes go out, and
+        the last rank hands the KV to its sink, at once, or with the scores once every share is in."""
+        own = self.votes.share(layer, q, keys) if self.votes is not None else None
+        if self.sink is None:
+            return
+        if self.votes is None:
+            self.sink(layer, keys, values, None)
+        else:
+            self.delivered.append((layer, keys, values, own))
 
     def wait(self, work: object, what: str) -> None:
         """Wait for a torch.distributed request; a dead or hung peer becomes a ParallelPrefillError."""
@@ -70,10 +93,16 @@ class ChunkBackend(AttentionBackend):
 
     def finish(self) -> None:
         """Called after the forward pass: wait for whatever this rank still has in flight."""
+        if self.votes is None:
+            return
+        self.votes.finish()
+        for layer, keys, values, own in self.delivered:
+            self.sink(layer, keys, values, self.votes.total(layer, own))
+        self.delivered.clear()
 
 
 def run_chunk(
-    model: LlamaForCausalLM, job: ChunkJob, rank: int, timeout_s: float, sink: KVSink | None = None
+    model: LlamaForCausalLM, job: ChunkJob, rank: int, timeout_s: float, sink: LayerKVSink | None = None
 ) -> torch.Tensor:
     """This rank's final hidden states (chunk length, hidden), computed in cooperation with the other ranks."""
     from kvserve.parallel.runahead import RunaheadBackend

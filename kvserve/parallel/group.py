@@ -36,11 +36,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kvserve.attention.backend import LayerKVSink
 from kvserve.errors import ParallelPrefillError
 from kvserve.heap import HeapTrimmer
 from kvserve.log import get_logger
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.parallel.chunks import ChunkJob, KVSink, run_chunk
+from kvserve.parallel.chunks import ChunkJob, run_chunk
 
 START_POLL_S = 0.2  # how often start-up looks at the worker processes
 MAIN_GUARD_ADVICE = (
@@ -166,7 +167,7 @@ class PrefillGroup:
                 f"({self.model_path or 'the default model'}); a negative code is the signal that ended it"
             )
 
-    def prefill(self, job: ChunkJob, sink: KVSink | None = None) -> torch.Tensor:
+    def prefill(self, job: ChunkJob, sink: LayerKVSink | None = None) -> torch.Tensor:
         """Run ``job`` over the group; returns this (last) rank's final hidden states for the last chunk."""
         if self.closed:
             raise ParallelPrefillError("the prefill group is closed")

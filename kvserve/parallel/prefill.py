@@ -34,6 +34,7 @@ from kvserve.parallel.partition import (
 )
 from kvserve.parallel.remote import RemotePrefillGroup, joined_from_env
 from kvserve.parallel.supervisor import GroupState, GroupSupervisor
+from kvserve.policies.base import KVPolicy
 
 if TYPE_CHECKING:
     from kvserve.scheduler import SchedulerOutput
@@ -136,15 +137,25 @@ class ParallelPrefill:
         )  # fmt: skip
 
     def run(
-        self, token_ids: list[int], sink: LayerKVSink, positions: tuple[int, ...] = ()
+        self,
+        token_ids: list[int],
+        sink: LayerKVSink,
+        positions: tuple[int, ...] = (),
+        policy: KVPolicy | None = None,
     ) -> torch.Tensor | None:
         """Prefill ``token_ids`` (at ``positions``; (): their indices) over the group, handing each layer's KV
-        (T, Hkv, D) to ``sink`` (the KV cache stores it); the last chunk's final hidden states, or None after a
-        failure (run it locally)."""
+        (T, Hkv, D) to ``sink`` (the KV cache stores it), with the scores of a compressing ``policy``'s votes
+        (``parallel/votes.py``); the last chunk's final hidden states, or None after a failure (run it
+        locally)."""
         scheme = "tsp" if self.partition == "tsp" else "runahead"
+        votes = policy.votes(len(token_ids), len(token_ids)) if policy is not None else None
+        first, weights = votes if votes is not None else (0, torch.empty(0))
         try:
             with self.supervisor.held() as group:  # a failure loses the group: logged, restarted later
-                job = ChunkJob(scheme, tuple(token_ids), self.boundaries(len(token_ids)), tuple(positions))
+                job = ChunkJob(
+                    scheme, tuple(token_ids), self.boundaries(len(token_ids)), tuple(positions),
+                    vote_from=first, vote_weights=tuple(weights.tolist()),
+                )  # fmt: skip
                 hidden = group.prefill(job, sink)
         except ParallelPrefillError as exc:
             self.last_route = PrefillRoute(len(token_ids), 1, f"the parallel prefill failed: {exc}")

@@ -17,10 +17,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from kvserve.attention.backend import LayerKVSink
 from kvserve.errors import ParallelPrefillError
 from kvserve.log import get_logger
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.parallel.chunks import ChunkJob, KVSink, run_chunk
+from kvserve.parallel.chunks import ChunkJob, run_chunk
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 IDLE_TIMEOUT = timedelta(days=7)  # how long a worker waits for the next prompt
@@ -60,7 +61,7 @@ class RemotePrefillGroup:
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], rank, world_size,
         )  # fmt: skip
 
-    def prefill(self, job: ChunkJob, sink: KVSink | None = None) -> torch.Tensor:
+    def prefill(self, job: ChunkJob, sink: LayerKVSink | None = None) -> torch.Tensor:
         if self.closed:
             raise ParallelPrefillError("the prefill group is closed")
         if job.world_size != self.num_procs:

@@ -14,13 +14,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from kvserve.attention.backend import LayerKVSink
 from kvserve.attention.paged import attend_prefill
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.parallel.chunks import ChunkBackend, ChunkJob, KVSink, stacked
+from kvserve.parallel.chunks import ChunkBackend, ChunkJob, stacked
 
 
 class RunaheadBackend(ChunkBackend):
-    def __init__(self, job: ChunkJob, rank: int, model: LlamaForCausalLM, timeout_s: float, sink: KVSink | None):
+    def __init__(self, job: ChunkJob, rank: int, model: LlamaForCausalLM, timeout_s: float, sink: LayerKVSink | None):
         super().__init__(job, rank, model, timeout_s, sink)
         self.last = rank == job.world_size - 1
         self.received: list[tuple[torch.Tensor, object]] = []
@@ -40,11 +41,11 @@ class RunaheadBackend(ChunkBackend):
             kv = own
         if not self.last:
             self.sending.append((kv, dist.isend(kv.cpu(), dst=self.rank + 1, tag=layer)))
-        if self.sink is not None:
-            self.sink(layer, kv[0], kv[1])
+        self.deliver(layer, q, kv[0], kv[1])
         return attend_prefill(q, kv[0], kv[1], self.start)
 
     def finish(self) -> None:
         for layer, (_, work) in enumerate(self.sending):
             self.wait(work, f"sending layer {layer}'s KV to rank {self.rank + 1}")
         self.sending.clear()
+        super().finish()

@@ -11,13 +11,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from kvserve.attention.backend import LayerKVSink
 from kvserve.attention.paged import attend_prefill
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.parallel.chunks import ChunkBackend, ChunkJob, KVSink, stacked
+from kvserve.parallel.chunks import ChunkBackend, ChunkJob, stacked
 
 
 class TSPBackend(ChunkBackend):
-    def __init__(self, job: ChunkJob, rank: int, model: LlamaForCausalLM, timeout_s: float, sink: KVSink | None):
+    def __init__(self, job: ChunkJob, rank: int, model: LlamaForCausalLM, timeout_s: float, sink: LayerKVSink | None):
         super().__init__(job, rank, model, timeout_s, sink)
         b = job.boundaries
         self.sizes = [end - start for start, end in zip(b, b[1:], strict=False)]
@@ -31,6 +32,5 @@ class TSPBackend(ChunkBackend):
         self.wait(dist.all_gather(parts, own, async_op=True), f"all-gathering layer {layer}'s KV")
         kv = torch.cat([part[:, :size] for part, size in zip(parts, self.sizes, strict=True)], dim=1)  # (2, C, Hkv, D)
         kv = kv.to(q.device)
-        if self.sink is not None:
-            self.sink(layer, kv[0], kv[1])
+        self.deliver(layer, q, kv[0], kv[1])
         return attend_prefill(q, kv[0, : self.end], kv[1, : self.end], self.start)

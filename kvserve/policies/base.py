@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.policies.scoring import column_sums
+
 # What attention weights a policy scores slots by (see ``KVPolicy.scores``).
 SCORES_NONE = "none"  # positional policies (full cache, local window)
 SCORES_RECENT = "recent"  # the attention the most recent tokens pay (PyramidInfer)
@@ -89,13 +91,29 @@ class KVPolicy:
         """
         return torch.arange(num_candidates - keep, num_candidates)
 
+    def votes(self, num_queries: int, num_tokens: int) -> tuple[int, torch.Tensor] | None:
+        """Which of a chunk's ``num_queries`` queries score its candidates, and how much each counts:
+        (first, weights (num_queries - first,) float32) for queries first.. of the chunk; None for a
+        positional policy (the default). ``num_tokens`` is the sequence's length after the chunk.
+
+        A whole prompt's votes are what a parallel prefill hands its ranks: each scores with its own queries
+        and the last adds the shares up (``parallel/votes.py``)."""
+        return None
+
     def prefill_scores(
         self, q: torch.Tensor, keys: torch.Tensor, held: int, num_tokens: int, previous: torch.Tensor | None
     ) -> torch.Tensor | None:
         """Scores (h + m,) float32 of a sequence's candidates after a chunk: its m new queries q (m, H, D) over
-        keys (h + m, Hkv, D), the first h cached with scores ``previous`` (h,) (None if h = 0). None for a
-        positional policy (the default)."""
-        return None
+        keys (h + m, Hkv, D), the first h cached with scores ``previous`` (h,) (None if h = 0): the weighted
+        attention the voting queries pay, plus the earlier scores for a policy that accumulates them. None for
+        a positional policy."""
+        votes = self.votes(q.shape[0], num_tokens)
+        if votes is None:
+            return None
+        total = column_sums(q, keys, held, *votes)
+        if previous is not None and self.scores == SCORES_ACCUMULATED:
+            total[:held] += previous
+        return total
 
     def update(self, scores: torch.Tensor, step_weights: torch.Tensor) -> torch.Tensor:
         """Fold one decode step's attention weights (n,) into the running scores (n,)."""

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.policies.base import SCORES_ACCUMULATED, KVPolicy, recent_and_top
-from kvserve.policies.scoring import column_sums
 
 
 @dataclass(frozen=True)
@@ -27,14 +26,9 @@ class HeavyHitters(KVPolicy):
         if not 0 <= self.recent_ratio <= 1:
             raise ValueError(f"recent_ratio must be in [0, 1], got {self.recent_ratio!r}")
 
-    def prefill_scores(
-        self, q: torch.Tensor, keys: torch.Tensor, held: int, num_tokens: int, previous: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Attention summed over all the chunk's queries (mean over heads), added to the cached slots' scores."""
-        total = column_sums(q, keys, held, 0, torch.ones(q.shape[0], device=q.device))
-        if previous is not None:
-            total[:held] += previous
-        return total
+    def votes(self, num_queries: int, num_tokens: int) -> tuple[int, torch.Tensor]:
+        """Every query of the chunk, equally (added to the cached slots' scores)."""
+        return 0, torch.ones(num_queries, dtype=torch.float32)
 
     def select(self, scores: torch.Tensor | None, num_candidates: int, keep: int, num_tokens: int) -> torch.Tensor:
         return recent_and_top(scores, num_candidates, keep, round(self.recent_ratio * keep))

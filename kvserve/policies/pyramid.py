@@ -31,7 +31,6 @@ from functools import lru_cache
 import torch
 
 from kvserve.policies.base import SCORES_RECENT, KVPolicy
-from kvserve.policies.scoring import column_sums
 
 MAX_RECENT_SHARE_OF_BUDGET = 0.8
 
@@ -99,14 +98,11 @@ class PyramidInfer(KVPolicy):
         top = torch.topk(scores[sinks : sinks + middle], keep - sinks - recent).indices.sort().values + sinks
         return torch.cat((torch.arange(sinks), top, torch.arange(num_candidates - recent, num_candidates)))
 
-    def prefill_scores(
-        self, q: torch.Tensor, keys: torch.Tensor, held: int, num_tokens: int, previous: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The ensemble of S_r's attention: its last |S_r| queries, weighted towards the most recent, mean over
-        heads (the cached slots' earlier scores are not carried: S_r ranks afresh)."""
-        m = q.shape[0]
-        first = m - min(self.recent_count(num_tokens), m)
-        return column_sums(q, keys, held, first, self.query_weights(m - first))
+    def votes(self, num_queries: int, num_tokens: int) -> tuple[int, torch.Tensor]:
+        """S_r's ensemble: the chunk's last |S_r| queries, weighted towards the most recent (the cached slots'
+        earlier scores are not carried: S_r ranks afresh)."""
+        first = num_queries - min(self.recent_count(num_tokens), num_queries)
+        return first, self.query_weights(num_queries - first)
 
     def update(self, scores: torch.Tensor, step_weights: torch.Tensor) -> torch.Tensor:
         return self.decode_decay * scores + (1 - self.decode_decay) * step_weights

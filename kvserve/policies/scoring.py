@@ -24,9 +24,7 @@ def scaled_logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return torch.matmul(q, k.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])
 
 
-def column_sums(
-    q: torch.Tensor, keys: torch.Tensor, held: int, first: int, row_weights: torch.Tensor
-) -> torch.Tensor:
+def column_sums(q: torch.Tensor, keys: torch.Tensor, held: int, first: int, row_weights: torch.Tensor) -> torch.Tensor:
     """Weighted attention each candidate receives from queries first.. of a chunk, mean over heads: (n,) float32.
 
     q (m, H, D) are the chunk's queries, the j-th at candidate index held + j, seeing candidates up to its

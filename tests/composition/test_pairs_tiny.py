@@ -10,12 +10,14 @@ and the paged cache's own: prefix caching, preemption by swap and by recompute, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvserve import LLM
 from kvserve.config import EngineConfig
 from kvserve.sampling_params import SamplingParams
-from tests.composition.conftest import GREEDY, PML, SCHEMA, make_engine, prompt_ids, run, tokens
+from tests.composition.conftest import BLOCK, GREEDY, PML, SCHEMA, make_engine, prompt_ids, run, tokens
 from tests.tiny_models import torch_single_thread  # noqa: F401 - autouse fixture
 
 OFFLOAD_FULL = {"kv_offload": "host", "kv_policy": "full"}
@@ -98,6 +100,100 @@ def test_parallel_prefill_into_an_offloaded_cache_equals_single_process(folder, 
     assert got == expected
 
 
+@pytest.mark.parametrize(("policy", "tier"), [("pyramid", "host"), ("h2o", "disk"), ("local", "disk")])
+def test_compressed_kv_in_an_offloaded_tier_equals_it_on_the_device(loaded, policy, tier) -> None:
+    """PyramidInfer/H2O/local x offload: the per-layer slab lives in the host or disk tier and each layer reads
+    its kept slots from there; the same tokens as on the device, with fewer bytes than the full cache's."""
+    prompts = [prompt_ids(41, seed=s) for s in range(3)]
+    options = {"kv_policy": policy, "kv_budget": 0.5}
+    on_device = make_engine(loaded, **options)
+    expected = tokens(run(on_device, prompts))
+    on_device.close()
+    offloaded = make_engine(loaded, kv_offload=tier, **options)
+    assert tokens(run(offloaded, prompts)) == expected
+    moved = offloaded.runner.cache.bytes_moved()
+    offloaded.close()
+    full = make_engine(loaded, kv_offload=tier, kv_policy="full")
+    run(full, prompts)
+    full_moved = full.runner.cache.bytes_moved()
+    full.close()
+    assert 0 < moved["fetched"] < full_moved["fetched"]  # the policy's compression spares transfers
+
+
+def test_compressed_offload_preempted_by_recompute(loaded) -> None:
+    """A pool too small for every request at once: preempted requests are recomputed from the tier's engine as on
+    the device (a recomputed lossy cache is not the one decoding built, so the reference is preempted too)."""
+    prompts = [prompt_ids(30, seed=s) for s in range(4)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    options = {"kv_policy": "h2o", "kv_budget": 0.5}
+    results = []
+    for tier in ("none", "host"):
+        engine = make_engine(loaded, kv_offload=tier, **options)
+        engine.close()
+        tight = make_engine(loaded, kv_offload=tier, kv_cache_memory=engine.kv_block_bytes * 100, **options)
+        results.append(tokens(run(tight, prompts, params)))
+        assert tight.scheduler.num_preemptions > 0
+        tight.close()
+    assert results[0] == results[1]
+
+
+def test_parallel_prefill_of_compressed_kv_into_the_disk_tier(folder) -> None:
+    """KV-Runahead x H2O x offload: the ranks' votes choose the slots, stored in the tier."""
+    ids = prompt_ids(75, seed=4)
+    options = {"model": str(folder), "dtype": "float32", "block_size": BLOCK, "kv_policy": "h2o", "kv_budget": 0.5}
+    with LLM(**options) as single:
+        expected = single.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(prefill_parallel=2, prefill_partition="even", kv_offload="disk", **options) as parallel:
+        got = parallel.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        assert parallel.engine.parallel_prefill.last_route.processes == 2
+        assert parallel.engine.runner.cache.bytes_moved()["stored"] > 0
+    assert got == expected
+
+
+RUNAHEAD_COMPRESSION = {
+    "h2o": ({"kv_policy": "h2o", "kv_budget": 0.5}, "even"),
+    "h2o tsp": ({"kv_policy": "h2o", "kv_budget": 0.5}, "tsp"),
+    "pyramid": ({"kv_policy": "pyramid", "kv_budget": 0.8, "recent_ratio": 0.6}, "even"),  # S_r spans both ranks
+    "local": ({"kv_policy": "local", "kv_budget": 0.5}, "even"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RUNAHEAD_COMPRESSION))
+def test_parallel_prefill_with_compression_keeps_what_one_process_keeps(folder, case) -> None:
+    """KV-Runahead x PyramidInfer/H2O/local: each rank scores the keys with its own voting queries, the last adds
+    the scores up and the cache keeps the policy's choice of each layer's slots. Token-identical to one process
+    computing every row of the prompt (PyramidInfer with drops_rows=False: a parallel prefill cannot know which
+    rows a layer drops before the last rank's queries vote), and as compressed."""
+    policy_options, partition = RUNAHEAD_COMPRESSION[case]
+    ids = prompt_ids(75, seed=4)
+    options = {"model": str(folder), "dtype": "float32", "block_size": BLOCK, **policy_options}
+    with LLM(**options) as single:
+        plan = single.engine.plan
+        if plan.policy.drops_rows:
+            single.engine.plan = dataclasses.replace(plan, policy=dataclasses.replace(plan.policy, drops_rows=False))
+        expected, expected_slots = _tokens_and_prompt_slots(single, ids)
+    with LLM(prefill_parallel=2, prefill_partition=partition, **options) as parallel:
+        got, slots = _tokens_and_prompt_slots(parallel, ids)
+        assert parallel.engine.parallel_prefill.last_route.processes == 2
+    assert got == expected
+    assert slots == expected_slots and min(slots) < len(ids)  # compressed, as in one process
+
+
+def _tokens_and_prompt_slots(llm: LLM, ids: list[int]) -> tuple[list[int], tuple[int, ...]]:
+    """Greedy tokens, and the slots each layer kept after the prompt's step (its StepReport)."""
+    reports = []
+    report = llm.engine.runner.cache.report
+
+    def spy(metadata):
+        reports.append(report(metadata))
+        return reports[-1]
+
+    llm.engine.runner.cache.report = spy
+    out = llm.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    (slots,) = reports[0].group_slots.values()
+    return out, slots
+
+
 DOC_SCHEMA = (
     '<schema name="book"><module name="doc">one two three four five six seven eight nine ten eleven twelve '
     "thirteen fourteen fifteen sixteen seventeen eighteen nineteen twenty</module></schema>"
@@ -170,10 +266,6 @@ REFUSED = {
     "prompt cache x infinigen pool limit": (
         {"kv_offload": "host", "kv_policy": "infinigen", "kv_pool_limit": 0.5}, True, "overwrites a sequence's slots",
     ),
-    "pyramid x offload": ({"kv_offload": "host", "kv_policy": "pyramid"}, False, "runs kv_policy"),
-    "h2o x offload": ({"kv_offload": "disk", "kv_policy": "h2o"}, False, "runs kv_policy"),
-    "runahead x pyramid": ({"kv_policy": "pyramid", "prefill_parallel": 2}, False, "which only this process"),
-    "runahead x h2o": ({"kv_policy": "h2o", "prefill_parallel": 2}, False, "which only this process"),
     "runahead x infinigen pool limit": (
         {"kv_offload": "host", "kv_policy": "infinigen", "kv_pool_limit": 0.5, "prefill_parallel": 2}, False,
         "which a parallel prefill does not run",

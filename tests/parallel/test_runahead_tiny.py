@@ -12,6 +12,7 @@ import torch
 
 from kvserve.attention import AttentionMetadata, ContiguousKVCache
 from kvserve.parallel import ChunkJob, PrefillGroup, WorkerModel
+from kvserve.policies.scoring import column_sums
 from tests.parallel.conftest import even, prompt
 
 ATOL = 1e-4
@@ -31,9 +32,18 @@ class KVCollector:
     def __init__(self) -> None:
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
+        self.scores: dict[int, torch.Tensor | None] = {}
 
-    def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer], self.v[layer] = k.clone(), v.clone()
+    def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor, scores: torch.Tensor | None) -> None:
+        self.k[layer], self.v[layer], self.scores[layer] = k.clone(), v.clone(), scores
+
+
+class QueryRecorder(ContiguousKVCache):
+    """The single-process reference, keeping each layer's queries."""
+
+    def forward(self, layer, q, k, v, metadata):  # noqa: ANN001, ANN201 - the backend's signature
+        self.queries[layer] = q.clone()
+        return super().forward(layer, q, k, v, metadata)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["p2", "p3"])
@@ -70,9 +80,37 @@ def test_parallel_prefill_equals_single_process(group, tiny, scheme, split, leng
         assert torch.allclose(sink.v[layer], ref_v[layer], atol=ATOL)
 
 
+@pytest.mark.parametrize("voters", ["all", "recent"])
+@pytest.mark.parametrize("scheme", ["runahead", "tsp"])
+def test_votes_added_up_over_ranks_equal_one_process_scores(group, tiny, scheme, voters) -> None:
+    """A compressing policy's scores (parallel/votes.py): every rank scores the keys with its own voting queries
+    and the last adds the shares up; equal to the whole prompt's column sums in one process. H2O's votes
+    (every query) and PyramidInfer's (a recent window reaching into the second-to-last chunk, weighted)."""
+    _, loaded = tiny
+    cfg, length = loaded.config, 61
+    ids = prompt(length)
+    boundaries = even(length, group.num_procs)
+    first = 0 if voters == "all" else boundaries[-2] - 5
+    weights = torch.linspace(1.0, 2.0, length - first)
+    sink = KVCollector()
+    job = ChunkJob(scheme, tuple(ids), boundaries, vote_from=first, vote_weights=tuple(weights.tolist()))
+    group.prefill(job, sink)
+    recorder = QueryRecorder(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, length, torch.float32)
+    recorder.queries = {}
+    metadata = AttentionMetadata(seq_ids=(0,), query_lens=(length,), context_lens=(0,))
+    with torch.inference_mode():
+        loaded.model(torch.tensor(ids), torch.arange(length), recorder, metadata)
+    for layer in range(cfg.num_layers):
+        keys = recorder.k[layer, 0].transpose(0, 1)  # (C, Hkv, D)
+        expected = column_sums(recorder.queries[layer], keys, 0, first, weights)
+        assert torch.allclose(sink.scores[layer], expected, atol=ATOL)
+
+
 def test_bad_jobs_are_rejected(group) -> None:
     with pytest.raises(ValueError, match="do not split 10 tokens"):
         ChunkJob("runahead", tuple(range(10)), (0, 5, 5, 10))
+    with pytest.raises(ValueError, match="1 vote weights for queries 4..9"):
+        ChunkJob("runahead", tuple(range(10)), (0, 10), vote_from=4, vote_weights=(1.0,))
     with pytest.raises(ValueError, match="scheme must be one of"):
         ChunkJob("ring", tuple(range(10)), (0, 10))
     with pytest.raises(ValueError, match="chunks, the group"):

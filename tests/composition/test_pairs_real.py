@@ -1,0 +1,36 @@
+"""Pairs of techniques on the real default model (float32, where exactness can be asserted)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.eval.data import AUSTEN
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.real_model
+def test_real_model_parallel_prefill_with_h2o_continues_like_one_process(default_model) -> None:
+    """KV-Runahead x H2O: the ranks' votes added up choose the same heavy hitters as one process."""
+    ids = default_model.tokenizer.encode(AUSTEN.read_text()[:4000])[:600]
+    options = {"dtype": "float32", "kv_policy": "h2o", "kv_budget": 0.5}
+    with LLM(**options) as single:
+        expected = single.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(prefill_parallel=2, prefill_partition="even", **options) as parallel:
+        got = parallel.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        assert parallel.engine.parallel_prefill.last_route.processes == 2
+    assert got == expected
+
+
+@pytest.mark.real_model
+def test_real_model_pyramid_in_the_disk_tier_equals_it_on_the_device(default_model) -> None:
+    """PyramidInfer x offload: the compressed per-layer KV in a memory-mapped file gives the device's tokens."""
+    ids = default_model.tokenizer.encode(AUSTEN.read_text()[:2000])[:300]
+    options = {"dtype": "float32", "kv_policy": "pyramid", "kv_budget": 0.5}
+    with LLM(**options) as on_device:
+        expected = on_device.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(kv_offload="disk", **options) as offloaded:
+        got = offloaded.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        assert offloaded.engine.runner.cache.bytes_moved()["fetched"] > 0
+    assert got == expected
