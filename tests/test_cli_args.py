@@ -71,13 +71,15 @@ SCHEMA = "<schema name='s'><module name='m'>text</module></schema>"
     ("argv", "message"),
     [
         (["generate", "--kv-policy", "infinigen", "hi"], "kv_policy='infinigen' fetches from an offloaded cache"),
-        (["generate", "--kv-offload", "host", "--kv-policy", "h2o", "hi"], "kv_offload='host' runs kv_policy"),
+        (["generate", "--kv-offload", "host", "--kv-policy", "h2o", "--kv-offload-path", ".", "hi"],
+         "kv_offload_path is the disk tier's folder"),
         (
             ["generate", "--kv-offload", "host", "--kv-policy", "infinigen", "--kv-pool-limit", "0.5",
              "--prefill-parallel", "2", "hi"],
             "prefill_parallel must be 1",
         ),  # fmt: skip
-        (["generate", "--kv-policy", "pyramid", "--prefill-parallel", "2", "hi"], "prefill_parallel must be 1"),
+        (["generate", "--kv-policy", "pyramid", "--kv-offload", "disk", "--kv-pool-limit", "0.5", "hi"],
+         "kv_pool_limit evicts by InfiniGen's selection counts"),
         (["generate", "--batch-invariant", "--kv-policy", "h2o", "hi"], "it needs kv_policy='full'"),
         (["generate", "--pml-prompt", "<prompt schema='s'/>"], "--pml-prompt needs the schema"),
         (["generate", "--temperature", "-1", "hi"], "temperature must be >= 0"),
@@ -117,7 +119,7 @@ def test_invalid_options_are_refused_before_the_model_loads(argv, message, monke
 @pytest.mark.parametrize(
     "argv",
     [
-        ["generate", "--kv-offload", "host", "--kv-policy", "pyramid", "hi"],
+        ["generate", "--kv-offload", "host", "--kv-policy", "pyramid", "--kv-pool-limit", "0.5", "hi"],
         ["serve", "--kv-policy", "local", "--schema", "s.xml"],
         ["eval", "ppl", "--threads", "0"],
     ],

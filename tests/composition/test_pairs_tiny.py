@@ -213,8 +213,8 @@ def test_a_module_encoded_by_parallel_prefill_equals_prompt_cache_alone(folder, 
         routes = []
         run_prefill = llm.engine.parallel_prefill.run
 
-        def spy(token_ids, sink, positions=()):
-            hidden = run_prefill(token_ids, sink, positions)
+        def spy(token_ids, sink, positions=(), policy=None):
+            hidden = run_prefill(token_ids, sink, positions, policy)
             routes.append((len(token_ids), tuple(positions), llm.engine.parallel_prefill.last_route.processes))
             return hidden
 

@@ -230,8 +230,8 @@ def test_lossy_policy_errors_name_the_problem(folder, loaded) -> None:
         SamplingParams(kv_policy="snapkv")
     with pytest.raises(ValueError, match="kv_budget must be 1"):
         SamplingParams(kv_policy="full", kv_budget=0.5)
-    with pytest.raises(ValueError, match="prefill_parallel must be 1"):
-        EngineConfig(kv_policy="h2o", prefill_parallel=2)
+    with pytest.raises(ValueError, match="kv_pool_limit evicts by InfiniGen's selection counts"):
+        EngineConfig(kv_policy="h2o", kv_offload="host", kv_pool_limit=0.5)
     assert engine.add_request([1, 2, 3], greedy(2)) is not None  # the engine still serves
 
 
