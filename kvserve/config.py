@@ -120,10 +120,11 @@ class EngineConfig:
                 "and a module's blocks are shared by every request that imports it: use kv_pool_limit=1"
             )
         policy = make_policy(self.kv_policy, self.kv_budget, **self.kv_policy_knobs)
-        if policy.per_layer_groups:
+        if policy.per_layer_groups and self.prompt_cache_tier == "host":
             return (
-                f"Prompt Cache shares module blocks across requests, which a compressing kv_policy "
-                f"({policy.name!r}) rewrites per sequence; start the engine with kv_policy='full'"
+                f"a compressing kv_policy ({policy.name!r}) keeps each module's own slots per layer, and "
+                "prompt_cache_tier='host' copies a module's tokens across every layer at once: use "
+                "prompt_cache_tier='device'"
             )
         return None
 

@@ -91,8 +91,9 @@ class LLMEngine:
         if config.prompt_cache_tier == "device":
             module_budget = min(module_budget, plan.num_blocks * plan.block_bytes // 2)
         store = ModuleStore(
-            self.kv, self.runner.cache, config.prompt_cache_tier, module_budget, plan.block_bytes // config.block_size
-        )
+            self.kv, self.runner.cache, config.prompt_cache_tier, module_budget, plan.block_bytes // config.block_size,
+            plan.per_layer_groups,
+        )  # fmt: skip
         return PromptCache(self.tokenizer, self.max_model_len, store, eager=config.prompt_cache_encode == "eager")
 
     def _start_parallel_prefill(self):  # noqa: ANN202 - kvserve.parallel.prefill.ParallelPrefill
@@ -152,7 +153,7 @@ class LLMEngine:
             seq = Sequence(job.seq_id, list(module.token_ids), module.num_tokens, None, None, job.computed)
             request = Request(
                 f"prompt-cache:{module.key[0]}/{module.key[1]}", None, list(module.token_ids), _ENCODE_PARAMS, [seq],
-                prompt_positions=module.positions, encodes_module=True,
+                prompt_positions=module.positions, encodes_module=True, kv_policy=self.kv_policy,
             )  # fmt: skip
             self._encodings[job.seq_id] = job
             self.scheduler.add(request)

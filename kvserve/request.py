@@ -67,11 +67,27 @@ class CachedPrompt:
 
     The prompt's first ``len(shared_blocks) * block_size`` tokens are imported modules' full blocks,
     shared as they are; the next ``len(tail_slots)`` tokens are copied from those device slots (the
-    modules' partial last blocks, which cannot be shared once other tokens follow them)."""
+    modules' partial last blocks, which cannot be shared once other tokens follow them).
+
+    With one KV group per layer (a compressing policy), each layer holds the slots its policy kept of the
+    modules, known once they are encoded: the scheduler fills in ``group_shared[g]`` and ``group_tails[g]``,
+    layer g's, when the request is admitted; the prompt's first ``num_tokens`` tokens are the modules'
+    (however many slots each layer keeps of them)."""
 
     shared_blocks: tuple[int, ...] = ()
     tail_slots: tuple[int, ...] = ()
     module_seq_ids: tuple[int, ...] = ()  # the module sequences holding them: admitted once they are encoded
+    group_shared: tuple[tuple[int, ...], ...] = ()
+    group_tails: tuple[tuple[int, ...], ...] = ()
+    num_tokens: int = 0
+
+    def group_slots(self, block_size: int) -> list[int]:
+        """Slots each layer holds once the modules are imported."""
+        return [len(b) * block_size + len(t) for b, t in zip(self.group_shared, self.group_tails, strict=True)]
+
+    def frozen_slots(self, block_size: int) -> tuple[int, ...]:
+        """Per layer, the leading slots in shared blocks: a compressing policy never rewrites them."""
+        return tuple(len(b) * block_size for b in self.group_shared)
 
 
 @dataclass

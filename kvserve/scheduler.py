@@ -17,10 +17,12 @@ need, not the whole prompt in every group.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
 from kvserve.attention.backend import StepReport
+from kvserve.kv.block_pool import KVCacheError
 from kvserve.kv.manager import AllocationStatus, KVCacheManager
 from kvserve.policies import KVPolicy
 from kvserve.request import Request, RequestStatus, Sequence
@@ -52,6 +54,7 @@ class ScheduledSequence:
     kv_policy: KVPolicy | None = None
     group_slots: tuple[int, ...] = ()
     group_targets: tuple[int, ...] = ()
+    group_frozen: tuple[int, ...] = ()  # [layer] leading slots in shared module blocks (Prompt Cache): kept as is
     positions: tuple[int, ...] = ()  # position ids of token_ids; empty: num_computed_tokens onwards
     full_length: int = 0  # prompt + max_tokens: the KV the sequence may reach (an offloaded pool's limit scales it)
     score_from: int = 0  # the request's first scored token (Request.score_from; the eval tools set it)
@@ -231,8 +234,7 @@ class Scheduler:
             self.waiting.popleft()
             for seq in seqs:
                 if self.config.per_layer_groups:  # _reserve gives each group what the policy keeps
-                    self.kv.allocate_empty(seq.seq_id)
-                    seq.num_computed_tokens = 0
+                    seq.num_computed_tokens = self._allocate_groups(request, seq, step)
                 else:
                     seq.num_computed_tokens = self._allocate(request, seq, step)
             if request.prefilling:
@@ -261,15 +263,36 @@ class Scheduler:
         step.slot_copies += zip(cached.tail_slots[first - lead :], dst, strict=True)
         return max(computed, end)
 
+    def _allocate_groups(self, request: Request, seq: Sequence, step: _Step) -> int:
+        """A group per layer: empty, or starting with the imported modules' slots each layer kept (full blocks
+        shared, partial last blocks copied); returns the tokens already computed."""
+        cached = request.prompt_cache
+        if cached is None:
+            self.kv.allocate_empty(seq.seq_id)
+            seq.group_slots = []
+            return 0
+        self.kv.allocate_shared_groups(seq.seq_id, cached.group_shared)  # filled in by _admission
+        seq.group_slots = cached.group_slots(self.kv.block_size)
+        if not self.kv.reserve(seq.seq_id, seq.group_slots):  # admission counted these blocks
+            raise KVCacheError(f"sequence {seq.seq_id}: no blocks for its modules' tails after admission")
+        frozen = cached.frozen_slots(self.kv.block_size)
+        for group, tails in enumerate(cached.group_tails):
+            dst = self.kv.slots(seq.seq_id, frozen[group], frozen[group] + len(tails), group)
+            step.slot_copies += zip(tails, dst, strict=True)
+        return cached.num_tokens
+
     def _admission(self, request: Request) -> AllocationStatus:
         """Whether all of a waiting request's sequences can get blocks now, later, or never."""
         if _num_seqs(request) > self.config.max_num_seqs:
             return AllocationStatus.NEVER  # best_of sequences can never run side by side
         seqs = request.live_seqs
         if self.config.per_layer_groups:  # each sequence on its own blocks (re-prefilled after a recompute)
-            zero = [0] * len(self.kv.groups)
-            targets = [self._group_targets(request.kv_policy, zero, s.num_tokens, s.num_tokens) for s in seqs]
-            return self.kv.device_status(sum(self.kv.blocks_for(n) for slots in targets for n in slots))
+            held, frozen, cached = self._imported_slots(request)
+            targets = [
+                self._group_targets(request.kv_policy, held, s.num_tokens - cached, s.num_tokens, frozen) for s in seqs
+            ]
+            shared = sum(f // self.kv.block_size for f in frozen) * len(seqs)  # held by the modules already
+            return self.kv.device_status(sum(self.kv.blocks_for(n) for slots in targets for n in slots) - shared)
         module_blocks = request.prompt_cache.shared_blocks if request.prompt_cache else ()
         budget = self.config.max_num_batched_tokens  # the most a step computes: a window group's chunk
         if len(seqs) == 1:
@@ -308,7 +331,9 @@ class Scheduler:
             n = self._tokens_this_step(request, seq, tokens_left)
             if self.config.per_layer_groups:
                 held = self._group_slots(seq)
-                targets = self._group_targets(request.kv_policy, held, n, seq.num_computed_tokens + n)
+                targets = self._group_targets(
+                    request.kv_policy, held, n, seq.num_computed_tokens + n, self._frozen_slots(request)
+                )
                 # A decoded token is written before its layer compresses (see attention/compressed.py): its slot too.
                 writes = 1 if n == 1 else 0
                 if not self.kv.reserve(seq.seq_id, [max(h + writes, t) for h, t in zip(held, targets, strict=True)]):
@@ -327,9 +352,47 @@ class Scheduler:
         """Slots each group holds with keys in them (the manager's count may include this step's reservation)."""
         return list(seq.group_slots) or [0] * len(self.kv.groups)
 
-    def _group_targets(self, policy: KVPolicy, held: list[int], new: int, num_tokens: int) -> list[int]:
-        """Slots each layer group keeps after a step adding ``new`` tokens (one group per layer)."""
-        return policy.slots_after_per_layer(held, new, num_tokens, self.kv.block_size)
+    def _group_targets(
+        self, policy: KVPolicy, held: list[int], new: int, num_tokens: int, frozen: tuple[int, ...] = ()
+    ) -> list[int]:
+        """Slots each layer group keeps after a step adding ``new`` tokens (one group per layer). Slots in shared
+        module blocks (``frozen``) stay as they are, so a group keeps them and room for its own latest tokens."""
+        targets = policy.slots_after_per_layer(held, new, num_tokens, self.kv.block_size)
+        if not frozen:
+            return targets
+        return [
+            max(t, f + min(h + new - f, policy.min_tokens)) for t, f, h in zip(targets, frozen, held, strict=True)
+        ]
+
+    def _imported_slots(self, request: Request) -> tuple[list[int], tuple[int, ...], int]:
+        """A waiting request's slots per layer from imported modules, the frozen ones, and their tokens. Its
+        modules are encoded by now (it waited for them): what each layer kept of them goes into its
+        ``CachedPrompt``."""
+        cached = request.prompt_cache
+        if cached is None:
+            return [0] * len(self.kv.groups), (), 0
+        if not cached.group_shared:
+            request.prompt_cache = cached = dataclasses.replace(cached, **self._module_groups(cached.module_seq_ids))
+        return cached.group_slots(self.kv.block_size), cached.frozen_slots(self.kv.block_size), cached.num_tokens
+
+    def _module_groups(self, module_seq_ids: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """Per layer group, the modules' full blocks (to share) and the slots of their partial last blocks (to
+        copy), as much of each module as that layer kept."""
+        bs, shared, tails = self.kv.block_size, [], []
+        for group in range(len(self.kv.groups)):
+            blocks: list[int] = []
+            slots: list[int] = []
+            for seq_id in module_seq_ids:
+                num_slots = self.kv.num_slots(seq_id, group)
+                blocks += self.kv.block_table(seq_id, group)[: num_slots // bs]
+                slots += self.kv.slots(seq_id, num_slots // bs * bs, num_slots, group)
+            shared.append(tuple(blocks))
+            tails.append(tuple(slots))
+        return {"group_shared": tuple(shared), "group_tails": tuple(tails)}
+
+    def _frozen_slots(self, request: Request) -> tuple[int, ...]:
+        cached = request.prompt_cache
+        return cached.frozen_slots(self.kv.block_size) if cached is not None and cached.group_shared else ()
 
     def _emit(self, request: Request, step: _Step) -> None:
         for seq in request.live_seqs:
@@ -362,9 +425,12 @@ class Scheduler:
     def _policy_fields(self, request: Request, seq: Sequence, n: int) -> dict:
         if not self.config.per_layer_groups:
             return {}
-        held = self._group_slots(seq)
-        targets = self._group_targets(request.kv_policy, held, n, seq.num_computed_tokens + n)
-        return {"kv_policy": request.kv_policy, "group_slots": tuple(held), "group_targets": tuple(targets)}
+        held, frozen = self._group_slots(seq), self._frozen_slots(request)
+        targets = self._group_targets(request.kv_policy, held, n, seq.num_computed_tokens + n, frozen)
+        return {
+            "kv_policy": request.kv_policy, "group_slots": tuple(held), "group_targets": tuple(targets),
+            "group_frozen": frozen,
+        }  # fmt: skip
 
     def _preempt(self, request: Request, step: _Step) -> None:
         seqs = [s for s in request.live_seqs if s.seq_id in self.kv]

@@ -65,6 +65,7 @@ class CompressedAttentionMetadata(AttentionMetadata):
     policies: tuple[KVPolicy, ...] = ()
     group_slots: tuple[tuple[int, ...], ...] = ()  # [seq][layer] slots holding keys before the step
     group_targets: tuple[tuple[int, ...], ...] = ()  # [seq][layer] most slots kept after the step
+    group_frozen: tuple[tuple[int, ...], ...] = ()  # [seq][layer] leading slots in shared module blocks, or ()
     block_tables: tuple[tuple[tuple[int, ...], ...], ...] = ()  # [seq][layer] block ids
     keep_all_rows: tuple[bool, ...] = ()  # [seq] every row's logits are needed: drop no rows
     block_size: int = 16
@@ -135,6 +136,7 @@ class CompressedKVCache(AttentionBackend):
             policies=tuple(s.kv_policy for s in scheduled),
             group_slots=tuple(s.group_slots for s in scheduled),
             group_targets=tuple(s.group_targets for s in scheduled),
+            group_frozen=tuple(s.group_frozen for s in scheduled),
             block_tables=tuple(s.block_tables for s in scheduled),
             keep_all_rows=tuple(rows_from.get(s.seq_id, len(s.token_ids)) < len(s.token_ids) - 1 for s in scheduled),
             block_size=self.block_size,
@@ -167,10 +169,17 @@ class CompressedKVCache(AttentionBackend):
         self._move_scores(host, self, pairs)
 
     def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
-        raise UnsupportedKVOperation(
-            "a compressed cache keeps different slots per layer, so a Prompt Cache module's slots do not name "
-            "one token across layers"
-        )
+        """Single slots (src, dst) of the slab with their scores: a Prompt Cache module's partial last blocks,
+        layer by layer (each layer's slots are its own, so the pairs name each layer's separately)."""
+        if not pairs:
+            return
+        if self.tier is not None:
+            self.tier.copy_slots(list(pairs))
+        else:
+            self.store.copy_slots(pairs)
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.scores.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.scores.device)
+        self.scores.index_copy_(0, dst, self.scores.index_select(0, src))
 
     def bytes_moved(self) -> dict[str, int]:
         return dict(self.moved) if self.tier is not None else {}
@@ -279,8 +288,9 @@ class CompressedKVCache(AttentionBackend):
                 self.scores.index_copy_(0, self._slot_ids(table, 0, num_candidates, q.device), scores)
             meta.state.held_after[i][layer] = num_candidates
             return out, None
-        kept = policy.select(scores, num_candidates, target, num_tokens).to(q.device)  # (target,) ascending
-        self._write_kept(table, keys, values, scores, kept)
+        frozen = meta.group_frozen[i][layer] if meta.group_frozen[i] else 0
+        kept = _select(policy, scores, num_candidates, target, num_tokens, frozen).to(q.device)  # ascending
+        self._write_kept(table, keys, values, scores, kept, frozen)
         meta.state.held_after[i][layer] = target
         if not policy.drops_rows or meta.keep_all_rows[i]:
             return out, None
@@ -349,8 +359,9 @@ class CompressedKVCache(AttentionBackend):
             meta.state.held_after[seq][layer] = n
             return
         scores = None if scores is None else scores[:n]
-        kept = meta.policies[seq].select(scores, n, target, meta.context_lens[seq] + 1).to(keys.device)
-        self._write_kept(meta.block_tables[seq][layer], keys[:n], values[:n], scores, kept)
+        frozen = meta.group_frozen[seq][layer] if meta.group_frozen[seq] else 0
+        kept = _select(meta.policies[seq], scores, n, target, meta.context_lens[seq] + 1, frozen).to(keys.device)
+        self._write_kept(meta.block_tables[seq][layer], keys[:n], values[:n], scores, kept, frozen)
         meta.state.held_after[seq][layer] = target
 
     def _write_kept(
@@ -360,9 +371,12 @@ class CompressedKVCache(AttentionBackend):
         values: torch.Tensor,
         scores: torch.Tensor | None,
         kept: torch.Tensor,
+        frozen: int = 0,
     ) -> None:
-        """Candidates ``kept`` (ascending) into the group's first slots; keys/values (n, Hkv, D) are copies."""
-        dst = self._slot_ids(table, 0, kept.numel(), keys.device)
+        """Candidates ``kept`` (ascending) into the group's first slots; keys/values (n, Hkv, D) are copies. The
+        first ``frozen`` (shared module slots, which ``kept`` starts with) are already in place and never written."""
+        kept = kept[frozen:]
+        dst = self._slot_ids(table, frozen, frozen + kept.numel(), keys.device)
         self._write(dst, keys.index_select(0, kept), values.index_select(0, kept))
         if scores is not None:
             self.scores.index_copy_(0, dst, scores.index_select(0, kept))
@@ -398,3 +412,15 @@ class CompressedKVCache(AttentionBackend):
 
     def _slot_ids(self, table: tuple[int, ...], begin: int, end: int, device: torch.device) -> torch.Tensor:
         return slot_ids(table, begin, end, self.block_size, device)
+
+
+def _select(
+    policy: KVPolicy, scores: torch.Tensor | None, num_candidates: int, keep: int, num_tokens: int, frozen: int
+) -> torch.Tensor:
+    """The policy's choice of ``keep`` of a group's candidates (ascending), keeping the first ``frozen`` (shared
+    Prompt Cache module slots, compressed when the module was encoded) and choosing among the rest."""
+    if not frozen:
+        return policy.select(scores, num_candidates, keep, num_tokens)
+    rest_scores = None if scores is None else scores[frozen:]
+    rest = policy.select(rest_scores, num_candidates - frozen, keep - frozen, num_tokens)
+    return torch.cat((torch.arange(frozen, device=rest.device), rest + frozen))

@@ -251,10 +251,10 @@ class KVCacheManager:
             raise ValueError(f"step_tokens must be an integer >= 1 or None, got {step_tokens!r}")
         return step_tokens
 
-    def _shared_blocks(self, shared: Sequence[int], num_tokens: int) -> list[Block]:
+    def _shared_blocks(self, shared: Sequence[int], num_tokens: int, per_group: bool = False) -> list[Block]:
         if not shared:
             return []
-        if len(self.groups) != 1:
+        if len(self.groups) != 1 and not per_group:
             raise KVCacheError(f"shared leading blocks need a single KV group; this manager has {len(self.groups)}")
         if self.groups[0].sliding_window is not None:
             raise KVCacheError(
@@ -326,6 +326,21 @@ class KVCacheManager:
         if seq_id in self._seqs:
             raise KVCacheError(f"sequence {seq_id} already has KV blocks; free it before allocating again")
         self._seqs[seq_id] = _Sequence([_GroupTable([], 0) for _ in self.groups], ())
+
+    def allocate_shared_groups(self, seq_id: int, shared: Sequence[Sequence[int]]) -> None:
+        """A new sequence whose group g starts with the full blocks ``shared[g]`` another holder keeps (a Prompt
+        Cache module stored per layer by a compressing policy), held as they are; it grows per group with
+        ``reserve`` like ``allocate_empty``'s."""
+        if seq_id in self._seqs:
+            raise KVCacheError(f"sequence {seq_id} already has KV blocks; free it before allocating again")
+        if len(shared) != len(self.groups):
+            raise ValueError(f"need shared blocks per KV group ({len(self.groups)}), got {len(shared)}")
+        tables = []
+        for group_shared in shared:
+            lead = self._shared_blocks(group_shared, len(group_shared) * self.block_size, per_group=True)
+            self.pool.touch(lead)
+            tables.append(_GroupTable(lead, len(lead) * self.block_size, num_cached=len(lead)))
+        self._seqs[seq_id] = _Sequence(tables, ())
 
     # ----- growing, shrinking, caching, sharing -----
 

@@ -167,7 +167,9 @@ def _assemble(
     pinned: list[ModuleBlocks], uncached: list[int], uncached_positions: list[int], block_size: int, schema_text: str
 ) -> PreparedPrompt:
     """Slot order: every module's full blocks (shared), every module's tail (copied), the uncached tokens.
-    Attention does not care about slot order; RoPE put each position in its key already."""
+    Attention does not care about slot order; RoPE put each position in its key already. (Token order follows
+    the first KV group's slots; with a group per layer, each layer's slots are its own and only the count of
+    module tokens matters.)"""
     token_ids: list[int] = []
     positions: list[int] = []
     for blocks in pinned:
@@ -184,9 +186,8 @@ def _assemble(
     positions += uncached_positions
     shared = tuple(b for blocks in pinned for b in blocks.full_blocks)
     module_seqs = tuple(blocks.module.seq_id for blocks in pinned)
+    cached = CachedPrompt(shared, tuple(tail_slots), module_seqs, num_tokens=sum(m.module.num_tokens for m in pinned))
     digest = hashlib.sha256(repr((schema_text, tuple(token_ids), tuple(positions))).encode()).hexdigest()
     return PreparedPrompt(
-        token_ids, positions, CachedPrompt(shared, tuple(tail_slots), module_seqs), [b.module for b in pinned],
-        len(uncached),
-        ("prompt-cache", digest),
+        token_ids, positions, cached, [b.module for b in pinned], len(uncached), ("prompt-cache", digest)
     )  # fmt: skip

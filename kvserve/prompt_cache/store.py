@@ -75,7 +75,9 @@ class EncodeJob:
 
 @dataclass(frozen=True)
 class ModuleBlocks:
-    """A pinned module's device blocks: its full blocks to share, and the slots of its partial last block."""
+    """A pinned module's device blocks: its full blocks to share, and the slots of its partial last block.
+    (With a KV group per layer, what each layer keeps is known once the module is encoded: the scheduler reads
+    it from the module sequence when a request importing it is admitted.)"""
 
     module: CachedModule
     full_blocks: tuple[int, ...]
@@ -92,11 +94,20 @@ class StoreStats:
 
 class ModuleStore:
     def __init__(
-        self, kv: KVCacheManager, cache: AttentionBackend, tier: str, budget_bytes: int, token_bytes: int
+        self,
+        kv: KVCacheManager,
+        cache: AttentionBackend,
+        tier: str,
+        budget_bytes: int,
+        token_bytes: int,
+        per_layer_groups: bool = False,
     ) -> None:
+        """``token_bytes``: one token's slot in one block of the pool (every layer, or one with
+        ``per_layer_groups``: a compressing policy's group per layer, each keeping its own slots of a module)."""
         if tier not in TIERS:
             raise ValueError(f"prompt_cache_tier must be one of {TIERS}, got {tier!r}")
         self.kv, self.cache, self.tier = kv, cache, tier
+        self.per_layer_groups = per_layer_groups
         self.budget_bytes, self.token_bytes = budget_bytes, token_bytes
         self.modules: OrderedDict[tuple[str, str], CachedModule] = OrderedDict()  # least recently used first
         self.stats = StoreStats()
@@ -135,8 +146,8 @@ class ModuleStore:
     def _bytes(self, module: CachedModule) -> int:
         if self.tier == "host":
             return module.num_tokens * self.token_bytes if module.host_kv is not None else 0
-        block_bytes = self.token_bytes * self.kv.block_size
-        return self.kv.blocks_for(module.num_tokens) * block_bytes if module.seq_id is not None else 0
+        block_bytes = self.token_bytes * self.kv.block_size  # one block of the pool (of one layer, per layer)
+        return len(self.kv.held_blocks(module.seq_id)) * block_bytes if module.seq_id is not None else 0
 
     # ----- use by requests -----
 
@@ -150,6 +161,8 @@ class ModuleStore:
         if self.modules.get(module.key) is module:
             self.modules.move_to_end(module.key)
         self._enforce_budget(keep=module)
+        if self.per_layer_groups:
+            return ModuleBlocks(module, (), ())
         num_full = module.num_tokens // self.kv.block_size
         tail = self.kv.slots(module.seq_id, num_full * self.kv.block_size, module.num_tokens)
         return ModuleBlocks(module, tuple(self.kv.block_table(module.seq_id)[:num_full]), tuple(tail))
@@ -174,7 +187,11 @@ class ModuleStore:
         self._jobs.append(EncodeJob(module, seq_id, computed))
 
     def _allocate(self, seq_id: int, module: CachedModule) -> int:
-        """Device blocks for a module sequence, evicting unpinned modules if the pool is short."""
+        """Device blocks for a module sequence, evicting unpinned modules if the pool is short. With a group per
+        layer (a compressing policy) the scheduler reserves what each layer keeps as the encoding runs."""
+        if self.per_layer_groups:
+            self.kv.allocate_empty(seq_id)
+            return 0
         while True:
             try:
                 return self.kv.allocate(seq_id, module.token_ids, module.hash_salt)

@@ -34,3 +34,21 @@ def test_real_model_pyramid_in_the_disk_tier_equals_it_on_the_device(default_mod
         got = offloaded.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         assert offloaded.engine.runner.cache.bytes_moved()["fetched"] > 0
     assert got == expected
+
+
+@pytest.mark.real_model
+def test_real_model_prompt_cache_stores_modules_compressed_by_pyramid(default_model) -> None:
+    """Prompt Cache x PyramidInfer: a document module encoded under PyramidInfer takes less memory than under the
+    full cache, and a prompt importing it answers with well-formed text."""
+    doc = AUSTEN.read_text()[:1500].replace("<", " ").replace(">", " ").replace("&", "and")
+    schema = f'<schema name="book"><module name="doc">{doc}</module></schema>'
+    prompt = '<prompt schema="book"><doc/> Who is the story about?</prompt>'
+    params = SamplingParams(max_tokens=16, temperature=0)
+    memory = {}
+    for policy in ("full", "pyramid"):
+        with LLM(dtype="float32", kv_policy=policy, kv_budget=0.5 if policy == "pyramid" else None) as llm:
+            llm.register_schema(schema)
+            memory[policy] = llm.engine.prompt_cache.store.memory_bytes()
+            out = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert out.num_cached_tokens > 300 and out.outputs[0].text.strip()
+    assert memory["pyramid"] < 0.8 * memory["full"]

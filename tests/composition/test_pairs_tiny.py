@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from kvserve import LLM
 from kvserve.config import EngineConfig
@@ -228,6 +229,54 @@ def test_a_module_encoded_by_parallel_prefill_equals_prompt_cache_alone(folder, 
     assert got == expected
 
 
+def test_prompt_cache_with_h2o_at_full_budget_equals_prompt_cache_alone(loaded, prompt_cache_reference) -> None:
+    """Prompt Cache x compression, its plumbing exact: at budget 1 H2O keeps every slot, so modules imported
+    layer by layer (full blocks shared per layer, tails copied per layer) give Prompt Cache's tokens."""
+    got, outputs = _prompt_cache_tokens(loaded, repeats=2, kv_policy="h2o", kv_budget=1.0)
+    assert got == [prompt_cache_reference] * 2
+    assert outputs[0].num_cached_tokens > 0
+    offloaded, _ = _prompt_cache_tokens(loaded, kv_policy="h2o", kv_budget=1.0, kv_offload="disk")
+    assert offloaded == [prompt_cache_reference]  # and with the per-layer slab in the disk tier
+
+
+@pytest.mark.parametrize("policy", ["pyramid", "h2o", "local"])
+def test_prompt_cache_stores_modules_compressed_and_never_rewrites_them(loaded, policy) -> None:
+    """Prompt Cache x PyramidInfer/H2O/local: a module is encoded under the policy, so each layer keeps its own
+    share of it (less memory per cached module); requests import those slots and compress only their own."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    full = make_engine(loaded, block_size=2)
+    full.register_schema(SCHEMA)
+    full.encode_modules()
+    full_bytes = full.prompt_cache.store.memory_bytes()
+    full.close()
+    engine = make_engine(loaded, kv_policy=policy, kv_budget=0.5, block_size=2)
+    engine.register_schema(SCHEMA)
+    engine.encode_modules()
+    store, cache = engine.prompt_cache.store, engine.runner.cache
+    assert 0 < store.memory_bytes() < full_bytes
+    modules = list(store.modules.values())
+    blocks = [b for m in modules for b in engine.kv.held_blocks(m.seq_id)]
+    before = cache.k[0, blocks].clone()
+    outputs = run(engine, [PML, PML.replace("so what", "and why")], params)
+    assert all(len(o.outputs[0].token_ids) == 24 and o.num_cached_tokens > 0 for o in outputs)
+    assert torch.equal(cache.k[0, blocks], before)  # shared module slots are never compacted
+    engine.close()
+
+
+def test_prompt_cache_with_compression_preempted_by_recompute(loaded) -> None:
+    prompts = [PML.replace("so what", f"so {w}") for w in ("what", "where", "why", "who")]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    roomy = make_engine(loaded, kv_policy="h2o", kv_budget=1.0)
+    roomy.register_schema(SCHEMA)
+    expected = tokens(run(roomy, prompts, params))
+    roomy.close()
+    tight = make_engine(loaded, kv_policy="h2o", kv_budget=1.0, kv_cache_memory=roomy.kv_block_bytes * 180)
+    tight.register_schema(SCHEMA)
+    assert tokens(run(tight, prompts, params)) == expected
+    assert tight.scheduler.num_preemptions > 0
+    tight.close()
+
+
 # ----- lossy pairs: well-formed, and what they save measured -----
 
 
@@ -256,10 +305,9 @@ def test_parallel_prefill_with_infinigen_generates_well_formed_output(folder) ->
 # ----- refused pairs: the reason, in the error -----
 
 REFUSED = {
-    "prompt cache x pyramid": (
-        {"kv_policy": "pyramid"}, True, "Prompt Cache shares module blocks across requests",
+    "prompt cache (host tier) x pyramid": (
+        {"kv_policy": "pyramid", "prompt_cache_tier": "host"}, True, "copies a module's tokens across every layer",
     ),
-    "prompt cache x h2o": ({"kv_policy": "h2o"}, True, "Prompt Cache shares module blocks across requests"),
     "prompt cache (host tier) x offload": (
         {"kv_offload": "host", "prompt_cache_tier": "host"}, True, "would copy them into it a second time",
     ),

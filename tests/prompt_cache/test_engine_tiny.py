@@ -268,12 +268,12 @@ def test_bad_pml_prompts_are_refused_and_the_engine_keeps_serving(loaded, prompt
     assert len(out.outputs[0].token_ids) == 8
 
 
-def test_schema_over_the_context_and_compressing_engines_are_refused(loaded):
+def test_schema_over_the_context_and_a_compressing_engine_with_host_modules_are_refused(loaded):
     engine = make_engine(loaded, max_model_len=16)
     with pytest.raises(PMLError, match="spans .* positions; the context is 16"):
         engine.register_schema(SCHEMA)
-    with pytest.raises(ValueError, match="kv_policy='full'"):
-        make_engine(loaded, kv_policy="h2o").register_schema(SCHEMA)
+    with pytest.raises(ValueError, match="use prompt_cache_tier='device'"):
+        make_engine(loaded, kv_policy="h2o", prompt_cache_tier="host").register_schema(SCHEMA)
     engine = make_engine(loaded)
     engine.register_schema(SCHEMA)
     with pytest.raises(ValueError, match="prompt_logprobs"):
