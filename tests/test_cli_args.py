@@ -86,7 +86,8 @@ SCHEMA = "<schema name='s'><module name='m'>text</module></schema>"
         (["generate", "--top-p", "2", "hi"], "top_p"),
         (["generate", "--max-tokens", "0", "hi"], "max_tokens"),
         (["generate", "--threads", "0", "hi"], "--threads must be >= 1, got 0"),
-        (["generate", "--kv-policy", "h2o", "--schema", "{schema}", "hi"], "--schema: Prompt Cache shares module"),
+        (["generate", "--kv-policy", "h2o", "--prompt-cache-tier", "host", "--schema", "{schema}", "hi"],
+         "--schema: a compressing kv_policy ('h2o') keeps each module's own slots per layer"),
         (["generate", "--schema", "/nonexistent/s.xml", "hi"], "cannot read schema file '/nonexistent/s.xml'"),
         (["generate", "--device", "bogus", "hi"], "device 'bogus' is not a device name"),
         (["serve", "--kv-cache-memory", "12XB"], "memory size '12XB' is not a byte count"),
@@ -120,7 +121,7 @@ def test_invalid_options_are_refused_before_the_model_loads(argv, message, monke
     "argv",
     [
         ["generate", "--kv-offload", "host", "--kv-policy", "pyramid", "--kv-pool-limit", "0.5", "hi"],
-        ["serve", "--kv-policy", "local", "--schema", "s.xml"],
+        ["serve", "--kv-policy", "local", "--prompt-cache-tier", "host", "--schema", "s.xml"],
         ["eval", "ppl", "--threads", "0"],
     ],
 )

@@ -61,9 +61,11 @@ def test_a_module_encoding_is_chunked_never_samples_and_hands_its_blocks_back() 
 
 
 def test_a_cache_refuses_what_its_kind_cannot_do_naming_why() -> None:
-    compressed = CompressedKVCache(2, 4, BLOCK, 1, 8, torch.float32)
-    with pytest.raises(UnsupportedKVOperation, match="different slots per layer"):
-        compressed.copy_slots([(0, 1)])
+    compressed = CompressedKVCache(2, 4, BLOCK, 1, 8, torch.float32, tier="host")
+    with pytest.raises(UnsupportedKVOperation, match="in the host tier already"):
+        compressed.swap_out([(0, 1)])
+    with pytest.raises(UnsupportedKVOperation, match="cannot read slots"):
+        compressed.read_slots([0])
     offloaded = OffloadedKVCache(make_policy("full"), "host", 2, 4, BLOCK, 1, 8, torch.float32)
     try:
         with pytest.raises(UnsupportedKVOperation, match="already off the device"):

@@ -348,7 +348,7 @@ def test_infinigen_sizes() -> None:
     [
         ({"kv_policy": "infinigen"}, "kv_policy='infinigen' fetches from an offloaded cache"),
         ({"kv_policy": "int4"}, "kv_policy='int4' fetches from an offloaded cache"),
-        ({"kv_offload": "host", "kv_policy": "h2o"}, "runs kv_policy ['full', 'infinigen', 'int4'], got 'h2o'"),
+        ({"kv_offload": "host", "kv_policy": "h2o", "kv_pool_limit": 0.5}, "kv_pool_limit evicts by InfiniGen's"),
         ({"kv_offload": "host", "kv_pool_limit": 0.5}, "it needs kv_policy='infinigen', got 'full'"),
         ({"kv_offload": "host", "kv_policy": "int4", "kv_pool_limit": 0.5}, "got 'int4'"),
         ({"kv_pool_limit": 0.5}, "kv_pool_limit=0.5 limits an offloaded cache"),
