@@ -133,9 +133,9 @@ BAD_FLAGS = [
         id="pool-limit-full",
     ),
     pytest.param(
-        ["--kv-offload", "host", "--kv-policy", "h2o"],
-        "kv_offload='host' runs kv_policy ['full', 'infinigen', 'int4'], got 'h2o'",
-        id="offload-h2o",
+        ["--kv-offload", "host", "--kv-policy", "h2o", "--kv-pool-limit", "0.5"],
+        "kv_pool_limit evicts by InfiniGen's selection counts: it needs kv_policy='infinigen', got 'h2o'",
+        id="pool-limit-h2o",
     ),
     pytest.param(
         ["--kv-offload-path", "."],
