@@ -61,9 +61,29 @@ def latency(report: dict) -> dict[str, tuple[float, bool]]:
     return figures
 
 
+def speed(report: dict) -> dict[str, tuple[float, bool]]:
+    (r,) = [r for r in report["results"] if r["engine"].startswith("kvserve")]
+    figures = {f"prefill {n} tokens (s)": (s, True) for n, s in r["prefill_s"].items()}
+    figures["decode b=1 tok/s"] = (r["decode_tokens_per_s"], False)
+    figures.update({f"{b} sequences tok/s": (t, False) for b, t in r["batch_tokens_per_s"].items()})
+    return figures
+
+
+def throughput(report: dict) -> dict[str, tuple[float, bool]]:
+    (r,) = [r for r in report["results"] if r["engine"] == "kvserve"]
+    return {"output tok/s": (r["output_tokens_per_s"], False)}
+
+
+def prefix(report: dict) -> dict[str, tuple[float, bool]]:
+    return {
+        f"prefix caching {'on' if r['prefix_caching'] else 'off'}: wall time (s)": (r["seconds"], True)
+        for r in report["results"]
+    }
+
+
 FIGURES = {
     "compression": compression, "offload": offload, "prompt-cache": prompt_cache, "prefill": prefill,
-    "latency": latency,
+    "latency": latency, "speed": speed, "throughput": throughput, "prefix": prefix,
 }  # fmt: skip
 
 

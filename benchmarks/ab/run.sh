@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The technique benchmarks at two commits in one run, alternating, on the same machine:
-#   benchmarks/ab/run.sh BASE_WORKTREE OUT_DIR
+#   benchmarks/ab/run.sh BASE_WORKTREE OUT_DIR [BENCHMARK]
 # BASE_WORKTREE is a checkout of the older commit (git worktree add /tmp/base <commit>); this checkout is
 # the newer one. Both run on this checkout's .venv (the same torch and model), the older one through
 # PYTHONPATH. Each command is run base then head, so a slow spell of the machine hits both.
@@ -14,8 +14,13 @@ benches=(
   "prompt-cache --threads 2 --questions 5 --lengths 1024,4096"
   "prefill --threads 2 --prefill-parallel 2 --lengths 1000,4000 --methods single,KVR-E --repeats 2"
   "latency --threads 2 --dtype bfloat16 --no-peer"
+  "speed --threads 2 --peers="
+  "throughput --threads 2 --no-peer"
+  "prefix --threads 2"
 )
+only=${3:-}  # a benchmark name: run that one only
 for bench in "${benches[@]}"; do
+  [ -n "$only" ] && [ "${bench%% *}" != "$only" ] && continue
   name=${bench%% *}
   for side in base head; do
     root=$here; [ "$side" = base ] && root=$base

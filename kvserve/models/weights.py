@@ -7,7 +7,7 @@ also keeps a dequantised copy for large batches.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -43,84 +43,106 @@ def build_model(
     reads those (``Int8PlanesLinear``) and the dequantised embedding only above ``INT4_MAX_ROWS`` rows.
     """
     model_class = model_class_for(config)
-    used: set[str] = set()
-    total = len(names)
-    int4 = int4 or {}
-
-    def mark_used(name: str) -> None:
-        if name not in names:
-            raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint")
-        used.add(name)
-        if progress is not None:
-            progress(len(used), total)
-
-    def get(name: str) -> torch.Tensor:
-        if name not in names:
-            raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint")
-        tensor = names[name]().to(dtype)
-        mark_used(name)
-        return tensor
-
-    def get_int4(name: str) -> Int4Weight:
-        weight = int4[name]()
-        mark_used(name)
-        return weight
-
-    modules: dict[str, torch.nn.Module] = {}  # our module name -> its quantised replacement
-
-    def linear(ours: str, parts: list[str], bias: list[str] | None = None) -> None:
-        """The projection ``ours`` from the rows of ``parts`` (fused when several), quantised if all are."""
-        bias_tensor = torch.cat([get(b) for b in bias]) if bias else None
-        if all(p in int4 for p in parts):
-            dense = torch.cat([get(p) for p in parts]) if int4_dense else None
-            modules[ours] = QuantLinear(Int4Weight.cat([get_int4(p) for p in parts]), dtype, bias_tensor, dense)
-            return
-        state[ours + ".weight"] = torch.cat([get(p) for p in parts]) if len(parts) > 1 else get(parts[0])
-        if bias_tensor is not None:
-            state[ours + ".bias"] = bias_tensor
-
-    state = {"norm.weight": get("model.norm.weight")}
-    embed = "model.embed_tokens.weight"
-    if embed in int4:
-        weight = get_int4(embed)
-        modules["embed_tokens"] = QuantEmbedding(weight, dtype)
-        if config.tie_word_embeddings:  # the head reads the same codes, packed for the int4 matmul
-            modules["lm_head"] = QuantLinear(weight, dtype, dense=get(embed) if int4_dense else None)
-    else:
-        state["embed_tokens.weight"] = get(embed)
-        if config.tie_word_embeddings and head_planes is not None:
-            modules["lm_head"] = Int8PlanesLinear(head_planes(), dtype, dense=state["embed_tokens.weight"])
-    if not config.tie_word_embeddings:
-        linear("lm_head", ["lm_head.weight"])
+    weights = _Weights(names, dtype, int4 or {}, int4_dense, progress)
+    weights.state["norm.weight"] = weights.get("model.norm.weight")
+    weights.embeddings(config, head_planes)
     for i in range(config.num_layers):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        attn = hf + "self_attn."
-        for norm in model_class.layer_class.NORMS:
-            state[f"{ours}{norm}.weight"] = get(f"{hf}{norm}.weight")
-        qkv_bias = [attn + f"{p}_proj.bias" for p in "qkv"] if config.attention_bias else None
-        linear(ours + "self_attn.qkv_proj", [attn + f"{p}_proj.weight" for p in "qkv"], qkv_bias)
-        o_bias = [attn + "o_proj.bias"] if config.o_proj_bias else None
-        linear(ours + "self_attn.o_proj", [attn + "o_proj.weight"], o_bias)
-        mlp = hf + "mlp."
-        linear(ours + "mlp.gate_up_proj", [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
-        linear(ours + "mlp.down_proj", [mlp + "down_proj.weight"])
-
+        weights.layer(config, model_class.layer_class.NORMS, f"model.layers.{i}.", f"layers.{i}.")
     if config.tie_word_embeddings:
-        used.add("lm_head.weight")  # some checkpoints store the tied copy too
-    unused = sorted(set(names) - used)
+        weights.used.add("lm_head.weight")  # some checkpoints store the tied copy too
+    unused = sorted(set(names) - weights.used)
     if unused:
         raise UnsupportedModelError(
             f"the checkpoint has {len(unused)} tensors this architecture does not use, e.g. {unused[:3]}; "
             "kvserve would compute a different model than the checkpoint describes"
         )
     model = model_class(config, rope_freq_factors)
-    for name, module in modules.items():
+    state = weights.state
+    for name, module in weights.modules.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, module)
         state.update({f"{name}.{key}": value for key, value in module.state_dict().items()})
     _check_shapes(model, state)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)
+
+
+class _Weights:
+    """The checkpoint's tensors taken one by one into our names: a state dict of plain tensors, and the
+    quantised modules that replace some of ours; which checkpoint names were used, for the unused check."""
+
+    def __init__(
+        self,
+        names: Mapping[str, TensorSource],
+        dtype: torch.dtype,
+        int4: Mapping[str, Int4Source],
+        int4_dense: bool,
+        progress: Callable[[int, int], None] | None,
+    ) -> None:
+        self.names, self.dtype, self.int4, self.int4_dense, self.progress = names, dtype, int4, int4_dense, progress
+        self.used: set[str] = set()
+        self.state: dict[str, torch.Tensor] = {}
+        self.modules: dict[str, torch.nn.Module] = {}  # our module name -> its quantised replacement
+
+    def _mark_used(self, name: str) -> None:
+        if name not in self.names:
+            raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint")
+        self.used.add(name)
+        if self.progress is not None:
+            self.progress(len(self.used), len(self.names))
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.names:
+            raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint")
+        tensor = self.names[name]().to(self.dtype)
+        self._mark_used(name)
+        return tensor
+
+    def get_int4(self, name: str) -> Int4Weight:
+        weight = self.int4[name]()
+        self._mark_used(name)
+        return weight
+
+    def linear(self, ours: str, parts: list[str], bias: list[str] | None = None) -> None:
+        """The projection ``ours`` from the rows of ``parts`` (fused when several), quantised if all are."""
+        bias_tensor = torch.cat([self.get(b) for b in bias]) if bias else None
+        if all(p in self.int4 for p in parts):
+            dense = torch.cat([self.get(p) for p in parts]) if self.int4_dense else None
+            weight = Int4Weight.cat([self.get_int4(p) for p in parts])
+            self.modules[ours] = QuantLinear(weight, self.dtype, bias_tensor, dense)
+            return
+        self.state[ours + ".weight"] = torch.cat([self.get(p) for p in parts]) if len(parts) > 1 else self.get(parts[0])
+        if bias_tensor is not None:
+            self.state[ours + ".bias"] = bias_tensor
+
+    def embeddings(self, config: ModelConfig, head_planes: Int4Source | None) -> None:
+        """The token embedding, and the LM head (tied to it, or its own)."""
+        embed = "model.embed_tokens.weight"
+        if embed in self.int4:
+            weight = self.get_int4(embed)
+            self.modules["embed_tokens"] = QuantEmbedding(weight, self.dtype)
+            if config.tie_word_embeddings:  # the head reads the same codes, packed for the int4 matmul
+                dense = self.get(embed) if self.int4_dense else None
+                self.modules["lm_head"] = QuantLinear(weight, self.dtype, dense=dense)
+        else:
+            self.state["embed_tokens.weight"] = self.get(embed)
+            if config.tie_word_embeddings and head_planes is not None:
+                dense = self.state["embed_tokens.weight"]
+                self.modules["lm_head"] = Int8PlanesLinear(head_planes(), self.dtype, dense=dense)
+        if not config.tie_word_embeddings:
+            self.linear("lm_head", ["lm_head.weight"])
+
+    def layer(self, config: ModelConfig, norms: Sequence[str], hf: str, ours: str) -> None:
+        """One decoder layer: its norms, fused q/k/v, o, fused gate/up and down projections."""
+        attn, mlp = hf + "self_attn.", hf + "mlp."
+        for norm in norms:
+            self.state[f"{ours}{norm}.weight"] = self.get(f"{hf}{norm}.weight")
+        qkv_bias = [attn + f"{p}_proj.bias" for p in "qkv"] if config.attention_bias else None
+        self.linear(ours + "self_attn.qkv_proj", [attn + f"{p}_proj.weight" for p in "qkv"], qkv_bias)
+        o_bias = [attn + "o_proj.bias"] if config.o_proj_bias else None
+        self.linear(ours + "self_attn.o_proj", [attn + "o_proj.weight"], o_bias)
+        self.linear(ours + "mlp.gate_up_proj", [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
+        self.linear(ours + "mlp.down_proj", [mlp + "down_proj.weight"])
 
 
 def model_class_for(config: ModelConfig) -> type[LlamaForCausalLM]:
