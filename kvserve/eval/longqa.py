@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.eval.data import LEVAL, require
 from kvserve.eval.metrics import contains_answer, exact_match, mean, mean_stderr, option_letter, rouge_l, token_f1
+from kvserve.log import get_logger
 
 if TYPE_CHECKING:
     from kvserve.engine import LLMEngine
@@ -362,11 +363,16 @@ def _generate_with_prompt_cache(
         )  # fmt: skip
         name = f"leval-{task}-{number}"
         schema, pml = pml_prompts(engine.tokenizer, task, document, kept, name)
+        start = time.perf_counter()
         engine.register_schema(schema)
         try:
             outputs += llm.generate(pml, params, use_tqdm=False)
         finally:
             engine.prompt_cache.remove(name)
+        get_logger().info(
+            "document %d/%d: %d tokens as a module, %d questions (%.1f s)",
+            number + 1, len(documents), prompts.kept_tokens, len(pml), time.perf_counter() - start,
+        )  # fmt: skip
     return outputs
 
 
