@@ -356,13 +356,14 @@ class Scheduler:
         self, policy: KVPolicy, held: list[int], new: int, num_tokens: int, frozen: tuple[int, ...] = ()
     ) -> list[int]:
         """Slots each layer group keeps after a step adding ``new`` tokens (one group per layer). Slots in shared
-        module blocks (``frozen``) stay as they are, so a group keeps them and room for its own latest tokens."""
-        targets = policy.slots_after_per_layer(held, new, num_tokens, self.kv.block_size)
+        module blocks (``frozen``) were compressed when the module was encoded and stay as they are; the group's
+        own slots after them get the policy's share of the whole sequence, as if the modules were not there (a
+        prompt's question after a long document stays in PyramidInfer's recent window, as without modules)."""
         if not frozen:
-            return targets
-        return [
-            max(t, f + min(h + new - f, policy.min_tokens)) for t, f, h in zip(targets, frozen, held, strict=True)
-        ]
+            return policy.slots_after_per_layer(held, new, num_tokens, self.kv.block_size)
+        own_held = [h - f for h, f in zip(held, frozen, strict=True)]
+        own = policy.slots_after_per_layer(own_held, new, num_tokens, self.kv.block_size)
+        return [f + t for f, t in zip(frozen, own, strict=True)]
 
     def _imported_slots(self, request: Request) -> tuple[list[int], tuple[int, ...], int]:
         """A waiting request's slots per layer from imported modules, the frozen ones, and their tokens. Its
