@@ -43,12 +43,14 @@ def test_real_model_prompt_cache_stores_modules_compressed_by_pyramid(default_mo
     doc = AUSTEN.read_text()[:1500].replace("<", " ").replace(">", " ").replace("&", "and")
     schema = f'<schema name="book"><module name="doc">{doc}</module></schema>'
     prompt = '<prompt schema="book"><doc/> Who is the story about?</prompt>'
+    other = prompt.replace("Who is the story about?", "Where does the story take place?")
     params = SamplingParams(max_tokens=16, temperature=0)
     memory = {}
     for policy in ("full", "pyramid"):
         with LLM(dtype="float32", kv_policy=policy, kv_budget=0.5 if policy == "pyramid" else None) as llm:
             llm.register_schema(schema)
             memory[policy] = llm.engine.prompt_cache.store.memory_bytes()
-            out = llm.generate(prompt, params, use_tqdm=False)[0]
-        assert out.num_cached_tokens > 300 and out.outputs[0].text.strip()
+            outs = llm.generate([prompt, other], params, use_tqdm=False)
+        assert all(out.num_cached_tokens > 300 and out.outputs[0].text.strip() for out in outs)
+        assert outs[0].outputs[0].text != outs[1].outputs[0].text  # the answer follows the question after the module
     assert memory["pyramid"] < 0.8 * memory["full"]

@@ -263,6 +263,33 @@ def test_prompt_cache_stores_modules_compressed_and_never_rewrites_them(loaded, 
     engine.close()
 
 
+def test_prompt_cache_with_pyramid_keeps_the_recent_window_after_the_modules(loaded) -> None:
+    """The imported module slots are compressed already; the prompt's own slots after them get PyramidInfer's
+    share of the whole sequence, so at every layer they keep at least its recent window S_r (the question after
+    a document, as without modules), not a few slots."""
+    question = "so what comes next in the list of all the colours and all the numbers named above, tell me now"
+    engine = make_engine(loaded, kv_policy="pyramid", kv_budget=0.5)
+    engine.register_schema(SCHEMA)
+    engine.encode_modules()
+    steps = []
+    execute = engine.runner.execute
+
+    def spy(out, rows_from=None):
+        result = execute(out, rows_from)
+        steps.extend((s, result.report.group_slots.get(s.seq_id)) for s in out.scheduled if s.seq_id >= 0)
+        return result
+
+    engine.runner.execute = spy
+    run(engine, [PML.replace("so what comes next in the list", question)])
+    engine.close()
+    first, kept = steps[0]
+    assert first.num_computed_tokens > 0 and min(first.group_frozen) > 0  # the modules were imported per layer
+    recent = first.kv_policy.recent_count(first.num_computed_tokens + len(first.token_ids))
+    for frozen, held, after in zip(first.group_frozen, first.group_slots, kept, strict=True):
+        own = held - frozen + len(first.token_ids)  # copied module tails and the prompt's own tokens
+        assert after - frozen >= min(own, recent)
+
+
 def test_prompt_cache_with_compression_preempted_by_recompute(loaded) -> None:
     prompts = [PML.replace("so what", f"so {w}") for w in ("what", "where", "why", "who")]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
