@@ -577,5 +577,6 @@ def test_two_step_beam_search_is_never_worse_than_greedy(folder, loaded, prompt)
                           length_penalty=0.0)  # fmt: skip
     (beams,) = run(engine, [prompt], beam)
     (plain,) = run(engine, [prompt], greedy(2))
-    assert beams.outputs[0].cumulative_logprob >= plain.outputs[0].cumulative_logprob - 1e-6
+    # The beams run as a batch of 3 and greedy alone: float32 matmuls round differently per batch shape (~1e-6).
+    assert beams.outputs[0].cumulative_logprob >= plain.outputs[0].cumulative_logprob - 1e-5
     assert beams.outputs[0].cumulative_logprob >= beams.outputs[1].cumulative_logprob

@@ -101,14 +101,12 @@ class Pair:
 
 @pytest.mark.parametrize("consecutive", [True, False], ids=["consecutive-blocks", "shuffled-blocks"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_single_sequence_decode_reads_consecutive_blocks_as_a_view(block_size: int, consecutive: bool) -> None:
-    """One decoding sequence in consecutive blocks is read by slicing the cache, not gathering; same result."""
+def test_single_sequence_decode_in_consecutive_or_shuffled_blocks(block_size: int, consecutive: bool) -> None:
+    """One decoding sequence reads its blocks through its table wherever they lie; the same result either way."""
     pair = Pair(*HEADS["gqa_6_2"], block_size=block_size, num_seqs=1, max_len=40, consecutive=consecutive)
     assert pair.step([(0, 21)]) < ATOL
     for _ in range(6):
         assert pair.step([(0, 1)]) < ATOL
-        run = pair.last_plan.decode_views[(0, None)].run
-        assert run == (pair.tables[0][0] if consecutive else None)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])

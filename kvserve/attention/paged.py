@@ -16,11 +16,10 @@ layer block-major, then token-major inside a block. Why this and not (.., Hkv, b
   view, with no transpose.
 - A (layer, block) pair is contiguous, which is what a swap between tiers copies.
 
-Decode sequences (query length 1) of a step are batched: their blocks are gathered into one padded
-(B, Hkv, T, D) tensor and attended with a single SDPA call, query heads folded as (B, Hkv, G, D)
-so each KV head is read once (measured 1.3-1.5x faster than ``enable_gqa=True``); a boolean key
-mask hides padding. Prefills (fresh or chunked) run one SDPA per sequence with a causal mask offset
-by the context length.
+Decode sequences (query length 1) of a step are batched into one ``paged_decode`` call (``decode.py``),
+which reads each sequence's blocks in place through its block table: the compiled CPU kernel, or the torch
+reference (a gather and one masked SDPA) elsewhere. Prefills (fresh or chunked) run one SDPA per sequence
+with a causal mask offset by the context length.
 
 Padding entries of a block table point at block 0; the attention masks keep them out, and the cache
 is zero-initialised so that no slot ever holds NaN (0 * NaN would leak through a mask).
@@ -38,9 +37,10 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.attention.decode import paged_decode
 from kvserve.attention.masks import causal_mask, window_binds
 from kvserve.attention.row_invariant import RowPlan, attend_row_calls, plan_row_calls
-from kvserve.attention.step_layout import gqa_attend, padded_table, row_starts, token_positions
+from kvserve.attention.step_layout import padded_table, row_starts, token_positions
 
 if TYPE_CHECKING:
     from kvserve.scheduler import SchedulerOutput
@@ -60,12 +60,11 @@ class _Prefill:
 
 @dataclass(frozen=True)
 class _DecodeView:
-    """The keys the step's decode rows read in one KV group, for one window size."""
+    """Where the step's decode rows read their keys in one KV group, for one window size (``paged_decode``)."""
 
-    table: torch.Tensor  # (Bd * blocks,) long: each decode row's blocks, from its first visible one
-    run: int | None  # one decode row whose blocks are consecutive ids: the first, read as a slice
-    length: int  # keys per row (padded): row i's key j sits at position first_block_i * block_size + j
-    mask: torch.Tensor | None  # (Bd, 1, 1, length) bool, True = attend; None if every key is visible
+    tables: torch.Tensor  # (Bd, W) int32: each decode row's block table
+    starts: torch.Tensor  # (Bd,) int32: its first visible position (after the window's start)
+    ends: torch.Tensor  # (Bd,) int32: its sequence length
 
 
 @dataclass(frozen=True)
@@ -215,38 +214,15 @@ def _make_plan(meta: PagedAttentionMetadata) -> _StepPlan:
 
 
 def _decode_view(meta: PagedAttentionMetadata, decodes: tuple[int, ...], group: int, window: int | None) -> _DecodeView:
-    """Each decode row's visible keys in ``group``: from the block holding its first visible position
-    (0 without a window) to its last, padded to the longest; a mask hides padding and positions before
-    the window."""
-    table, bs = meta.block_tables[group], meta.block_size
-    device = table.device
+    """Each decode row's block table and visible range in ``group``: positions from its window's start (0
+    without a window) to its length."""
+    table = meta.block_tables[group]
+    if len(decodes) != table.shape[0]:
+        table = table.index_select(0, torch.tensor(decodes, dtype=torch.long, device=table.device))
     lens = [meta.seq_lens[i] for i in decodes]
-    firsts = [max(0, n - window) // bs if window else 0 for n in lens]  # first visible block per row
-    spans = [n - f * bs for n, f in zip(lens, firsts, strict=True)]  # keys from each row's first block
-    length = max(spans, default=0)
-    width = math.ceil(length / bs)
-    rows = torch.tensor(decodes, dtype=torch.long, device=device)
-    cols = torch.tensor(firsts, dtype=torch.long, device=device).unsqueeze(1) + torch.arange(width, device=device)
-    padded = torch.nn.functional.pad(table, (0, width))  # a row's last window may reach past its table
-    blocks = padded.index_select(0, rows).gather(1, cols).reshape(-1).long()  # (Bd * width,)
-    run = _consecutive_start(blocks) if len(decodes) == 1 else None
-    mask = None
-    if any(n != length for n in spans) or any(window_binds(window, n) for n in lens):
-        ends = torch.tensor(spans, device=device)  # (Bd,)
-        key = torch.arange(length, device=device)
-        mask = key < ends[:, None]
-        if window is not None:
-            mask &= key >= (ends - window)[:, None]
-        mask = mask.view(len(lens), 1, 1, length)
-    return _DecodeView(blocks, run, length, mask)
-
-
-def _consecutive_start(table: torch.Tensor) -> int | None:
-    """table[0] if the block ids are table[0], table[0] + 1, ..., else None."""
-    if not table.numel():
-        return None
-    start = int(table[0])
-    return start if bool((table == torch.arange(start, start + table.numel())).all()) else None
+    starts = [max(0, n - window) if window else 0 for n in lens]
+    as_int = {"dtype": torch.int32, "device": table.device}
+    return _DecodeView(table.contiguous(), torch.tensor(starts, **as_int), torch.tensor(lens, **as_int))
 
 
 class PagedKVCache(AttentionBackend):
@@ -471,17 +447,10 @@ class PagedKVCache(AttentionBackend):
             plans[key] = plan_row_calls(metadata.query_lens, metadata.context_lens, table, metadata.block_size, window)
         return plans[key]
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, view: _DecodeView) -> torch.Tensor:
-        """q (B, H, D), one query per decode sequence, over their gathered blocks -> (B, H, D)."""
-        batch, head_dim, hkv = q.shape[0], self.head_dim, self.num_kv_heads
-        if view.run is not None:  # one sequence in consecutive blocks: a view, no copy
-            keys = k_cache[view.run : view.run + view.table.numel()]
-            values = v_cache[view.run : view.run + view.table.numel()]
-        else:
-            keys, values = k_cache.index_select(0, view.table), v_cache.index_select(0, view.table)
-        keys = keys.view(batch, -1, hkv, head_dim)[:, : view.length].transpose(1, 2)  # (B, Hkv, T, D)
-        values = values.view(batch, -1, hkv, head_dim)[:, : view.length].transpose(1, 2)
-        return gqa_attend(q, keys, values, view.mask)
+    @staticmethod
+    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, view: _DecodeView) -> torch.Tensor:
+        """q (B, H, D), one query per decode sequence, over its blocks read in place -> (B, H, D)."""
+        return paged_decode(q, k_cache, v_cache, view.tables, view.starts, view.ends)[0]
 
 
 def attend_prefill(

@@ -1,0 +1,353 @@
+// Paged decode attention on the CPU: one query row per sequence over its cached keys, read in place
+// through its block table (no gather of the context), all query heads of a KV group together.
+//
+// Layout (attention/paged.py): k_cache, v_cache (num_blocks, block_size, Hkv, D), last two dims
+// contiguous; block_tables (B, W) int32; row b reads key positions starts[b] .. ends[b] - 1, position p
+// at block block_tables[b][p / block_size], offset p % block_size.
+//
+// Work is split into (sequence, KV head, span of SPAN keys) items, so a single long sequence keeps every
+// thread busy (flash-decoding); each item keeps its G heads' running max, sum and weighted values in
+// float32, and the spans of a row are merged in order. The split depends on a row's own length only, so
+// a row's result does not depend on the rest of the batch.
+//
+// Optional output: each key's softmax probability averaged over the H query heads, (B, W * block_size)
+// float32, indexed by position (zero outside a row's range): what H2O and PyramidInfer fold into their
+// scores, from the same pass instead of a second q.k product.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t SPAN = 256;  // keys per work item
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_float(at::Half x) { return static_cast<float>(x); }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// 16 values from memory as 16 float lanes.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+// scores[j * stride] = q_j . k for the G query rows q (G, D) float32 and one key row k (D,).
+template <typename T>
+inline void dots(const float* __restrict q, const T* __restrict k, int64_t group, int64_t d, float* scores,
+                 int64_t stride) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0 && group <= 8) {
+    __m512 sums[8];
+    for (int64_t j = 0; j < group; ++j) sums[j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 16) {
+      const __m512 kc = load16(k + c);
+      for (int64_t j = 0; j < group; ++j) sums[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + c), kc, sums[j]);
+    }
+    for (int64_t j = 0; j < group; ++j) scores[j * stride] = _mm512_reduce_add_ps(sums[j]);
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < group; ++j) {
+    float s = 0.f;
+    for (int64_t i = 0; i < d; ++i) s += q[j * d + i] * to_float(k[i]);
+    scores[j * stride] = s;
+  }
+}
+
+// acc[j] += p[j * stride] * v for the G accumulators acc (G, D) float32 and one value row v (D,).
+template <typename T>
+inline void accumulate(float* __restrict acc, const T* __restrict v, const float* p, int64_t stride, int64_t group,
+                       int64_t d) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0) {
+    for (int64_t c = 0; c < d; c += 16) {
+      const __m512 vc = load16(v + c);
+      for (int64_t j = 0; j < group; ++j) {
+        float* a = acc + j * d + c;
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(p[j * stride]), vc, _mm512_loadu_ps(a)));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < group; ++j) {
+    for (int64_t i = 0; i < d; ++i) acc[j * d + i] += p[j * stride] * to_float(v[i]);
+  }
+}
+
+struct Geometry {
+  int64_t batch, heads, kv_heads, group, dim, block_size, width;
+  int64_t block_stride, token_stride;  // in elements, of k_cache (v_cache has the same)
+};
+
+// Calls f(t, offset) for key positions first + t < last, offset being the key's first element of head h in
+// a cache; walks the table block by block (no division per key).
+template <typename F>
+inline void for_each_key(const Geometry& g, const int32_t* table, int64_t h, int64_t first, int64_t last, F&& f) {
+  for (int64_t pos = first; pos < last;) {
+    const int64_t block = pos / g.block_size, offset = pos % g.block_size;
+    const int64_t count = std::min(g.block_size - offset, last - pos);
+    const int64_t base = table[block] * g.block_stride + h * g.dim;
+    for (int64_t i = 0; i < count; ++i) f(pos - first + i, base + (offset + i) * g.token_stride);
+    pos += count;
+  }
+}
+
+#if defined(__AVX512F__)
+// The key and value passes for a fixed G and D (SmolLM2: 3 and 64): the G x D/16 query rows, sums and
+// accumulators stay in registers across the keys instead of going through memory per key.
+template <int G, int D, typename T>
+void key_pass_fixed(const Geometry& g, const float* q, const T* k_cache, const int32_t* table, int64_t h,
+                    int64_t first, int64_t last, float* scores) {
+  constexpr int C = D / 16;
+  const int64_t n = last - first;
+  __m512 qv[G][C];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < C; ++c) qv[j][c] = _mm512_loadu_ps(q + j * D + c * 16);
+  for_each_key(g, table, h, first, last, [&](int64_t t, int64_t slot) {
+    __m512 sums[G];
+    for (int j = 0; j < G; ++j) sums[j] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) {
+      const __m512 kc = load16(k_cache + slot + c * 16);
+      for (int j = 0; j < G; ++j) sums[j] = _mm512_fmadd_ps(qv[j][c], kc, sums[j]);
+    }
+    for (int j = 0; j < G; ++j) scores[j * n + t] = _mm512_reduce_add_ps(sums[j]);
+  });
+}
+
+template <int G, int D, typename T>
+void value_pass_fixed(const Geometry& g, const T* v_cache, const int32_t* table, int64_t h, int64_t first,
+                      int64_t last, const float* probs, float* acc) {
+  constexpr int C = D / 16;
+  const int64_t n = last - first;
+  __m512 av[G][C];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < C; ++c) av[j][c] = _mm512_setzero_ps();
+  for_each_key(g, table, h, first, last, [&](int64_t t, int64_t slot) {
+    __m512 p[G];
+    for (int j = 0; j < G; ++j) p[j] = _mm512_set1_ps(probs[j * n + t]);
+    for (int c = 0; c < C; ++c) {
+      const __m512 vc = load16(v_cache + slot + c * 16);
+      for (int j = 0; j < G; ++j) av[j][c] = _mm512_fmadd_ps(p[j], vc, av[j][c]);
+    }
+  });
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + j * D + c * 16, av[j][c]);
+}
+#endif
+
+template <typename T>
+void key_pass(const Geometry& g, const float* q, const T* k_cache, const int32_t* table, int64_t h, int64_t first,
+              int64_t last, float* scores) {
+#if defined(__AVX512F__)
+  if (g.group == 3 && g.dim == 64) return key_pass_fixed<3, 64>(g, q, k_cache, table, h, first, last, scores);
+  if (g.group == 4 && g.dim == 64) return key_pass_fixed<4, 64>(g, q, k_cache, table, h, first, last, scores);
+#endif
+  const int64_t n = last - first;
+  for_each_key(g, table, h, first, last,
+               [&](int64_t t, int64_t slot) { dots(q, k_cache + slot, g.group, g.dim, scores + t, n); });
+}
+
+template <typename T>
+void value_pass(const Geometry& g, const T* v_cache, const int32_t* table, int64_t h, int64_t first, int64_t last,
+                const float* probs, float* acc) {
+#if defined(__AVX512F__)
+  if (g.group == 3 && g.dim == 64) return value_pass_fixed<3, 64>(g, v_cache, table, h, first, last, probs, acc);
+  if (g.group == 4 && g.dim == 64) return value_pass_fixed<4, 64>(g, v_cache, table, h, first, last, probs, acc);
+#endif
+  const int64_t n = last - first;
+  std::fill(acc, acc + g.group * g.dim, 0.f);
+  for_each_key(g, table, h, first, last,
+               [&](int64_t t, int64_t slot) { accumulate(acc, v_cache + slot, probs + t, n, g.group, g.dim); });
+}
+
+// One work item: G query heads of KV head h of a row over key positions [first, last), its block table
+// `table`. Writes m (G), l (G), acc (G, D) float32; the logits (G, last - first) if `logits` is not null.
+template <typename T>
+void attend_span(const Geometry& g, const float* q, const T* k_cache, const T* v_cache, const int32_t* table,
+                 int64_t h, int64_t first, int64_t last, float* m, float* l, float* acc, float* logits) {
+  const int64_t n = last - first, G = g.group;
+  std::vector<float> scores(G * n);
+  key_pass(g, q, k_cache, table, h, first, last, scores.data());
+  if (logits != nullptr) std::memcpy(logits, scores.data(), sizeof(float) * G * n);
+  for (int64_t j = 0; j < G; ++j) {
+    float* s = scores.data() + j * n;
+    float mx = s[0];
+    for (int64_t t = 1; t < n; ++t) mx = std::max(mx, s[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = std::exp(s[t] - mx);
+      sum += s[t];
+    }
+    m[j] = mx;
+    l[j] = sum;
+  }
+  value_pass(g, v_cache, table, h, first, last, scores.data(), acc);
+}
+
+template <typename T>
+void decode(const Geometry& g, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& tables, const int32_t* starts, const int32_t* ends, double scale, at::Tensor& out,
+            at::Tensor& lse, float* weights) {
+  const int64_t B = g.batch, Hkv = g.kv_heads, G = g.group, D = g.dim, H = g.heads;
+  // Items: for each row and KV head, its spans in order.
+  std::vector<int64_t> item_row, item_head, item_first, item_last, row_item(B * Hkv + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < Hkv; ++h) {
+      row_item[b * Hkv + h] = static_cast<int64_t>(item_row.size());
+      for (int64_t first = starts[b]; first < ends[b]; first += SPAN) {
+        item_row.push_back(b);
+        item_head.push_back(h);
+        item_first.push_back(first);
+        item_last.push_back(std::min<int64_t>(first + SPAN, ends[b]));
+      }
+    }
+  }
+  const int64_t num_items = static_cast<int64_t>(item_row.size());
+  row_item[B * Hkv] = num_items;
+  const int64_t length = g.width * g.block_size;
+  std::vector<float> qf(B * H * D), m(num_items * G), l(num_items * G), acc(num_items * G * D);
+  std::vector<float> logits(weights != nullptr ? B * H * length : 0);
+  const T* qp = q.data_ptr<T>();
+  for (int64_t i = 0; i < B * H * D; ++i) qf[i] = to_float(qp[i]) * static_cast<float>(scale);
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  // Grain: enough keys per task that the fork is worth it (a short context runs on one thread).
+  const int64_t grain = std::max<int64_t>(1, 4096 / SPAN);
+  at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = item_row[i], h = item_head[i];
+      float* lg = weights != nullptr ? logits.data() + (b * H + h * G) * length + item_first[i] : nullptr;
+      if (lg != nullptr) {  // logits of head j go to row (b, h * G + j): pass a strided writer below
+        std::vector<float> tmp(G * (item_last[i] - item_first[i]));
+        attend_span<T>(g, qf.data() + (b * H + h * G) * D, kp, vp, tp + b * g.width, h, item_first[i], item_last[i],
+                       m.data() + i * G, l.data() + i * G, acc.data() + i * G * D, tmp.data());
+        const int64_t n = item_last[i] - item_first[i];
+        for (int64_t j = 0; j < G; ++j) std::memcpy(lg + j * length, tmp.data() + j * n, sizeof(float) * n);
+      } else {
+        attend_span<T>(g, qf.data() + (b * H + h * G) * D, kp, vp, tp + b * g.width, h, item_first[i], item_last[i],
+                       m.data() + i * G, l.data() + i * G, acc.data() + i * G * D, nullptr);
+      }
+    }
+  });
+  // Merge each (row, KV head)'s spans in order.
+  T* op = out.data_ptr<T>();
+  float* lp = lse.data_ptr<float>();
+  at::parallel_for(0, B * Hkv, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> total(D);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = r / Hkv, h = r % Hkv;
+      for (int64_t j = 0; j < G; ++j) {
+        float mx = -std::numeric_limits<float>::max();
+        for (int64_t i = row_item[r]; i < row_item[r + 1]; ++i) mx = std::max(mx, m[i * G + j]);
+        float sum = 0.f;
+        std::fill(total.begin(), total.end(), 0.f);
+        for (int64_t i = row_item[r]; i < row_item[r + 1]; ++i) {
+          const float w = std::exp(m[i * G + j] - mx);
+          sum += w * l[i * G + j];
+          const float* a = acc.data() + (i * G + j) * D;
+          for (int64_t d = 0; d < D; ++d) total[d] += w * a[d];
+        }
+        const int64_t head = h * G + j;
+        T* o = op + (b * H + head) * D;
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(total[d] * inv);
+        lp[b * H + head] = sum > 0.f ? mx + std::log(sum) : -std::numeric_limits<float>::infinity();
+      }
+    }
+  });
+  if (weights == nullptr) return;
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      float* w = weights + b * length;
+      std::fill(w, w + length, 0.f);
+      for (int64_t head = 0; head < H; ++head) {
+        const float* lg = logits.data() + (b * H + head) * length;
+        const float shift = lp[b * H + head];
+        for (int64_t t = starts[b]; t < ends[b]; ++t) w[t] += std::exp(lg[t] - shift);
+      }
+      for (int64_t t = starts[b]; t < ends[b]; ++t) w[t] /= static_cast<float>(H);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
+                                                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                            const at::Tensor& starts, const at::Tensor& ends,
+                                                            double scale, bool want_weights) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous (B, H, D) tensor");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "k_cache/v_cache must be (blocks, bs, Hkv, D)");
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) && v_cache.strides() == k_cache.strides(),
+              "a cache block must hold (bs, Hkv, D) with its last two dims contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous(),
+              "block_tables must be contiguous (B, W) int32");
+  TORCH_CHECK(starts.scalar_type() == at::kInt && ends.scalar_type() == at::kInt, "starts/ends must be int32");
+  Geometry g{q.size(0), q.size(1), k_cache.size(2), 0, q.size(2), k_cache.size(1), block_tables.size(1),
+             k_cache.stride(0), k_cache.stride(1)};
+  TORCH_CHECK(g.dim == k_cache.size(3), "q head_dim ", g.dim, " != cache head_dim ", k_cache.size(3));
+  TORCH_CHECK(g.heads % g.kv_heads == 0, "query heads ", g.heads, " not a multiple of KV heads ", g.kv_heads);
+  TORCH_CHECK(block_tables.size(0) == g.batch && starts.numel() == g.batch && ends.numel() == g.batch,
+              "block_tables, starts and ends need one entry per query row");
+  g.group = g.heads / g.kv_heads;
+  const at::Tensor st = starts.contiguous(), en = ends.contiguous();
+  const int32_t* sp = st.data_ptr<int32_t>();
+  const int32_t* ep = en.data_ptr<int32_t>();
+  for (int64_t b = 0; b < g.batch; ++b) {
+    TORCH_CHECK(0 <= sp[b] && sp[b] <= ep[b] && ep[b] <= g.width * g.block_size, "row ", b, " reads keys ", sp[b],
+                "..", ep[b], " outside its table of ", g.width * g.block_size, " slots");
+  }
+  auto out = at::empty_like(q);
+  auto lse = at::empty({g.batch, g.heads}, q.options().dtype(at::kFloat));
+  auto weights = want_weights ? at::empty({g.batch, g.width * g.block_size}, q.options().dtype(at::kFloat))
+                              : at::empty({0}, q.options().dtype(at::kFloat));
+  float* wp = want_weights ? weights.data_ptr<float>() : nullptr;
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      decode<float>(g, q, k_cache, v_cache, block_tables, sp, ep, scale, out, lse, wp);
+      break;
+    case at::kBFloat16:
+      decode<at::BFloat16>(g, q, k_cache, v_cache, block_tables, sp, ep, scale, out, lse, wp);
+      break;
+    case at::kHalf:
+      decode<at::Half>(g, q, k_cache, v_cache, block_tables, sp, ep, scale, out, lse, wp);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_decode supports float32, bfloat16 and float16, got ", q.scalar_type());
+  }
+  return {out, lse, weights};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvserve, m) {
+  m.def(
+      "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor starts, Tensor ends, "
+      "float scale, bool want_weights) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("paged_decode", &paged_decode); }

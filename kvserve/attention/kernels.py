@@ -1,0 +1,80 @@
+"""kvserve's compiled attention kernels (``csrc/``), built once per machine and loaded as ``torch.ops.kvserve``.
+
+The build uses ``torch.utils.cpp_extension`` (g++ and ninja) with ``-march=native``, so it is keyed by a hash
+of the sources, the torch version and the CPU's flags: a cached build made on another CPU is never loaded.
+It lands in ``$KVSERVE_KERNEL_CACHE`` (default ``~/.cache/kvserve/kernels``) and later starts load it in
+well under a second. When the build fails (no compiler), or ``KVSERVE_KERNELS=torch`` is set, every caller
+falls back to the torch reference beside the kernel, with one warning saying why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = (Path(__file__).with_name("csrc") / "paged_decode.cpp",)
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_name() -> str:
+    """The extension's name: changes with the sources, the flags, torch and the CPU."""
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(" ".join(CFLAGS).encode())
+    digest.update(torch.__version__.encode())
+    digest.update(_cpu_flags().encode())
+    return f"kvserve_kernels_{digest.hexdigest()[:16]}"
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("KVSERVE_KERNEL_CACHE", Path.home() / ".cache" / "kvserve" / "kernels"))
+
+
+@functools.cache
+def cpu_kernels_available() -> bool:
+    """Build (first time on this machine) or load the CPU kernels; False, with a warning, if that fails."""
+    if os.environ.get("KVSERVE_KERNELS", "").lower() == "torch":
+        return False
+    from torch.utils import cpp_extension
+
+    name = build_name()
+    directory = _cache_dir() / name
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(
+            name=name,
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+    except (OSError, RuntimeError, ImportError) as error:  # no compiler or ninja, or the build failed
+        log.warning("kvserve's CPU attention kernels did not build (%s); using the torch reference", error)
+        return False
+    return hasattr(torch.ops.kvserve, "paged_decode")
+
+
+def use_cpu_kernel(*tensors: torch.Tensor) -> bool:
+    """Whether the compiled kernel takes these tensors (on the CPU, in a dtype it supports)."""
+    return all(t.device.type == "cpu" for t in tensors) and cpu_kernels_available()
