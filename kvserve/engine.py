@@ -65,7 +65,10 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
-                config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode, self.plan.per_layer_groups,
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                config.preemption_mode,
+                self.plan.per_layer_groups,
                 same_step_prefix_hits=self.plan.same_step_prefix_hits,
             ),
             self.kv,

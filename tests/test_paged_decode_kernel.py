@@ -62,7 +62,9 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch():
     q, k, v, tables, starts, ends = _case(3, 9, 3, 64, 16, ranges, torch.bfloat16)
     together, _ = paged_decode(q, k, v, tables, starts, ends)
     for row in range(3):
-        alone, _ = paged_decode(q[row : row + 1], k, v, tables[row : row + 1], starts[row : row + 1], ends[row : row + 1])
+        alone, _ = paged_decode(
+            q[row : row + 1], k, v, tables[row : row + 1], starts[row : row + 1], ends[row : row + 1]
+        )
         assert torch.equal(alone[0], together[row])
 
 
