@@ -5,9 +5,10 @@
 // contiguous; block_tables (B, W) int32; row b reads key positions starts[b] .. ends[b] - 1, position p
 // at block block_tables[b][p / block_size], offset p % block_size.
 //
-// Work is split into (sequence, KV head, span of SPAN keys) items, so a single long sequence keeps every
-// thread busy (flash-decoding); each item keeps its G heads' running max, sum and weighted values in
-// float32, and the spans of a row are merged in order. The split depends on a row's own length only, so
+// Work is split into (sequence, span of SPAN keys) items, so a single long sequence keeps every thread busy
+// (flash-decoding); an item walks its span block by block, every KV head within a block (a block's rows are
+// contiguous: read once, in order), keeps each query head's max, sum and weighted values in float32, and
+// the spans of a row are merged in order. The split depends on a row's own length only, so
 // a row's result does not depend on the rest of the batch.
 //
 // Optional output: each key's softmax probability averaged over the H query heads, (B, W * block_size)
@@ -119,9 +120,8 @@ inline void for_each_key(const Geometry& g, const int32_t* table, int64_t h, int
 // accumulators stay in registers across the keys instead of going through memory per key.
 template <int G, int D, typename T>
 void key_pass_fixed(const Geometry& g, const float* q, const T* k_cache, const int32_t* table, int64_t h,
-                    int64_t first, int64_t last, float* scores) {
+                    int64_t first, int64_t last, float* scores, int64_t stride) {
   constexpr int C = D / 16;
-  const int64_t n = last - first;
   __m512 qv[G][C];
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < C; ++c) qv[j][c] = _mm512_loadu_ps(q + j * D + c * 16);
@@ -132,21 +132,20 @@ void key_pass_fixed(const Geometry& g, const float* q, const T* k_cache, const i
       const __m512 kc = load16(k_cache + slot + c * 16);
       for (int j = 0; j < G; ++j) sums[j] = _mm512_fmadd_ps(qv[j][c], kc, sums[j]);
     }
-    for (int j = 0; j < G; ++j) scores[j * n + t] = _mm512_reduce_add_ps(sums[j]);
+    for (int j = 0; j < G; ++j) scores[j * stride + t] = _mm512_reduce_add_ps(sums[j]);
   });
 }
 
 template <int G, int D, typename T>
 void value_pass_fixed(const Geometry& g, const T* v_cache, const int32_t* table, int64_t h, int64_t first,
-                      int64_t last, const float* probs, float* acc) {
+                      int64_t last, const float* probs, int64_t stride, float* acc) {
   constexpr int C = D / 16;
-  const int64_t n = last - first;
   __m512 av[G][C];
   for (int j = 0; j < G; ++j)
-    for (int c = 0; c < C; ++c) av[j][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) av[j][c] = _mm512_loadu_ps(acc + j * D + c * 16);
   for_each_key(g, table, h, first, last, [&](int64_t t, int64_t slot) {
     __m512 p[G];
-    for (int j = 0; j < G; ++j) p[j] = _mm512_set1_ps(probs[j * n + t]);
+    for (int j = 0; j < G; ++j) p[j] = _mm512_set1_ps(probs[j * stride + t]);
     for (int c = 0; c < C; ++c) {
       const __m512 vc = load16(v_cache + slot + c * 16);
       for (int j = 0; j < G; ++j) av[j][c] = _mm512_fmadd_ps(p[j], vc, av[j][c]);
@@ -157,41 +156,57 @@ void value_pass_fixed(const Geometry& g, const T* v_cache, const int32_t* table,
 }
 #endif
 
+// scores[j * stride + t] = q_j . key(first + t) for the G query rows of KV head h.
 template <typename T>
 void key_pass(const Geometry& g, const float* q, const T* k_cache, const int32_t* table, int64_t h, int64_t first,
-              int64_t last, float* scores) {
+              int64_t last, float* scores, int64_t stride) {
 #if defined(__AVX512F__)
-  if (g.group == 3 && g.dim == 64) return key_pass_fixed<3, 64>(g, q, k_cache, table, h, first, last, scores);
-  if (g.group == 4 && g.dim == 64) return key_pass_fixed<4, 64>(g, q, k_cache, table, h, first, last, scores);
+  if (g.group == 3 && g.dim == 64) return key_pass_fixed<3, 64>(g, q, k_cache, table, h, first, last, scores, stride);
+  if (g.group == 4 && g.dim == 64) return key_pass_fixed<4, 64>(g, q, k_cache, table, h, first, last, scores, stride);
 #endif
-  const int64_t n = last - first;
   for_each_key(g, table, h, first, last,
-               [&](int64_t t, int64_t slot) { dots(q, k_cache + slot, g.group, g.dim, scores + t, n); });
+               [&](int64_t t, int64_t slot) { dots(q, k_cache + slot, g.group, g.dim, scores + t, stride); });
 }
 
+// acc[j] += probs[j * stride + t] * value(first + t) for the G query rows of KV head h.
 template <typename T>
 void value_pass(const Geometry& g, const T* v_cache, const int32_t* table, int64_t h, int64_t first, int64_t last,
-                const float* probs, float* acc) {
+                const float* probs, int64_t stride, float* acc) {
 #if defined(__AVX512F__)
-  if (g.group == 3 && g.dim == 64) return value_pass_fixed<3, 64>(g, v_cache, table, h, first, last, probs, acc);
-  if (g.group == 4 && g.dim == 64) return value_pass_fixed<4, 64>(g, v_cache, table, h, first, last, probs, acc);
+  if (g.group == 3 && g.dim == 64)
+    return value_pass_fixed<3, 64>(g, v_cache, table, h, first, last, probs, stride, acc);
+  if (g.group == 4 && g.dim == 64)
+    return value_pass_fixed<4, 64>(g, v_cache, table, h, first, last, probs, stride, acc);
 #endif
-  const int64_t n = last - first;
-  std::fill(acc, acc + g.group * g.dim, 0.f);
-  for_each_key(g, table, h, first, last,
-               [&](int64_t t, int64_t slot) { accumulate(acc, v_cache + slot, probs + t, n, g.group, g.dim); });
+  for_each_key(g, table, h, first, last, [&](int64_t t, int64_t slot) {
+    accumulate(acc, v_cache + slot, probs + t, stride, g.group, g.dim);
+  });
 }
 
-// One work item: G query heads of KV head h of a row over key positions [first, last), its block table
-// `table`. Writes m (G), l (G), acc (G, D) float32; the logits (G, last - first) if `logits` is not null.
+// Calls f(block_first, block_last) for the runs of [first, last) that lie in one block.
+template <typename F>
+inline void for_each_block(int64_t block_size, int64_t first, int64_t last, F&& f) {
+  for (int64_t pos = first; pos < last;) {
+    const int64_t end = std::min(last, (pos / block_size + 1) * block_size);
+    f(pos, end);
+    pos = end;
+  }
+}
+
+// One work item: every query head of a row over key positions [first, last) of its block table `table`,
+// block by block and every KV head within a block, so a block's rows are read while they are in cache.
+// Writes m (H), l (H), acc (H, D) float32; the logits (H, last - first) if `logits` is not null.
 template <typename T>
 void attend_span(const Geometry& g, const float* q, const T* k_cache, const T* v_cache, const int32_t* table,
-                 int64_t h, int64_t first, int64_t last, float* m, float* l, float* acc, float* logits) {
-  const int64_t n = last - first, G = g.group;
-  std::vector<float> scores(G * n);
-  key_pass(g, q, k_cache, table, h, first, last, scores.data());
-  if (logits != nullptr) std::memcpy(logits, scores.data(), sizeof(float) * G * n);
-  for (int64_t j = 0; j < G; ++j) {
+                 int64_t first, int64_t last, float* m, float* l, float* acc, float* logits) {
+  const int64_t n = last - first, G = g.group, D = g.dim, H = g.heads;
+  std::vector<float> scores(H * n);
+  for_each_block(g.block_size, first, last, [&](int64_t a, int64_t b) {
+    for (int64_t h = 0; h < g.kv_heads; ++h)
+      key_pass(g, q + h * G * D, k_cache, table, h, a, b, scores.data() + h * G * n + (a - first), n);
+  });
+  if (logits != nullptr) std::memcpy(logits, scores.data(), sizeof(float) * H * n);
+  for (int64_t j = 0; j < H; ++j) {
     float* s = scores.data() + j * n;
     float mx = s[0];
     for (int64_t t = 1; t < n; ++t) mx = std::max(mx, s[t]);
@@ -204,74 +219,72 @@ void attend_span(const Geometry& g, const float* q, const T* k_cache, const T* v
     m[j] = mx;
     l[j] = sum;
   }
-  value_pass(g, v_cache, table, h, first, last, scores.data(), acc);
+  std::fill(acc, acc + H * D, 0.f);
+  for_each_block(g.block_size, first, last, [&](int64_t a, int64_t b) {
+    for (int64_t h = 0; h < g.kv_heads; ++h)
+      value_pass(g, v_cache, table, h, a, b, scores.data() + h * G * n + (a - first), n, acc + h * G * D);
+  });
 }
 
 template <typename T>
 void decode(const Geometry& g, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& tables, const int32_t* starts, const int32_t* ends, double scale, at::Tensor& out,
             at::Tensor& lse, float* weights) {
-  const int64_t B = g.batch, Hkv = g.kv_heads, G = g.group, D = g.dim, H = g.heads;
-  // Items: for each row and KV head, its spans in order.
-  std::vector<int64_t> item_row, item_head, item_first, item_last, row_item(B * Hkv + 1, 0);
+  const int64_t B = g.batch, D = g.dim, H = g.heads;
+  // Items: each row's spans, in order.
+  std::vector<int64_t> item_row, item_first, item_last, row_item(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
-    for (int64_t h = 0; h < Hkv; ++h) {
-      row_item[b * Hkv + h] = static_cast<int64_t>(item_row.size());
-      for (int64_t first = starts[b]; first < ends[b]; first += SPAN) {
-        item_row.push_back(b);
-        item_head.push_back(h);
-        item_first.push_back(first);
-        item_last.push_back(std::min<int64_t>(first + SPAN, ends[b]));
-      }
+    row_item[b] = static_cast<int64_t>(item_row.size());
+    for (int64_t first = starts[b]; first < ends[b]; first += SPAN) {
+      item_row.push_back(b);
+      item_first.push_back(first);
+      item_last.push_back(std::min<int64_t>(first + SPAN, ends[b]));
     }
   }
   const int64_t num_items = static_cast<int64_t>(item_row.size());
-  row_item[B * Hkv] = num_items;
+  row_item[B] = num_items;
   const int64_t length = g.width * g.block_size;
-  std::vector<float> qf(B * H * D), m(num_items * G), l(num_items * G), acc(num_items * G * D);
+  std::vector<float> qf(B * H * D), m(num_items * H), l(num_items * H), acc(num_items * H * D);
   std::vector<float> logits(weights != nullptr ? B * H * length : 0);
   const T* qp = q.data_ptr<T>();
   for (int64_t i = 0; i < B * H * D; ++i) qf[i] = to_float(qp[i]) * static_cast<float>(scale);
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const int32_t* tp = tables.data_ptr<int32_t>();
-  // Grain: enough keys per task that the fork is worth it (a short context runs on one thread).
-  const int64_t grain = std::max<int64_t>(1, 4096 / SPAN);
+  // Grain: a short context runs on one thread (the fork costs more than it saves).
+  const int64_t grain = std::max<int64_t>(1, 1024 / (SPAN * g.kv_heads));
   at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> span_logits;
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = item_row[i], h = item_head[i];
-      float* lg = weights != nullptr ? logits.data() + (b * H + h * G) * length + item_first[i] : nullptr;
-      if (lg != nullptr) {  // logits of head j go to row (b, h * G + j): pass a strided writer below
-        std::vector<float> tmp(G * (item_last[i] - item_first[i]));
-        attend_span<T>(g, qf.data() + (b * H + h * G) * D, kp, vp, tp + b * g.width, h, item_first[i], item_last[i],
-                       m.data() + i * G, l.data() + i * G, acc.data() + i * G * D, tmp.data());
-        const int64_t n = item_last[i] - item_first[i];
-        for (int64_t j = 0; j < G; ++j) std::memcpy(lg + j * length, tmp.data() + j * n, sizeof(float) * n);
-      } else {
-        attend_span<T>(g, qf.data() + (b * H + h * G) * D, kp, vp, tp + b * g.width, h, item_first[i], item_last[i],
-                       m.data() + i * G, l.data() + i * G, acc.data() + i * G * D, nullptr);
+      const int64_t b = item_row[i], n = item_last[i] - item_first[i];
+      float* lg = nullptr;
+      if (weights != nullptr) {
+        span_logits.resize(H * n);
+        lg = span_logits.data();
       }
+      attend_span<T>(g, qf.data() + b * H * D, kp, vp, tp + b * g.width, item_first[i], item_last[i],
+                     m.data() + i * H, l.data() + i * H, acc.data() + i * H * D, lg);
+      for (int64_t j = 0; lg != nullptr && j < H; ++j)
+        std::memcpy(logits.data() + (b * H + j) * length + item_first[i], lg + j * n, sizeof(float) * n);
     }
   });
-  // Merge each (row, KV head)'s spans in order.
+  // Merge each row's spans in order, per query head.
   T* op = out.data_ptr<T>();
   float* lp = lse.data_ptr<float>();
-  at::parallel_for(0, B * Hkv, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> total(D);
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t b = r / Hkv, h = r % Hkv;
-      for (int64_t j = 0; j < G; ++j) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t head = 0; head < H; ++head) {
         float mx = -std::numeric_limits<float>::max();
-        for (int64_t i = row_item[r]; i < row_item[r + 1]; ++i) mx = std::max(mx, m[i * G + j]);
+        for (int64_t i = row_item[b]; i < row_item[b + 1]; ++i) mx = std::max(mx, m[i * H + head]);
         float sum = 0.f;
         std::fill(total.begin(), total.end(), 0.f);
-        for (int64_t i = row_item[r]; i < row_item[r + 1]; ++i) {
-          const float w = std::exp(m[i * G + j] - mx);
-          sum += w * l[i * G + j];
-          const float* a = acc.data() + (i * G + j) * D;
+        for (int64_t i = row_item[b]; i < row_item[b + 1]; ++i) {
+          const float w = std::exp(m[i * H + head] - mx);
+          sum += w * l[i * H + head];
+          const float* a = acc.data() + (i * H + head) * D;
           for (int64_t d = 0; d < D; ++d) total[d] += w * a[d];
         }
-        const int64_t head = h * G + j;
         T* o = op + (b * H + head) * D;
         const float inv = sum > 0.f ? 1.f / sum : 0.f;
         for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(total[d] * inv);
