@@ -35,11 +35,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata, StepReport, UnsupportedKVOperation
+from kvserve.attention.decode import paged_decode
 from kvserve.attention.paged import PagedKVCache, attend_prefill
-from kvserve.attention.step_layout import gqa_attend, pad_tables, row_starts, slot_ids
+from kvserve.attention.step_layout import pad_tables, row_starts, slot_ids
 from kvserve.kv.tiers import KVTier, RowSpec
 from kvserve.policies.base import SCORES_NONE, KVPolicy
-from kvserve.policies.scoring import attend_with_weights, update_scores
+from kvserve.policies.scoring import update_scores
 
 if TYPE_CHECKING:
     from kvserve.scheduler import SchedulerOutput
@@ -306,47 +307,47 @@ class CompressedKVCache(AttentionBackend):
         seqs: list[int],
     ) -> torch.Tensor:
         """One new row per sequence in ``seqs``: q (B, H, D), k/v (B, Hkv, D) -> (B, H, D)."""
-        batch, hkv, head_dim = q.shape[0], self.num_kv_heads, self.head_dim
+        batch = q.shape[0]
         bs, device = self.block_size, q.device
         held = [meta.state.held_after[i][layer] for i in seqs]
         tables = [meta.block_tables[i][layer] for i in seqs]
         policies = [meta.policies[i] for i in seqs]
         scoring = any(p.scores != SCORES_NONE for p in policies)
         # The new token goes to slot h first (the scheduler reserved it even where the layer then compresses),
-        # so one gather reads the whole candidate set.
+        # so one pass reads the whole candidate set.
         new_slots = torch.tensor([t[h // bs] * bs + h % bs for t, h in zip(tables, held, strict=True)], device=device)
         self._write(new_slots, k, v)
         if scoring:
             self.scores.index_fill_(0, new_slots, 0.0)  # a new slot has no history (the entry is stale)
         width = max(h // bs + 1 for h in held)
         length = width * bs
-        padded = pad_tables(tables, width, device).long()  # (B, W); padding (block 0) is masked below
-        keys, values = self._read(padded.view(-1), blocks=True)  # copies, (B * W, block_size, Hkv, D)
-        keys, values = keys.view(batch, length, hkv, head_dim), values.view(batch, length, hkv, head_dim)
-        valid = torch.arange(length, device=device)[None, :] < (torch.tensor(held, device=device) + 1)[:, None]
-        mask = valid[:, None, None, :]  # (B, 1, 1, T)
-        kh, vh = keys.transpose(1, 2), values.transpose(1, 2)  # (B, Hkv, T, D)
+        padded = pad_tables(tables, width, device)  # (B, W) int32; padding (block 0) is past each row's end
+        ends = torch.tensor(held, dtype=torch.int32, device=device) + 1
+        k_slab, v_slab, read_tables = self._decode_source(padded)
+        out, weights = paged_decode(q, k_slab, v_slab, read_tables, torch.zeros_like(ends), ends, want_weights=scoring)
         scores = None
-        if scoring:
-            slots = (padded[:, :, None] * bs + torch.arange(bs, device=device)).view(batch, length)  # (B, T)
-            out, scores = self._decode_scored(q, kh, vh, mask, policies, slots, valid)
-        else:
-            out = gqa_attend(q, kh, vh, mask)
+        if scoring:  # each slot's probability averaged over heads, from the same pass, folded into its score
+            slots = (padded.long()[:, :, None] * bs + torch.arange(bs, device=device)).view(batch, length)  # (B, T)
+            valid = torch.arange(length, device=device)[None, :] < ends[:, None]
+            scores = update_scores(policies, self.scores.index_select(0, slots.view(-1)).view_as(slots), weights)
+            self.scores.index_copy_(0, slots.masked_select(valid), scores.masked_select(valid))
         for b, seq in enumerate(seqs):
-            self._compress_decoded(layer, meta, seq, keys[b], values[b], None if scores is None else scores[b])
+            n = held[b] + 1
+            if n > meta.group_targets[seq][layer]:  # over its target: read its candidates to keep the policy's choice
+                keys, values = self._read(self._slot_ids(tables[b], 0, n, device))
+                self._compress_decoded(layer, meta, seq, keys, values, None if scores is None else scores[b])
+            else:
+                meta.state.held_after[seq][layer] = n
         return out
 
-    def _decode_scored(
-        self, q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, mask: torch.Tensor, policies: list[KVPolicy],
-        slots: torch.Tensor, valid: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Attention with its weights (the policies fold them into each slot's score): q (B, H, D), kh/vh
-        (B, Hkv, T, D) -> output (B, H, D) and the updated scores (B, T)."""
-        out, weights = attend_with_weights(q, kh, vh, mask)  # (B, H, D), (B, T) mean over heads
-        scores = self.scores.index_select(0, slots.view(-1)).view_as(slots)
-        scores = update_scores(policies, scores, weights)  # (B, T)
-        self.scores.index_copy_(0, slots.masked_select(valid), scores.masked_select(valid))
-        return out, scores
+    def _decode_source(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The K and V blocks a decode reads (num_blocks, block_size, Hkv, D) and the block tables into them: the
+        device slab in place, or the rows' blocks fetched from the tier (counted as moved) and numbered anew."""
+        if self.tier is None:
+            return self.k[0], self.v[0], tables
+        keys, values = self._read(tables.view(-1).long(), blocks=True)  # (B * W, block_size, Hkv, D)
+        renumbered = torch.arange(tables.numel(), dtype=torch.int32, device=keys.device).view_as(tables)
+        return keys, values, renumbered
 
     def _compress_decoded(
         self, layer: int, meta: CompressedAttentionMetadata, seq: int, keys: torch.Tensor, values: torch.Tensor,

@@ -47,23 +47,6 @@ def column_sums(q: torch.Tensor, keys: torch.Tensor, held: int, first: int, row_
     return total
 
 
-def attend_with_weights(
-    q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query per sequence with its attention weights: q (B, H, D), kh/vh (B, Hkv, T, D), mask (B, 1, 1, T)
-    -> output (B, H, D) and the weights (B, T) averaged over heads.
-
-    By hand, over head-major copies (3-5x faster products than strided views); the probabilities are rounded
-    to the cache dtype for the second product."""
-    batch, num_heads, head_dim = q.shape
-    hkv = kh.shape[1]
-    kh, vh = kh.contiguous(), vh.contiguous()
-    qg = q.reshape(batch, hkv, num_heads // hkv, head_dim)  # (B, Hkv, G, D): query head h reads KV head h // G
-    weights = torch.softmax(scaled_logits(qg, kh).masked_fill_(~mask, float("-inf")), dim=-1)  # (B, Hkv, G, T)
-    out = torch.matmul(weights.to(vh.dtype), vh)  # (B, Hkv, G, D)
-    return out.reshape(batch, num_heads, head_dim), weights.mean(dim=(1, 2))
-
-
 def update_scores(policies: Sequence[KVPolicy], scores: torch.Tensor, step_weights: torch.Tensor) -> torch.Tensor:
     """Each sequence's running scores (B, T) folded with its step's weights (B, T), batched per policy."""
     if all(p == policies[0] for p in policies):

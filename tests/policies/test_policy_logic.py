@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
+from kvserve.attention.decode import paged_decode, paged_decode_reference
 from kvserve.policies import HeavyHitters, InfiniGen, LocalWindow, PyramidInfer
-from kvserve.policies.scoring import SCORE_CHUNK, attend_with_weights, column_sums, update_scores
+from kvserve.policies.scoring import SCORE_CHUNK, column_sums, update_scores
 
 H, HKV, D = 4, 2, 8  # GQA: query heads 0, 1 read KV head 0; 2, 3 read KV head 1
 
@@ -75,14 +76,19 @@ def test_decode_scores_update_each_sequence_by_its_own_policy() -> None:
     assert torch.allclose(got, expected)
 
 
-def test_attention_with_weights_matches_sdpa_and_averages_weights_over_heads() -> None:
+@pytest.mark.parametrize("attend", [paged_decode, paged_decode_reference], ids=["kernel", "reference"])
+def test_decode_attention_weights_are_the_probabilities_averaged_over_heads(attend) -> None:
+    """What H2O and PyramidInfer fold into their scores while decoding, written out by hand."""
     g = torch.Generator().manual_seed(3)
     batch, length = 3, 7
     q = torch.randn(batch, H, D, generator=g)
     kh, vh = torch.randn(batch, HKV, length, D, generator=g), torch.randn(batch, HKV, length, D, generator=g)
     lengths = torch.tensor([7, 4, 1])
-    mask = (torch.arange(length)[None, :] < lengths[:, None])[:, None, None, :]
-    out, weights = attend_with_weights(q, kh, vh, mask)
+    # Each row's keys as one block of `length` slots: (B, length, Hkv, D), table [[0], [1], [2]].
+    k_cache, v_cache = kh.transpose(1, 2).contiguous(), vh.transpose(1, 2).contiguous()
+    tables = torch.arange(batch, dtype=torch.int32).view(batch, 1)
+    starts = torch.zeros(batch, dtype=torch.int32)
+    out, weights = attend(q, k_cache, v_cache, tables, starts, lengths.int(), want_weights=True)
     for b in range(batch):
         n = int(lengths[b])
         k_rep = kh[b, :, :n].repeat_interleave(H // HKV, 0)  # (H, n, D)
