@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention.kernels import use_cpu_kernel
+from kvserve.cpu_kernels import use_cpu_kernel
 
 
 def paged_decode(
@@ -34,7 +34,7 @@ def paged_decode(
     Returns the output (B, H, D) and, with ``want_weights``, each key's softmax probability averaged over the
     query heads, (B, W * block_size) float32 by position, zero outside a row's range; else None."""
     q = q.contiguous()
-    if use_cpu_kernel(q, k_cache) and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
+    if use_cpu_kernel(q, k_cache):
         scale = 1.0 / math.sqrt(q.shape[-1])
         out, _, weights = torch.ops.kvserve.paged_decode(
             q, k_cache, v_cache, block_tables, starts, ends, scale, want_weights

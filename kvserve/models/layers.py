@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.models import fused
 from kvserve.models.config import RopeScaling
 from kvserve.models.packed_linear import dense_linear, prepack
 
@@ -96,9 +97,8 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Rotate x (N, heads, D) by its tokens' rows of ``table``."""
-        cos, sin = table
-        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+        """Rotate x (N, heads, D) by its rows of ``table``, as a new tensor (``fused.rotate_`` rotates in place)."""
+        return fused.rotate_reference(x, table)
 
 
 class SwiGLU(nn.Module):
@@ -111,5 +111,4 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_mul(self.gate_up_proj(x), self.intermediate_size))

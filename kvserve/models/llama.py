@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.models import fused
 from kvserve.models.config import ModelConfig
 from kvserve.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, rope_inverse_frequencies
 from kvserve.models.packed_linear import dense_linear, prepack
@@ -48,9 +49,9 @@ class Attention(nn.Module):
         """x (N, hidden) -> rotated q (N, H, D), rotated k and v (N, Hkv, D)."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)
-        # q and k are adjacent rows of the fused projection: rotate them in one go.
+        # q and k are adjacent rows of the fused projection: rotate them in one go (in place: qkv is ours).
         qk = qkv[:, : self.qk_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = RotaryEmbedding.apply(qk, rope)
+        qk = fused.rotate_(qk, rope)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)  # (N, H, D), (N, Hkv, D)
         v = qkv[:, self.qk_size :].view(n, self.num_kv_heads, self.head_dim)
         return q, k, v

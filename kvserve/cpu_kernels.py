@@ -1,4 +1,7 @@
-"""kvserve's compiled attention kernels (``csrc/``), built once per machine and loaded as ``torch.ops.kvserve``.
+"""kvserve's compiled CPU kernels (``csrc/``), built once per machine and loaded as ``torch.ops.kvserve``.
+
+``paged_decode.cpp``: decode attention over paged KV (``attention/decode.py``); ``fused_ops.cpp``: RMSNorm,
+rotary embedding and SwiGLU's product, one op each (``models/fused.py``).
 
 The build uses ``torch.utils.cpp_extension`` (g++ and ninja) with ``-march=native``, so it is keyed by a hash
 of the sources, the torch version and the CPU's flags: a cached build made on another CPU is never loaded.
@@ -20,7 +23,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("csrc") / "paged_decode.cpp",)
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "fused_ops.cpp"))
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17")
 
 
@@ -72,9 +76,9 @@ def cpu_kernels_available() -> bool:
     except (OSError, RuntimeError, ImportError) as error:  # no compiler or ninja, or the build failed
         log.warning("kvserve's CPU attention kernels did not build (%s); using the torch reference", error)
         return False
-    return hasattr(torch.ops.kvserve, "paged_decode")
+    return all(hasattr(torch.ops.kvserve, op) for op in ("paged_decode", "rms_norm", "rope_", "silu_mul"))
 
 
 def use_cpu_kernel(*tensors: torch.Tensor) -> bool:
-    """Whether the compiled kernel takes these tensors (on the CPU, in a dtype it supports)."""
-    return all(t.device.type == "cpu" for t in tensors) and cpu_kernels_available()
+    """Whether the compiled kernels take these tensors: on the CPU, in a dtype they support."""
+    return all(t.device.type == "cpu" and t.dtype in KERNEL_DTYPES for t in tensors) and cpu_kernels_available()

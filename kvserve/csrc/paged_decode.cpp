@@ -357,7 +357,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode(const at::Tensor& q,
 
 }  // namespace
 
-TORCH_LIBRARY(kvserve, m) {
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor starts, Tensor ends, "
       "float scale, bool want_weights) -> (Tensor, Tensor, Tensor)");
