@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.models import fused
@@ -43,8 +42,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 whatever the activation dtype, as the reference does.
-        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(
