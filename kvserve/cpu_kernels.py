@@ -23,7 +23,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("paged_decode.cpp", "fused_ops.cpp"))
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp")
+HEADERS = (CSRC / "cpu_vec.h",)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17")
 
@@ -41,7 +43,7 @@ def _cpu_flags() -> str:
 def build_name() -> str:
     """The extension's name: changes with the sources, the flags, torch and the CPU."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     digest.update(" ".join(CFLAGS).encode())
     digest.update(torch.__version__.encode())
@@ -67,6 +69,7 @@ def cpu_kernels_available() -> bool:
         cpp_extension.load(
             name=name,
             sources=[str(s) for s in SOURCES],
+            extra_include_paths=[str(CSRC)],
             extra_cflags=list(CFLAGS),
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.attention import decode as decode_module
 from kvserve import cpu_kernels as kernels
+from kvserve.attention import decode as decode_module
 from kvserve.attention.decode import paged_decode, paged_decode_reference
 
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}

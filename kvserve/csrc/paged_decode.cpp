@@ -26,31 +26,16 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace {
 
 constexpr int64_t SPAN = 256;  // keys per work item
 
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float to_float(at::Half x) { return static_cast<float>(x); }
-
+using kvserve_cpu::ordered_sum;
+using kvserve_cpu::to_float;
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
-// 16 values from memory as 16 float lanes.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using kvserve_cpu::load16;
 #endif
 
 // scores[j * stride] = q_j . k for the G query rows q (G, D) float32 and one key row k (D,).
@@ -210,14 +195,10 @@ void attend_span(const Geometry& g, const float* q, const T* k_cache, const T* v
     float* s = scores.data() + j * n;
     float mx = s[0];
     for (int64_t t = 1; t < n; ++t) mx = std::max(mx, s[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      s[t] = std::exp(s[t] - mx);
-      sum += s[t];
-    }
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - mx);
     m[j] = mx;
-    l[j] = sum;
+    l[j] = ordered_sum(s, n);
   }
   std::fill(acc, acc + H * D, 0.f);
   for_each_block(g.block_size, first, last, [&](int64_t a, int64_t b) {
