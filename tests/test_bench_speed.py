@@ -46,9 +46,10 @@ class FakeEngine:
 def test_measure_derives_rates_from_engine_times() -> None:
     ids = list(range(100))
     prompts = [ids[:10]] * 8
-    result = speed.measure(FakeEngine(0.2, 0.01), ids, [50, 100], 64, prompts, [2, 8], 16, 3, lambda _: None)
+    result = speed.measure(FakeEngine(0.2, 0.01), ids, [50, 100], 64, prompts, [2, 8], 16, 3, lambda _: None, [80])
     assert result.prefill_s == pytest.approx({50: 0.2 + 0.005 + 0.01, 100: 0.2 + 0.01 + 0.01})
     assert result.decode_tokens_per_s == pytest.approx(100.0)  # the constant cost and the prompt cancel out
+    assert result.long_decode_tokens_per_s == pytest.approx({80: 100.0})
     assert result.batch_tokens_per_s == pytest.approx({2: 2 * 16 / 0.36, 8: 8 * 16 / 0.36})
     assert (result.load_s, result.decode_bytes_per_token) == (0.5, 1000)
 
@@ -100,6 +101,7 @@ def test_table_and_plot_show_ratios_against_each_peer(tmp_path) -> None:
         return {
             "engine": engine, "load_s": 1.0, "prefill_s": {512: 0.2 * scale, 2048: 1.0 * scale},
             "decode_tokens_per_s": 50 / scale, "batch_tokens_per_s": {8: 100 / scale, 32: 300 / scale},
+            "long_decode_tokens_per_s": {4096: 20 / scale},
             "decode_bytes_per_token": 100e6,
         }  # fmt: skip
 
@@ -113,7 +115,8 @@ def test_table_and_plot_show_ratios_against_each_peer(tmp_path) -> None:
         "results": [result("kvserve", 1.0), result("llama.cpp", 4.0)],
     }  # fmt: skip
     table = _speed_table(report)
-    assert "| **kvserve / llama.cpp** |  | 4.00x | 4.00x | 4.00x | 4.00x | 4.00x |" in table
+    assert "| decode b=1 after 4096 (tok/s) |" in table
+    assert "| **kvserve / llama.cpp** |  | 4.00x | 4.00x | 4.00x | 4.00x | 4.00x | 4.00x |" in table
     # decode: 100 MB x 50 tok/s / 20 GB/s; prefill 512: 100 GFLOP / 0.2 s / 2 TFLOP/s (2048: 500 / 1.0 / 2)
     assert "| kvserve | 100.0 | 25% | 25% | 25% |" in table
     plot_speed_ratios(report, tmp_path / "ratios.png")
@@ -127,7 +130,7 @@ def test_bench_speed_runs_kvserve_end_to_end(tmp_path) -> None:
         [
             sys.executable, "-m", "kvserve.cli", "bench", "speed", "--peers", "", "--threads", "2",
             "--prefill-lengths", "32,64", "--decode-tokens", "4", "--batch-sizes", "2,3", "--batch-prompt-tokens", "16",
-            "--batch-new-tokens", "4", "--repeats", "1", "--output", str(out),
+            "--batch-new-tokens", "4", "--long-decode-contexts", "80", "--repeats", "1", "--output", str(out),
         ],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -137,6 +140,7 @@ def test_bench_speed_runs_kvserve_end_to_end(tmp_path) -> None:
     assert kvserve["engine"] == "kvserve (native)"
     assert set(kvserve["prefill_s"]) == {"32", "64"} and set(kvserve["batch_tokens_per_s"]) == {"2", "3"}
     assert kvserve["decode_tokens_per_s"] > 0 and kvserve["prefill_s"]["64"] > 0
+    assert kvserve["long_decode_tokens_per_s"]["80"] > 0
     assert report["roofline"]["copy_gb_per_s"] > 0 and report["roofline"]["bf16_gflop_per_s"] > 0
     assert "| kvserve (native) |" in out.with_suffix(".md").read_text()
 

@@ -48,6 +48,9 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     spd.add_argument("--llamacpp-python", default=None, help="interpreter with llama_cpp (default: this one)")
     spd.add_argument("--prefill-lengths", default="512,2048", help="comma-separated prompt lengths")
     spd.add_argument("--decode-tokens", type=int, default=128, help="batch-1 decode: tokens timed")
+    spd.add_argument(
+        "--long-decode-contexts", default="4096", help="comma-separated: batch-1 decode also after this many tokens"
+    )
     spd.add_argument("--batch-sizes", default="8,32", help="comma-separated numbers of concurrent sequences")
     spd.add_argument("--batch-prompt-tokens", type=int, default=64, help="prompt length of each concurrent sequence")
     spd.add_argument("--batch-new-tokens", type=int, default=128, help="tokens each concurrent sequence produces")
@@ -376,7 +379,8 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype, args.device)
     reader = gguf_file.open_gguf(model_path)
     tokenizer, config = Tokenizer.from_gguf(reader), gguf_file.read_config(reader)
-    prompt_ids = _prompt_ids(tokenizer, Path(AUSTEN), max(lengths))
+    long_contexts = [int(x) for x in args.long_decode_contexts.split(",") if x.strip()]
+    prompt_ids = _prompt_ids(tokenizer, Path(AUSTEN), max([*lengths, *long_contexts]))
     batch_prompts = fixed_length_prompts(tokenizer, max(batch_sizes), args.batch_prompt_tokens)
     roofline = speed.measure_roofline()
     log(
@@ -388,7 +392,16 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
     ]
     if args.batch_invariant:
         engines.append(lambda: speed.KVServeSpeed(str(model_path), args.dtype, args.weights, max(batch_sizes), True))
-    seq_len = max(max(lengths), args.batch_prompt_tokens + args.batch_new_tokens) + 64
+    seq_len = (
+        max(
+            [
+                *lengths,
+                *(n + args.decode_tokens for n in long_contexts),
+                args.batch_prompt_tokens + args.batch_new_tokens,
+            ]
+        )
+        + 64
+    )
     peer_info = {}
     if llamacpp_python:
         engines.append(lambda: speed.LlamaCppSpeed(llamacpp_python, model_path, threads, seq_len, max(batch_sizes)))
@@ -409,6 +422,7 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
                     args.batch_new_tokens,
                     args.repeats,
                     log,
+                    long_contexts,
                 )  # fmt: skip
             )
         finally:
@@ -443,6 +457,7 @@ def _speed_table(report: dict) -> str:
     m, roof, results = report["machine"], report["roofline"], report["results"]
     lengths = list(results[0]["prefill_s"])
     sizes = list(results[0]["batch_tokens_per_s"])
+    contexts = list(results[0].get("long_decode_tokens_per_s", {}))
     w = report["workload"]
     lines = [
         f"# CPU speed: {report['model']}",
@@ -462,25 +477,29 @@ def _speed_table(report: dict) -> str:
         "| engine | load (s) | "
         + " | ".join(f"prefill {n} (ms)" for n in lengths)
         + " | decode b=1 (tok/s) | "
+        + "".join(f"decode b=1 after {n} (tok/s) | " for n in contexts)
         + " | ".join(f"{b} seqs (tok/s)" for b in sizes)
         + " |",
-        "| --- | ---: |" + " ---: |" * (len(lengths) + 1 + len(sizes)),
+        "| --- | ---: |" + " ---: |" * (len(lengths) + 1 + len(contexts) + len(sizes)),
     ]
 
-    def row(label: str, load: str, prefill: list[str], decode: str, batch: list[str]) -> str:
-        return f"| {label} | {load} | " + " | ".join([*prefill, decode, *batch]) + " |"
+    def row(label: str, load: str, prefill: list[str], decode: list[str], batch: list[str]) -> str:
+        return f"| {label} | {load} | " + " | ".join([*prefill, *decode, *batch]) + " |"
+
+    def decodes(r: dict) -> list[float]:
+        return [r["decode_tokens_per_s"], *(r["long_decode_tokens_per_s"][n] for n in contexts)]
 
     for r in results:
         lines.append(row(
             r["engine"], f"{r['load_s']:.2f}", [f"{r['prefill_s'][n] * 1000:.0f}" for n in lengths],
-            f"{r['decode_tokens_per_s']:.1f}", [f"{r['batch_tokens_per_s'][b]:.1f}" for b in sizes],
+            [f"{d:.1f}" for d in decodes(r)], [f"{r['batch_tokens_per_s'][b]:.1f}" for b in sizes],
         ))  # fmt: skip
     ours = results[0]
     for peer in results[1:]:
         lines.append(row(
             f"**kvserve / {peer['engine']}**", "",
             [f"{peer['prefill_s'][n] / ours['prefill_s'][n]:.2f}x" for n in lengths],
-            f"{ours['decode_tokens_per_s'] / peer['decode_tokens_per_s']:.2f}x",
+            [f"{a / b:.2f}x" for a, b in zip(decodes(ours), decodes(peer), strict=True)],
             [f"{ours['batch_tokens_per_s'][b] / peer['batch_tokens_per_s'][b]:.2f}x" for b in sizes],
         ))  # fmt: skip
     lines += ["", "Roofline fractions: decode = weight bytes per token x tokens/s / copy bandwidth; prefill = "

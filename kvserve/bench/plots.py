@@ -78,13 +78,15 @@ def plot_speed_ratios(report: dict, path: Path) -> None:
     ours, peers = report["results"][0], report["results"][1:]
     if not peers:
         return
-    labels = [f"prefill {n}" for n in ours["prefill_s"]] + ["decode b=1"]
+    contexts = list(ours.get("long_decode_tokens_per_s", {}))
+    labels = [f"prefill {n}" for n in ours["prefill_s"]] + ["decode b=1"] + [f"decode @{n}" for n in contexts]
     labels += [f"{b} seqs" for b in ours["batch_tokens_per_s"]]
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(peers)
     for i, peer in enumerate(peers):
         ratios = [peer["prefill_s"][n] / ours["prefill_s"][n] for n in ours["prefill_s"]]
         ratios.append(ours["decode_tokens_per_s"] / peer["decode_tokens_per_s"])
+        ratios += [ours["long_decode_tokens_per_s"][n] / peer["long_decode_tokens_per_s"][n] for n in contexts]
         ratios += [ours["batch_tokens_per_s"][b] / peer["batch_tokens_per_s"][b] for b in ours["batch_tokens_per_s"]]
         xs = [x + (i - (len(peers) - 1) / 2) * width for x in range(len(labels))]
         bars = ax.bar(xs, ratios, width, label=f"vs {peer['engine']}")

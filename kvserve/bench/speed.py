@@ -38,7 +38,8 @@ class SpeedResult:
     engine: str
     load_s: float
     prefill_s: dict[int, float] = field(default_factory=dict)  # prompt length -> seconds
-    decode_tokens_per_s: float = 0.0  # batch 1
+    decode_tokens_per_s: float = 0.0  # batch 1, after a 32-token prompt
+    long_decode_tokens_per_s: dict[int, float] = field(default_factory=dict)  # batch 1, context -> tok/s
     batch_tokens_per_s: dict[int, float] = field(default_factory=dict)  # concurrent sequences -> output tok/s
     decode_bytes_per_token: int | None = None  # weight bytes one batch-1 decode step reads
 
@@ -195,6 +196,7 @@ def measure(
     batch_new_tokens: int,
     repeats: int,
     log: Callable[[str], None],
+    long_contexts: Sequence[int] = (),
 ) -> SpeedResult:
     result = SpeedResult(engine.name, engine.load_s, decode_bytes_per_token=engine.decode_bytes_per_token)
     log(f"  {engine.name}: loaded in {engine.load_s:.2f} s")
@@ -212,6 +214,12 @@ def measure(
     full = median(lambda: engine.generate(short, decode_tokens + 1))
     result.decode_tokens_per_s = decode_tokens / (full - first)
     log(f"  {engine.name}: batch-1 decode {result.decode_tokens_per_s:.1f} tokens/s")
+    for n in long_contexts:  # the same after n tokens of context: attention's share of a step grows with n
+        context = prompt_ids[:n]
+        first = median(lambda c=context: engine.generate(c, 1))
+        full = median(lambda c=context: engine.generate(c, decode_tokens + 1))
+        result.long_decode_tokens_per_s[n] = decode_tokens / (full - first)
+        log(f"  {engine.name}: batch-1 decode after {n} tokens {result.long_decode_tokens_per_s[n]:.1f} tokens/s")
     for b in batch_sizes:
         seconds = median(lambda b=b: engine.batch(batch_prompts[:b], batch_new_tokens), max(1, repeats // 2))
         result.batch_tokens_per_s[b] = b * batch_new_tokens / seconds
