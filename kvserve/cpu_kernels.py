@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import logging
 import os
 import platform
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from kvserve.log import get_logger
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp")
@@ -64,8 +63,10 @@ def cpu_kernels_available() -> bool:
 
     name = build_name()
     directory = _cache_dir() / name
-    directory.mkdir(parents=True, exist_ok=True)
     try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not any(directory.glob("*.so")):
+            get_logger().info("building kvserve's CPU kernels for this CPU (once, ~20 s) in %s", directory)
         cpp_extension.load(
             name=name,
             sources=[str(s) for s in SOURCES],
@@ -77,7 +78,7 @@ def cpu_kernels_available() -> bool:
             verbose=False,
         )
     except (OSError, RuntimeError, ImportError) as error:  # no compiler or ninja, or the build failed
-        log.warning("kvserve's CPU attention kernels did not build (%s); using the torch reference", error)
+        get_logger().warning("kvserve's CPU kernels did not build (%s); using the torch implementations", error)
         return False
     return all(hasattr(torch.ops.kvserve, op) for op in ("paged_decode", "rms_norm", "rope_", "silu_mul"))
 

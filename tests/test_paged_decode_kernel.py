@@ -87,3 +87,17 @@ def test_the_build_is_keyed_by_the_cpu(monkeypatch):
     here = kernels.build_name()
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags : fpu sse2")
     assert kernels.build_name() != here
+
+
+def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    def no_compiler(**kwargs):
+        raise RuntimeError("g++: not found")
+
+    warnings = []
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(kernels.get_logger(), "warning", lambda message, *args: warnings.append(message % args))
+    monkeypatch.setenv("KVSERVE_KERNEL_CACHE", str(tmp_path))
+    assert kernels.cpu_kernels_available.__wrapped__() is False
+    assert warnings and "did not build (g++: not found)" in warnings[0]
