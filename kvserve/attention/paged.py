@@ -41,6 +41,7 @@ from kvserve.attention.decode import paged_decode
 from kvserve.attention.masks import causal_mask, window_binds
 from kvserve.attention.row_invariant import RowPlan, attend_row_calls, plan_row_calls
 from kvserve.attention.step_layout import padded_table, row_starts, token_positions
+from kvserve.kv import huge_pages
 
 if TYPE_CHECKING:
     from kvserve.scheduler import SchedulerOutput
@@ -264,8 +265,8 @@ class PagedKVCache(AttentionBackend):
             raise ValueError(f"layer_rows names {len(self.layer_rows)} layers; the model has {num_layers}")
         shape = (max(self.layer_rows) + 1, num_blocks, block_size, num_kv_heads, head_dim)
         # Zeros, not empty: padding reads masked slots, which must not hold NaN.
-        self.k = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-        self.v = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        self.k = huge_pages.zeros(shape, dtype, device, pin_memory)
+        self.v = huge_pages.zeros(shape, dtype, device, pin_memory)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.batch_invariant = batch_invariant
