@@ -28,7 +28,7 @@ tables to it (freeing blocks) and remembers the counts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -331,13 +331,20 @@ class CompressedKVCache(AttentionBackend):
             valid = torch.arange(length, device=device)[None, :] < ends[:, None]
             scores = update_scores(policies, self.scores.index_select(0, slots.view(-1)).view_as(slots), weights)
             self.scores.index_copy_(0, slots.masked_select(valid), scores.masked_select(valid))
+        fetched = (
+            None
+            if self.tier is None
+            else (k_slab.view(batch, length, *k.shape[1:]), v_slab.view(batch, length, *v.shape[1:]))
+        )
+
+        def candidates(b: int) -> tuple[torch.Tensor, torch.Tensor]:  # row b's keys and values, (held + 1, Hkv, D)
+            if fetched is not None:  # already fetched from the tier for the attention above
+                return fetched[0][b, : held[b] + 1], fetched[1][b, : held[b] + 1]
+            return self._read(self._slot_ids(tables[b], 0, held[b] + 1, device))
+
         for b, seq in enumerate(seqs):
-            n = held[b] + 1
-            if n > meta.group_targets[seq][layer]:  # over its target: read its candidates to keep the policy's choice
-                keys, values = self._read(self._slot_ids(tables[b], 0, n, device))
-                self._compress_decoded(layer, meta, seq, keys, values, None if scores is None else scores[b])
-            else:
-                meta.state.held_after[seq][layer] = n
+            row_scores = None if scores is None else scores[b]
+            self._compress_decoded(layer, meta, seq, lambda b=b: candidates(b), row_scores)
         return out
 
     def _decode_source(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -350,15 +357,17 @@ class CompressedKVCache(AttentionBackend):
         return keys, values, renumbered
 
     def _compress_decoded(
-        self, layer: int, meta: CompressedAttentionMetadata, seq: int, keys: torch.Tensor, values: torch.Tensor,
-        scores: torch.Tensor | None,
+        self, layer: int, meta: CompressedAttentionMetadata, seq: int,
+        candidates: Callable[[], tuple[torch.Tensor, torch.Tensor]], scores: torch.Tensor | None,
     ) -> None:  # fmt: skip
-        """After a decode row: keep everything while the group is within its target, else the policy's choice."""
+        """After a decode row: keep everything while the group is within its target, else the policy's choice
+        among its ``candidates()`` (keys and values, read only then)."""
         n = meta.state.held_after[seq][layer] + 1
         target = meta.group_targets[seq][layer]
         if n <= target:
             meta.state.held_after[seq][layer] = n
             return
+        keys, values = candidates()
         scores = None if scores is None else scores[:n]
         frozen = meta.group_frozen[seq][layer] if meta.group_frozen[seq] else 0
         kept = _select(meta.policies[seq], scores, n, target, meta.context_lens[seq] + 1, frozen).to(keys.device)
