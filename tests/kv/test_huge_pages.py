@@ -1,10 +1,9 @@
-"""KV cache memory on transparent huge pages: zeros of the asked shape, 2 MiB aligned on Linux, and really
-backed by huge pages where the kernel allows them."""
+"""KV cache memory on transparent huge pages: zeros of the asked shape, 2 MiB aligned on Linux and advised to
+use huge pages (whether the kernel grants them is its decision: benchmarks/decode-kernel/ measured it)."""
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,17 +21,24 @@ def test_zeros_of_the_asked_shape_and_dtype(dtype):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are a Linux feature")
-def test_a_large_cache_starts_on_a_huge_page_and_gets_huge_pages():
-    before = _anon_huge_kib()
-    t = huge_pages.zeros((64, 1024, 1024), torch.uint8)  # 64 MiB
+def test_a_large_cache_starts_on_a_huge_page_and_is_advised(monkeypatch):
+    """Whether the kernel then grants huge pages depends on its free memory (a full test run got none at times);
+    what kvserve owes is the advice on 2 MiB-aligned memory, for the whole huge pages it spans."""
+    calls = []
+
+    def madvise(address, length, advice):
+        calls.append((address, length, advice))
+        return 0
+
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: madvise)
+    t = huge_pages.zeros((5, 1024, 1024), torch.uint8)  # 5 MiB: two whole huge pages
     assert t.data_ptr() % huge_pages.HUGE_PAGE == 0
-    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    if "[never]" not in mode:
-        assert _anon_huge_kib() - before >= 32 * 1024  # most of it (some may be refused under pressure)
+    assert calls == [(t.data_ptr(), 4 << 20, huge_pages.MADV_HUGEPAGE)]
+    assert not t.any()
 
 
-def _anon_huge_kib() -> int:
-    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-        if line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    return 0
+def test_a_small_cache_is_not_advised(monkeypatch):
+    calls = []
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: lambda *args: calls.append(args))
+    assert not huge_pages.zeros((16, 1024), torch.uint8).any()
+    assert calls == []
