@@ -180,19 +180,19 @@ inline void for_each_block(int64_t block_size, int64_t first, int64_t last, F&& 
 
 // One work item: every query head of a row over key positions [first, last) of its block table `table`,
 // block by block and every KV head within a block, so a block's rows are read while they are in cache.
-// Writes m (H), l (H), acc (H, D) float32; the logits (H, last - first) if `logits` is not null.
+// Writes m (H), l (H), acc (H, D) float32; if `logits` is not null, head j's logits to logits + j * stride.
 template <typename T>
 void attend_span(const Geometry& g, const float* q, const T* k_cache, const T* v_cache, const int32_t* table,
-                 int64_t first, int64_t last, float* m, float* l, float* acc, float* logits) {
+                 int64_t first, int64_t last, float* m, float* l, float* acc, float* logits, int64_t stride) {
   const int64_t n = last - first, G = g.group, D = g.dim, H = g.heads;
   std::vector<float> scores(H * n);
   for_each_block(g.block_size, first, last, [&](int64_t a, int64_t b) {
     for (int64_t h = 0; h < g.kv_heads; ++h)
       key_pass(g, q + h * G * D, k_cache, table, h, a, b, scores.data() + h * G * n + (a - first), n);
   });
-  if (logits != nullptr) std::memcpy(logits, scores.data(), sizeof(float) * H * n);
   for (int64_t j = 0; j < H; ++j) {
     float* s = scores.data() + j * n;
+    if (logits != nullptr) std::memcpy(logits + j * stride, s, sizeof(float) * n);
     float mx = s[0];
     for (int64_t t = 1; t < n; ++t) mx = std::max(mx, s[t]);
 #pragma omp simd
@@ -235,18 +235,11 @@ void decode(const Geometry& g, const at::Tensor& q, const at::Tensor& k_cache, c
   // Grain: a short context runs on one thread (the fork costs more than it saves).
   const int64_t grain = std::max<int64_t>(1, 1024 / (SPAN * g.kv_heads));
   at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> span_logits;
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = item_row[i], n = item_last[i] - item_first[i];
-      float* lg = nullptr;
-      if (weights != nullptr) {
-        span_logits.resize(H * n);
-        lg = span_logits.data();
-      }
+      const int64_t b = item_row[i];
+      float* lg = weights != nullptr ? logits.data() + b * H * length + item_first[i] : nullptr;  // row b, head 0
       attend_span<T>(g, qf.data() + b * H * D, kp, vp, tp + b * g.width, item_first[i], item_last[i],
-                     m.data() + i * H, l.data() + i * H, acc.data() + i * H * D, lg);
-      for (int64_t j = 0; lg != nullptr && j < H; ++j)
-        std::memcpy(logits.data() + (b * H + j) * length + item_first[i], lg + j * n, sizeof(float) * n);
+                     m.data() + i * H, l.data() + i * H, acc.data() + i * H * D, lg, length);
     }
   });
   // Merge each row's spans in order, per query head.
