@@ -44,7 +44,13 @@ def bucket_rows(count: int) -> int:
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    # oneDNN's bfloat16 reorder needs AVX-512 (or AVX-NE-CONVERT); an AVX2-only CPU keeps F.linear.
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
