@@ -48,6 +48,14 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     prefill_parallel: int = 1  # processes for a long prompt's prefill (KV-Runahead); 1: this process alone
     prefill_partition: str | None = None  # even | searched | predicted | tsp; None: predicted if a table exists
+    # Tensor parallelism (parallel/tensor_group.py): every layer's heads and MLP split over this many processes,
+    # this one (rank 0) plus workers; over ``nnodes`` machines, rank 0's at ``master_addr:master_port``.
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0  # this machine: 0 runs the engine, the others only workers (`kvserve serve --node-rank`)
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free port (one machine); several machines need a fixed one
+    tensor_parallel_timeout: float = 60.0  # seconds a step waits for a rank before the group is lost
     kv_policy: str = "full"  # full | pyramid | local | h2o | infinigen | int4 (see kvserve/policies)
     kv_budget: float | None = None  # fraction of the full cache kept; None: 1 for full, 0.5 otherwise
     recent_ratio: float | None = None  # pyramid: |S_r| share of a layer's budget (0.4); h2o: recent share (0.5)
@@ -79,6 +87,7 @@ class EngineConfig:
             raise ValueError(f"prefill_partition must be one of {PREFILL_PARTITIONS}, got {self.prefill_partition!r}")
         if self.prefill_parallel > 1 and self.device != "cpu":
             raise ValueError(f"prefill_parallel > 1 runs on CPU (gloo) for now, not on device {self.device!r}")
+        self._check_tensor_parallel()
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -108,6 +117,11 @@ class EngineConfig:
     def prompt_cache_refusal(self) -> str | None:
         """Why this engine cannot take Prompt Cache schemas, or None. (A model's sliding-window groups are refused
         by the engine, which knows the model.)"""
+        if self.tensor_parallel_size > 1 and self.prompt_cache_tier == "host":
+            return (
+                "prompt_cache_tier='host' keeps a module's KV in the engine's process, but under tensor parallelism "
+                "each rank holds its own heads' KV: use prompt_cache_tier='device' (modules are blocks like any KV)"
+            )
         if self.kv_offload != "none" and self.prompt_cache_tier == "host":
             return (
                 f"an offloading engine keeps every block, modules' too, in its {self.kv_offload} tier already; "
@@ -134,6 +148,7 @@ class EngineConfig:
         others = {
             "kv_policy": (self.kv_policy, "full"), "kv_offload": (self.kv_offload, "none"),
             "prefill_parallel": (self.prefill_parallel, 1), "device": (self.device, "cpu"),
+            "tensor_parallel_size": (self.tensor_parallel_size, 1),
         }  # fmt: skip
         for name, (value, needed) in others.items():
             if value != needed:
@@ -141,6 +156,33 @@ class EngineConfig:
                     f"batch_invariant runs on the paged cache of one CPU process: it needs {name}={needed!r}, "
                     f"got {value!r}"
                 )
+
+    def _check_tensor_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "nnodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} must be a multiple of nnodes={self.nnodes} "
+                "(each machine runs as many ranks)"
+            )
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"node_rank must be in 0..{self.nnodes - 1} (nnodes={self.nnodes}), got {self.node_rank!r}"
+            )
+        if not isinstance(self.master_port, int) or not 0 <= self.master_port <= 65535:
+            raise ValueError(f"master_port must be a TCP port (0-65535), got {self.master_port!r}")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError("nnodes > 1 needs a fixed master_port that every machine can reach on master_addr")
+        if self.tensor_parallel_timeout <= 0:
+            raise ValueError(f"tensor_parallel_timeout must be > 0 seconds, got {self.tensor_parallel_timeout!r}")
+        if self.tensor_parallel_size > 1 and self.prefill_parallel > 1:
+            raise ValueError(
+                "prefill_parallel > 1 (KV-Runahead) with tensor_parallel_size > 1 is not supported: its prefill "
+                "group would need every chunk's ranks to be a tensor-parallel group of their own, and each process "
+                "joins one torch.distributed world; use one or the other"
+            )
 
     def _check_offload(self, offload_only: bool) -> None:
         if self.kv_offload not in KV_OFFLOAD_MODES:

@@ -43,9 +43,23 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.closed = False
+        self.tensor_parallel = self._start_tensor_parallel() if config.tensor_parallel_size > 1 else None
+        try:
+            self._build(config, loaded)
+        except BaseException:
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.close()
+                torch.set_num_threads(self._threads_before)
+            raise
+
+    def _build(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
+        shard = self.tensor_parallel.shard if self.tensor_parallel is not None else None
+        if loaded is not None and loaded.shard != shard:
+            raise ValueError(f"the model given was loaded with shard={loaded.shard}, this engine runs shard={shard}")
         self.loaded = loaded or load_model(
             config.model, config.torch_dtype, config.device, weights=config.weights,
             batch_invariant=config.batch_invariant, tokenizer=config.tokenizer, chat_template=config.chat_template,
+            shard=shard,
         )  # fmt: skip
         if config.batch_invariant and not self.loaded.batch_invariant:
             raise ValueError("batch_invariant=True needs a model loaded with load_model(..., batch_invariant=True)")
@@ -60,9 +74,10 @@ class LLMEngine:
             num_host_blocks=self.plan.num_host_blocks, enable_prefix_caching=self.plan.prefix_caching,
         )  # fmt: skip
         self.parallel_prefill = self._start_parallel_prefill() if config.prefill_parallel > 1 else None
-        self.runner = ModelRunner(
-            self.loaded.model, make_kv_cache(config, self.plan, self.loaded), config.device, self.parallel_prefill
-        )
+        cache = make_kv_cache(config, self.plan, self.loaded)
+        if self.tensor_parallel is not None:  # the workers have loaded their shards: meet them
+            cache.set_rank_mean(self.tensor_parallel.join(self.loaded.model))
+        self.runner = ModelRunner(self.loaded.model, cache, config.device, self.parallel_prefill, self.tensor_parallel)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs,
@@ -99,6 +114,27 @@ class LLMEngine:
         )  # fmt: skip
         return PromptCache(self.tokenizer, self.max_model_len, store, eager=config.prompt_cache_encode == "eager")
 
+    def _start_tensor_parallel(self):  # noqa: ANN202 - kvserve.parallel.tensor_group.TensorParallelGroup
+        """Spawn this machine's other ranks (they load their shards while this process loads its own); this
+        process computes with its share of the cores from now on."""
+        from kvserve.parallel.tensor_group import TensorParallelGroup
+
+        if self.config.node_rank != 0:
+            raise ValueError(
+                f"node_rank={self.config.node_rank} runs tensor-parallel workers only (`kvserve serve --node-rank "
+                f"{self.config.node_rank}` does that); the engine runs on node 0"
+            )
+        group = TensorParallelGroup(self.config)
+        self._threads_before = torch.get_num_threads()
+        torch.set_num_threads(group.threads)
+        return group
+
+    def health_error(self) -> str | None:
+        """Why this engine cannot serve any more (a lost tensor-parallel rank), or None while it can."""
+        if self.tensor_parallel is not None and self.tensor_parallel.failure is not None:
+            return f"the tensor-parallel group is lost: {self.tensor_parallel.failure}"
+        return None
+
     def _start_parallel_prefill(self):  # noqa: ANN202 - kvserve.parallel.prefill.ParallelPrefill
         from kvserve.models.dtype import DTYPE_NAMES
         from kvserve.parallel import partition
@@ -124,6 +160,9 @@ class LLMEngine:
         if self.parallel_prefill is not None:
             self.parallel_prefill.close()
         self.runner.cache.close()
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
+            torch.set_num_threads(self._threads_before)
 
     def __enter__(self) -> LLMEngine:
         return self
@@ -183,6 +222,8 @@ class LLMEngine:
         (how the eval tools score a continuation under compression)."""
         if self.closed:
             raise RuntimeError("the engine is closed (close() was called): build a new one")
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.check()  # a lost rank: refuse now rather than fail at the next step
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -15,3 +15,7 @@ class UnsupportedModelError(ModelLoadError):
 
 class ParallelPrefillError(KVServeError):
     """A parallel prefill worker died, hung past the timeout, or reported an error."""
+
+
+class TensorParallelError(KVServeError):
+    """A tensor-parallel rank died, hung past the timeout or failed; the group is lost (the message says why)."""

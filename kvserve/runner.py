@@ -20,6 +20,7 @@ from kvserve.scheduler import ScheduledSequence, SchedulerOutput
 
 if TYPE_CHECKING:  # parallel/ (torch.distributed) is imported only when an engine uses it
     from kvserve.parallel.prefill import ParallelPrefill
+    from kvserve.parallel.tensor_group import TensorParallelGroup
 
 
 @dataclass
@@ -36,17 +37,30 @@ class ModelRunner:
         cache: AttentionBackend,
         device: torch.device | str = "cpu",
         parallel_prefill: ParallelPrefill | None = None,
+        tensor_parallel: TensorParallelGroup | None = None,
+        computes_logits: bool = True,
     ) -> None:
         self.model = model
         self.cache = cache
         self.device = torch.device(device)
         self.parallel_prefill = parallel_prefill
+        self.tensor_parallel = tensor_parallel  # rank 0's group: each step goes to the workers first
+        self.computes_logits = computes_logits  # False on a tensor-parallel worker: rank 0 samples
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, rows_from: Mapping[int, int] | None = None) -> RunnerOutput:
         """Run one step. A sequence in ``rows_from`` gets logits for every row of its chunk from that index
         on (prompt logprobs); the others only for their last token, and only when they sample."""
         rows_from = rows_from or {}
+        if self.tensor_parallel is None:
+            return self._execute(out, rows_from)
+        self.tensor_parallel.run_step(out, rows_from)
+        try:
+            return self._execute(out, rows_from)
+        except Exception as exc:  # the workers ran (or wait in) this step: they are out of step with us now
+            raise self.tensor_parallel.lose(f"a step failed on rank 0: {exc!r}") from exc
+
+    def _execute(self, out: SchedulerOutput, rows_from: Mapping[int, int]) -> RunnerOutput:
         self.cache.apply_moves(out)
         if not out.scheduled:
             return RunnerOutput()
@@ -90,7 +104,7 @@ class ModelRunner:
             rows[s.seq_id] = slice(len(wanted), len(wanted) + len(chosen))
             wanted.extend(chosen)
             start = end
-        if not wanted:
+        if not wanted or not self.computes_logits:
             return RunnerOutput(rows=rows, report=report)
         index = torch.tensor(wanted, dtype=torch.long, device=self.device)
         return RunnerOutput(self.model.compute_logits(hidden.index_select(0, index)).cpu(), rows, report)

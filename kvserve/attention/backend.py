@@ -177,6 +177,12 @@ class AttentionBackend(ABC):
         keeps everything where attention reads it."""
         return {}
 
+    def set_rank_mean(self, mean: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Under tensor parallelism this cache holds only its rank's heads: ``mean`` turns a per-slot score averaged
+        over them into the average over every head (``parallel/tensor_model.py``). A cache that does not rank
+        slots by attention ignores it (the default)."""
+        return None
+
     def close(self) -> None:
         """Release threads and files the cache holds (idempotent); nothing by default."""
         return None

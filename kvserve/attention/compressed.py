@@ -119,6 +119,7 @@ class CompressedKVCache(AttentionBackend):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.scores = torch.zeros(num_blocks * block_size, dtype=torch.float32, device=device, pin_memory=pin_memory)
+        self.rank_mean: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallelism: set_rank_mean
         self.host_cache = self.make_host_cache(num_host_blocks) if num_host_blocks else None
 
     def make_host_cache(self, num_blocks: int | None = None) -> CompressedKVCache:
@@ -194,6 +195,9 @@ class CompressedKVCache(AttentionBackend):
         if not isinstance(host, CompressedKVCache):
             raise RuntimeError("per-layer KV groups swap to a CompressedKVCache host tier (it holds the slot scores)")
         return host
+
+    def set_rank_mean(self, mean: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.rank_mean = mean
 
     def _move_scores(self, src: CompressedKVCache, dst: CompressedKVCache, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:
@@ -283,6 +287,8 @@ class CompressedKVCache(AttentionBackend):
         num_tokens = meta.context_lens[i] + meta.query_lens[i]
         previous = self.scores.index_select(0, ctx) if held and policy.scores != SCORES_NONE else None
         scores = policy.prefill_scores(q, keys, held, num_tokens, previous)  # (h + m,) or None
+        if scores is not None and self.rank_mean is not None:  # every rank's earlier scores are the same
+            scores = self.rank_mean(scores)
         if num_candidates <= target:
             self._write(self._slot_ids(table, held, num_candidates, q.device), k, v)
             if scores is not None:
@@ -327,6 +333,8 @@ class CompressedKVCache(AttentionBackend):
         out, weights = paged_decode(q, k_slab, v_slab, read_tables, torch.zeros_like(ends), ends, want_weights=scoring)
         scores = None
         if scoring:  # each slot's probability averaged over heads, from the same pass, folded into its score
+            if self.rank_mean is not None:
+                weights = self.rank_mean(weights)
             slots = (padded.long()[:, :, None] * bs + torch.arange(bs, device=device)).view(batch, length)  # (B, T)
             valid = torch.arange(length, device=device)[None, :] < ends[:, None]
             scores = update_scores(policies, self.scores.index_select(0, slots.view(-1)).view_as(slots), weights)

@@ -21,7 +21,8 @@ def make_kv_cache(config: EngineConfig, plan: KVPlan, loaded: LoadedModel) -> At
     """Per-layer groups for a compressing policy (in the offloaded tier when ``kv_offload`` is set), the offloaded
     cache for ``kv_offload`` with the full cache, INT4 or InfiniGen, else the paged cache (with KV groups for
     sliding-window layers and a host tier for swapping)."""
-    cfg, dtype = loaded.config, loaded.dtype
+    # The model's own config: under tensor parallelism, this rank's KV heads only.
+    cfg, dtype = loaded.model.config, loaded.dtype
     shape = (cfg.num_layers, plan.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, config.device)
     if plan.per_layer_groups:
         return CompressedKVCache(
@@ -35,6 +36,8 @@ def make_kv_cache(config: EngineConfig, plan: KVPlan, loaded: LoadedModel) -> At
         )  # fmt: skip
     rehearsal = None
     if isinstance(plan.policy, InfiniGen):
-        skewing, _ = skewing_for(loaded)
-        rehearsal = Rehearsal(loaded.model, skewing.partial(plan.policy.partial_dims(cfg.head_dim)))
+        skew = skewing_for(loaded)[0].partial(plan.policy.partial_dims(cfg.head_dim))  # (L, Hkv, D, r)
+        if loaded.shard is not None:  # this rank's KV heads
+            skew = skew[:, loaded.shard.kv_heads(loaded.config.num_kv_heads)]
+        rehearsal = Rehearsal(loaded.model, skew)
     return OffloadedKVCache(plan.policy, plan.offload, *shape, path=config.kv_offload_path, rehearsal=rehearsal)

@@ -18,6 +18,7 @@ from kvserve.models.catalog import resolve_model_path
 from kvserve.models.config import ModelConfig
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.quant_linear import INT4_MAX_ROWS, Int8PlanesLinear, QuantEmbedding, QuantLinear
+from kvserve.models.sharding import TensorShard, check_shardable, shard_config, shard_sources
 from kvserve.models.tokenizer_override import TokenizerOverride
 from kvserve.models.weights import build_model
 from kvserve.tokenizer import Tokenizer
@@ -41,6 +42,9 @@ class LoadedModel:
     weights: str = "dequant"  # what runs: "native", "int4" (some weights as int4) or "dequant"
     weights_summary: str = ""  # per tensor type, how it runs (for logs and reports)
     batch_invariant: bool = False  # matmuls whose result for a row does not depend on the others (batch_invariant.py)
+    # Tensor parallelism: this process's share of the weights; ``config`` stays the whole model's, while
+    # ``model.config`` is the share it computes (its heads, its part of the MLP).
+    shard: TensorShard | None = None
 
 
 def load_model(
@@ -52,6 +56,7 @@ def load_model(
     batch_invariant: bool = False,
     tokenizer: str | None = None,
     chat_template: str | None = None,
+    shard: TensorShard | None = None,
 ) -> LoadedModel:
     """Load ``path`` (a .gguf file or a folder with config.json + *.safetensors + tokenizer.json).
 
@@ -65,6 +70,7 @@ def load_model(
     for every batch size, no dequantised copies, dense weights in fixed row tiles.
     ``tokenizer`` (a folder, tokenizer.json or GGUF) and ``chat_template`` (a Jinja file or inline template)
     replace the model's own; both are read, and the template compiled, before the weights load.
+    ``shard`` loads one tensor-parallel rank's share of every layer (``models/sharding.py``).
     """
     if weights not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
@@ -73,12 +79,13 @@ def load_model(
         raise ModelLoadError(f"model path {path} does not exist")
     override = TokenizerOverride.read(tokenizer, chat_template)
     if path.is_dir():
-        model, tokenizer = _load_hf_folder(path, dtype, progress)
+        model, tokenizer = _load_hf_folder(path, dtype, progress, shard)
         summary = f"safetensors weights as {_dtype_name(dtype)}"
     else:
         refusal = _int4_refusal(weights, dtype, device)
         int4_dense = weights == "native" and not batch_invariant
-        model, tokenizer, summary = _load_gguf(path, dtype, progress, refusal, int4_dense)
+        model, tokenizer, summary = _load_gguf(path, dtype, progress, refusal, int4_dense, shard)
+    config = model.config if shard is None else read_model_config(path)
     tokenizer = override.apply(tokenizer, model.config.vocab_size)
     quantised = any(isinstance(m, (QuantLinear, QuantEmbedding, Int8PlanesLinear)) for m in model.modules())
     mode = weights if quantised else "dequant"
@@ -89,7 +96,9 @@ def load_model(
     model.prepack()
     if batch_invariant:
         make_batch_invariant(model)
-    return LoadedModel(model, tokenizer, model.config, path, dtype, mode, summary, batch_invariant)
+    if shard is not None:
+        summary += f"; tensor-parallel rank {shard.rank} of {shard.size}"
+    return LoadedModel(model, tokenizer, config, path, dtype, mode, summary, batch_invariant, shard)
 
 
 def _int4_refusal(weights: str, dtype: torch.dtype, device: torch.device | str) -> str | None:
@@ -108,7 +117,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _load_gguf(
-    path: Path, dtype: torch.dtype, progress: Progress | None, int4_refusal: str | None, int4_dense: bool
+    path: Path,
+    dtype: torch.dtype,
+    progress: Progress | None,
+    int4_refusal: str | None,
+    int4_dense: bool,
+    shard: TensorShard | None,
 ) -> tuple[LlamaForCausalLM, Tokenizer, str]:
     reader = gguf_file.open_gguf(path)
     config = gguf_file.read_config(reader)
@@ -118,6 +132,10 @@ def _load_gguf(
     refused = f"; Q4 dequantised: {int4_refusal}" if int4 and int4_refusal else ""
     if int4_refusal:
         int4 = {}
+    if shard is not None:
+        check_shardable(config, shard.size, int4=bool(int4))
+        sources, int4 = shard_sources(config, sources, shard), shard_sources(config, int4, shard)
+        config = shard_config(config, shard)
     ran_int4: set[str] = set()  # a Q4 tensor fused with a non-Q4 one is dequantised: record what ran as int4
     int4 = {name: _recorded(source, name, ran_int4) for name, source in int4.items()}
     head_planes = None if int4_refusal else gguf_file.embedding_int8_planes(reader)
@@ -170,7 +188,9 @@ def _read_hf_config(path: Path) -> ModelConfig:
         raise ModelLoadError(f"{config_path} is not a usable model config: {exc!r}") from exc
 
 
-def _load_hf_folder(path: Path, dtype: torch.dtype, progress: Progress | None) -> tuple[LlamaForCausalLM, Tokenizer]:
+def _load_hf_folder(
+    path: Path, dtype: torch.dtype, progress: Progress | None, shard: TensorShard | None
+) -> tuple[LlamaForCausalLM, Tokenizer]:
     config = _read_hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -188,6 +208,9 @@ def _load_hf_folder(path: Path, dtype: torch.dtype, progress: Progress | None) -
         sources = {name: _plus_one(get) if name.endswith("norm.weight") else get for name, get in sources.items()}
     if "lm_head.weight" not in sources and not config.tie_word_embeddings:
         raise ModelLoadError(f"{path}: config says untied embeddings but there is no lm_head.weight")
+    if shard is not None:
+        check_shardable(config, shard.size)
+        sources, config = shard_sources(config, sources, shard), shard_config(config, shard)
     return build_model(config, sources, dtype, progress=progress), tokenizer
 
 

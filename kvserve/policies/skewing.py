@@ -121,6 +121,11 @@ def skewing_for(loaded, directory: Path | None = None, refresh: bool = False) ->
         saved = torch.load(file, weights_only=True)
         if saved.get("format") == _FORMAT:
             return Skewing(saved["matrices"], saved["ranking"]), file
+    if getattr(loaded, "shard", None) is not None:  # a rank's shard cannot run the sample text alone
+        raise ValueError(
+            f"InfiniGen under tensor parallelism reads the model's skewing from {file}, which is not there yet: run "
+            "`kvserve infinigen-setup` for this model once (one process) first"
+        )
     limit = min(SAMPLE_TOKENS, loaded.config.max_position_embeddings)
     get_logger().info("InfiniGen setup: skewing %d layers on %d tokens of sample text", loaded.config.num_layers, limit)
     skewing = compute_skewing(loaded.model, sample_tokens(loaded.tokenizer, limit))
