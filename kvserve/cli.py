@@ -20,15 +20,18 @@ from kvserve.engine_args import (
     add_kv_policy_args,
     add_prompt_cache_args,
     add_schema_arg,
+    add_tensor_parallel_args,
     add_tokenizer_args,
     check_model_fit,
     check_schemas,
+    run_worker_node,
 )
 from kvserve.errors import KVServeError
 from kvserve.generation import Generator
 from kvserve.log import get_logger
 from kvserve.models.dtype import DTYPE_CHOICES, DTYPES, resolve_dtype_name
 from kvserve.models.loader import LoadedModel, load_model
+from kvserve.models.sharding import TensorShard
 from kvserve.progress import DelayedProgress
 from kvserve.sampling_params import SamplingParams
 
@@ -59,19 +62,25 @@ def check_model_args(args: argparse.Namespace) -> None:
 
 
 def load_from_args(args: argparse.Namespace) -> LoadedModel:
+    """The model, or with ``--tensor-parallel-size`` N rank 0's share of it (the engine starts the others)."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    size = getattr(args, "tensor_parallel_size", 1)
     with DelayedProgress("Loading model") as progress:
         return load_model(
             args.model, DTYPES[args.dtype], args.device, progress.update, weights=args.weights,
             batch_invariant=getattr(args, "batch_invariant", False),  # the commands that run an engine have the flag
             tokenizer=getattr(args, "tokenizer", None), chat_template=getattr(args, "chat_template", None),
+            shard=TensorShard(0, size) if size > 1 else None,
         )  # fmt: skip
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     params, prompt = _generate_request(args)
     config = _engine_config(args)  # every engine flag checked before the model loads, also where the Generator runs
+    node = run_worker_node(config)
+    if node is not None:
+        return node
     check_schemas(config, args.schema)
     check_model_fit(config)
     loaded = load_from_args(args)
@@ -81,7 +90,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = loaded.tokenizer.encode_chat([{"role": "user", "content": prompt}])
     # The batch-invariant mode runs the engine too, so that the text is what a server in that mode gives.
     engine_only = args.prefill_parallel > 1 or args.kv_policy != "full" or args.kv_offload != "none"
-    engine_only = engine_only or args.batch_invariant
+    engine_only = engine_only or args.batch_invariant or args.tensor_parallel_size > 1
     echo = args.prompt if args.echo and not args.chat and args.pml_prompt is None else ""
     if engine_only or args.pml_prompt is not None:
         with EngineStream(loaded, config, args.schema, prompt, params) as stream:  # its log lines before the text
@@ -115,13 +124,14 @@ def _generate_request(args: argparse.Namespace) -> tuple[SamplingParams, str]:
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine options of ``generate`` (validated on construction)."""
-    from kvserve.engine_args import kv_policy_options, prompt_cache_options
+    from kvserve.engine_args import kv_policy_options, prompt_cache_options, tensor_parallel_options
 
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, weights=args.weights,
         tokenizer=args.tokenizer, chat_template=args.chat_template,
         prefill_parallel=args.prefill_parallel, prefill_partition=args.prefill_partition,
         batch_invariant=args.batch_invariant, **kv_policy_options(args), **prompt_cache_options(args),
+        **tensor_parallel_options(args),
     )  # fmt: skip
 
 
@@ -185,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_batch_invariant_arg(gen)
     add_kv_policy_args(gen)
     add_prompt_cache_args(gen)
+    add_tensor_parallel_args(gen)
     add_schema_arg(gen)
     gen.set_defaults(func=cmd_generate)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import asdict
 
 from kvserve.config import (
@@ -46,6 +47,51 @@ def add_engine_args(parser: argparse.ArgumentParser, kv_cache_memory: str = "1Gi
     )  # fmt: skip
     add_kv_policy_args(parser)
     add_prompt_cache_args(parser)
+    add_tensor_parallel_args(parser)
+
+
+def add_tensor_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """Tensor parallelism over processes and machines (``parallel/tensor_group.py``)."""
+    group = parser.add_argument_group("tensor parallelism (several processes or machines)")
+    group.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1,
+        help="processes each layer's heads and MLP are split over: this one and N - 1 workers (default 1)",
+    )  # fmt: skip
+    group.add_argument("--nnodes", type=int, default=1, help="machines the ranks run on, as many ranks on each")
+    group.add_argument(
+        "--node-rank", type=int, default=0,
+        help="this machine: 0 runs the engine (and serves); 1.. run only their workers, with the same command",
+    )  # fmt: skip
+    group.add_argument(
+        "--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        help="address of node 0, where the ranks meet (default: $MASTER_ADDR or 127.0.0.1)",
+    )  # fmt: skip
+    group.add_argument(
+        "--master-port", type=int, default=int(os.environ.get("MASTER_PORT", "0")),
+        help="port on node 0 for the rendezvous (default: $MASTER_PORT; 0: a free one, one machine only)",
+    )  # fmt: skip
+    group.add_argument(
+        "--tensor-parallel-timeout", type=float, default=60.0,
+        help="seconds a step waits for a rank before the group is declared lost (default 60)",
+    )  # fmt: skip
+
+
+def tensor_parallel_options(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "tensor_parallel_size": args.tensor_parallel_size, "nnodes": args.nnodes, "node_rank": args.node_rank,
+        "master_addr": args.master_addr, "master_port": args.master_port,
+        "tensor_parallel_timeout": args.tensor_parallel_timeout,
+    }  # fmt: skip
+
+
+def run_worker_node(config: EngineConfig) -> int | None:
+    """On a machine other than node 0 (``--node-rank`` > 0): run its tensor-parallel ranks until the engine
+    stops them, and return the exit status; None on node 0, which runs the command itself."""
+    if config.node_rank == 0:
+        return None
+    from kvserve.parallel.tensor_group import run_node
+
+    return run_node(config)
 
 
 def add_batch_invariant_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -195,6 +241,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         preemption_mode=args.preemption_mode, max_model_len=args.max_model_len,
         prefill_parallel=args.prefill_parallel, prefill_partition=args.prefill_partition,
         batch_invariant=args.batch_invariant, **kv_policy_options(args), **prompt_cache_options(args),
+        **tensor_parallel_options(args),
     )  # fmt: skip
 
 

@@ -125,7 +125,9 @@ class TensorParallelGroup:
                 _backend(self.config), store=self.store, rank=0, world_size=self.size,
                 timeout=timedelta(seconds=self.launch.timeout_s),
             )  # fmt: skip
-            self._control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+            # A timeout is each process's own: rank 0 gives up on a worker that does not take a step within the
+            # step timeout, while idle workers wait for the next step as long as it takes.
+            self._control = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.launch.timeout_s))
         except Exception as exc:
             self.close()
             raise TensorParallelError(f"the tensor-parallel group did not start: {exc}") from exc

@@ -146,8 +146,9 @@ def _add_service_routes(app: FastAPI, ctx: ServeContext, model_name: str, model_
 
     @app.get("/health")
     async def health() -> Response:
-        if not async_engine.is_running:
-            return _error(ApiError(503, "the engine is not running", type="server_error"))
+        reason = async_engine.health_error()
+        if reason is not None:
+            return _error(ApiError(503, reason, type="server_error"))
         return Response(status_code=200)
 
     @app.get("/metrics")

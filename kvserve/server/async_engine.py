@@ -179,6 +179,8 @@ class AsyncEngine:
         self.metrics = metrics
         if metrics is not None and engine.parallel_prefill is not None:
             metrics.watch_parallel_prefill(engine.parallel_prefill.state)
+        if metrics is not None and engine.tensor_parallel is not None:
+            metrics.watch_tensor_parallel(engine.tensor_parallel)
         self.max_queue = max_queue
         self._inbox = _Inbox()
         self._active: set[str] = set()  # asyncio side: requests added and not finished
@@ -198,6 +200,12 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._inbox.stopping
 
+    def health_error(self) -> str | None:
+        """Why the server cannot take requests (the engine thread stopped, a tensor-parallel rank lost), or None."""
+        if not self.is_running:
+            return "the engine is not running"
+        return self.engine.health_error()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort every request still in flight (their readers get ``EngineStoppedError``) and stop the thread."""
         with self._inbox.cond:
@@ -215,8 +223,9 @@ class AsyncEngine:
     def check_capacity(self, count: int) -> None:
         """Raise ``QueueFullError`` / ``EngineStoppedError`` unless ``count`` more requests may be queued, and
         ``QueueTooSmallError`` when they never could be."""
-        if not self.is_running:
-            raise EngineStoppedError("the engine is not running")
+        reason = self.health_error()
+        if reason is not None:
+            raise EngineStoppedError(reason)
         if self.max_queue is not None and count > self.max_queue:
             raise QueueTooSmallError(
                 f"the request has {count} prompts, and the server holds at most {self.max_queue} requests at once "

@@ -15,6 +15,7 @@ from kvserve.engine_args import (
     check_schemas,
     engine_config_from_args,
     register_schemas,
+    run_worker_node,
 )
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
@@ -76,6 +77,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     args.model = model_from_args(args.model_name, args.model)
     config = engine_config_from_args(args)
+    node = run_worker_node(config)
+    if node is not None:  # another machine of a tensor-parallel group: its ranks only
+        return node
     check_schemas(config, args.schema)
     check_model_fit(config)
     engine = LLMEngine(config, load_from_args(args))

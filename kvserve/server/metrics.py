@@ -143,6 +143,12 @@ class ServerMetrics:
 
         self.registry.register(PrefillGroupCollector(read, self._model_name))
 
+    def watch_tensor_parallel(self, group: object) -> None:
+        """Export the tensor-parallel group's state (``group``: the engine's ``tensor_parallel``)."""
+        from kvserve.server.tensor_parallel_metrics import TensorParallelCollector
+
+        self.registry.register(TensorParallelCollector(group, self._model_name))
+
     # ----- HTTP side -----
 
     def render(self) -> bytes:
