@@ -62,6 +62,19 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     add_output_arg(spd, "speed", "speed-WEIGHTS")
     spd.set_defaults(func=cmd_bench_speed)
 
+    tp = bench_sub.add_parser(
+        "tensor-parallel", help="step time and all-reduce cost of tensor parallelism at sizes 1..N, with a projection"
+    )
+    add_model_args(tp)
+    tp.add_argument("--models", default="smollm2-135m,gemma3-270m", help="comma-separated (each in its own run)")
+    tp.add_argument("--sizes", default="1,2,3", help="comma-separated tensor-parallel sizes")
+    tp.add_argument("--prompt-tokens", type=int, default=512, help="the prefill's prompt length")
+    tp.add_argument("--batch", type=int, default=8, help="sequences of the batched decode")
+    tp.add_argument("--decode-steps", type=int, default=16, help="decode steps timed per repeat")
+    tp.add_argument("--repeats", type=int, default=3)
+    add_output_arg(tp, "tensor-parallel", "tensor-parallel-DTYPE")
+    tp.set_defaults(func=cmd_bench_tensor_parallel)
+
     pfl = bench_sub.add_parser(
         "prefill", help="TTFT of long prompts: single process vs KV-Runahead (even/searched/predicted) vs TSP"
     )
@@ -271,6 +284,98 @@ def _markdown_table(report: dict) -> str:
             f"{ours['decode_tokens_per_s'] / peer['decode_tokens_per_s']:.2f}x |"
         )
     return "\n".join(lines) + "\n"
+
+
+def cmd_bench_tensor_parallel(args: argparse.Namespace) -> int:
+    from kvserve.bench import tensor_parallel as tp
+    from kvserve.bench.plots import plot_tensor_parallel
+    from kvserve.llm import LLM
+    from kvserve.models.loader import read_model_config
+    from kvserve.models.sharding import check_shardable
+
+    def log(line: str) -> None:
+        print(f"bench tensor-parallel: {line}", file=sys.stderr, flush=True)
+
+    sizes = [int(n) for n in args.sizes.split(",")]
+    dtype = resolve_dtype(args.dtype, args.device)
+    models = {}
+    for name in [m for m in args.models.split(",") if m]:
+        config = read_model_config(name)
+
+        def refusal(size: int, config=config) -> str | None:  # noqa: ANN001 - bound per model
+            try:
+                check_shardable(config, size, int4=args.weights != "dequant" and dtype == torch.bfloat16)
+            except KVServeError as exc:
+                return str(exc)
+            return None
+
+        def make_llm(size: int, name=name) -> LLM:  # noqa: ANN001 - bound per model
+            return LLM(
+                name, tensor_parallel_size=size, dtype=args.dtype, device=args.device, weights=args.weights,
+                enable_prefix_caching=False, max_num_batched_tokens=max(2048, args.prompt_tokens),
+                max_num_seqs=max(64, args.batch),
+            )  # fmt: skip
+
+        tokenizer = _load_tokenizer(resolve_model_path(name))
+        prompt = _prompt_ids(tokenizer, Path(AUSTEN), args.prompt_tokens)
+        log(f"{name}: {config.num_heads} query heads, {config.num_kv_heads} KV heads, sizes {sizes}")
+        result = tp.run(make_llm, sizes, refusal, prompt, args.batch, args.decode_steps, args.repeats, log)
+        result["parameters"] = tp.parameter_count(config)
+        result["projection"] = tp.projection(result, result["parameters"])
+        large = tp.LARGE_MODEL
+        scale = (large["hidden"] / config.hidden_size, large["layers"] / config.num_layers)
+        result["projection_large"] = tp.projection(result, int(large["parameters"]), scale)
+        models[name] = result
+    report = new_report(
+        "tensor-parallel", dtype=str(dtype).removeprefix("torch."), weights=args.weights, sizes=sizes,
+        prompt_tokens=args.prompt_tokens, batch=args.batch, links=tp.LINKS, large_model=tp.LARGE_MODEL,
+        models=models,
+    )  # fmt: skip
+    out = output_path(args, f"tensor-parallel-{report['dtype']}")
+    write_report(out, report, _tensor_parallel_table(report))
+    plot_tensor_parallel(report, out.with_suffix(".png"))
+    return 0
+
+
+def _tensor_parallel_table(report: dict) -> str:
+    from kvserve.bench.machine import machine_line
+
+    lines = [
+        f"# Tensor parallelism: step time and all-reduce cost ({report['dtype']}, weights {report['weights']})",
+        "",
+        f"`{report['command']}` on {report['date']}: {machine_line(report['machine'])}. Each size shares the "
+        "machine's cores among its processes (size 1: all of them). All-reduce figures are rank 0's: time inside "
+        "the all-reduces (waiting for the slowest rank included), calls and float32 payload bytes per step.",
+        "",
+    ]
+    for model, result in report["models"].items():
+        lines += [f"## {model}", "", "| size | phase | step (ms) | vs size 1 | all-reduce (ms) | share | calls | KiB |",
+                  "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        base = result["costs"].get("1") or result["costs"].get(1)
+        for size, phases in result["costs"].items():
+            for phase, c in phases.items():
+                ratio = f"{base[phase]['step_ms'] / c['step_ms']:.2f}x" if base else "-"
+                share = c["allreduce_ms"] / c["step_ms"]
+                lines.append(
+                    f"| {size} | {phase} | {c['step_ms']:.1f} | {ratio} | {c['allreduce_ms']:.2f} | {share:.0%} | "
+                    f"{c['allreduce_calls']:.0f} | {c['allreduce_bytes'] / 1024:.0f} |"
+                )
+        for size, reason in result["skipped"].items():
+            lines.append(f"| {size} | skipped | {reason} | | | | | |")
+        lines.append("")
+        for key, title in (("projection", model), ("projection_large", report["large_model"]["name"])):
+            if not result[key]:
+                continue
+            lines += [f"Projected on H100s, {title} (see the README for the model):", "",
+                      "| size | phase | link | all-reduce per step (us) | one GPU's step (us) | speed-up |",
+                      "| ---: | --- | --- | ---: | ---: | ---: |"]  # fmt: skip
+            for r in result[key]:
+                lines.append(
+                    f"| {r['size']} | {r['phase']} | {r['link']} | {r['comm_us']:.0f} | {r['one_gpu_us']:.0f} | "
+                    f"{r['speedup']:.2f}x |"
+                )
+            lines.append("")
+    return "\n".join(lines)
 
 
 def cmd_bench_prefill(args: argparse.Namespace) -> int:

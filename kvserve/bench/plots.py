@@ -283,3 +283,28 @@ def plot_soak(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_tensor_parallel(report: dict, path: Path) -> None:
+    """Per model and phase, each size's step time split into rank 0's all-reduce time and the rest."""
+    plt = pyplot()
+
+    models = report["models"]
+    phases = list(next(iter(next(iter(models.values()))["costs"].values())))
+    fig, axes = plt.subplots(len(models), len(phases), figsize=(4 * len(phases), 3.2 * len(models)), squeeze=False)
+    for row, (model, result) in enumerate(models.items()):
+        sizes = sorted(result["costs"], key=int)
+        for col, phase in enumerate(phases):
+            ax = axes[row][col]
+            comm = [result["costs"][s][phase]["allreduce_ms"] for s in sizes]
+            rest = [result["costs"][s][phase]["step_ms"] - c for s, c in zip(sizes, comm, strict=True)]
+            labels = [f"{s} proc" for s in sizes]
+            ax.bar(labels, rest, label="compute and the rest")
+            ax.bar(labels, comm, bottom=rest, label="all-reduce (rank 0)")
+            ax.set_title(f"{model}: {phase}", fontsize=9)
+            ax.set_ylabel("step time (ms)")
+            ax.grid(True, axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
