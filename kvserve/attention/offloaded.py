@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -121,6 +121,7 @@ class OffloadedKVCache(AttentionBackend):
         if isinstance(policy, InfiniGen) and rehearsal is None:
             raise ValueError("kv_policy='infinigen' needs the model's rehearsal (skewed partial weights)")
         self.policy, self.rehearsal = policy, rehearsal
+        self.rank_mean: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallelism: set_rank_mean
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         self.device = torch.device(device)
@@ -181,6 +182,10 @@ class OffloadedKVCache(AttentionBackend):
 
     def bytes_moved(self) -> dict[str, int]:
         return {"fetched": self.queue.stats.bytes_fetched, "stored": self.queue.stats.bytes_stored}
+
+    def set_rank_mean(self, mean: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """InfiniGen fetches per KV head, but how many rows a layer fetches is the mean over every query head."""
+        self.rank_mean = mean
 
     def close(self) -> None:
         self.queue.close()
@@ -342,7 +347,7 @@ class OffloadedKVCache(AttentionBackend):
         valid = step.candidate_valid
         if batch == 1:  # its candidates are a prefix: cut the rest off instead of masking them
             partial_k, valid = partial_k[:, :, : int(step.own[0])], None
-        selection = self.policy.select_decode_rows(partial_q, partial_k, valid, self.head_dim)
+        selection = self.policy.select_decode_rows(partial_q, partial_k, valid, self.head_dim, self.rank_mean)
         index = selection.index.flatten(1)  # (B, Hkv * K) rows of the blocks
         slots = (blocks.gather(1, index // bs) * bs + index % bs).view_as(selection.index)  # (B, Hkv, K)
         # One more row per (sequence, head), any row: the step's own key/value goes there once fetched.
@@ -436,7 +441,7 @@ class OffloadedKVCache(AttentionBackend):
         partial_q = meta.state.partial_queries[layer][first_row : first_row + m]  # (m, Hkv, G, r)
         cached = self.partial_keys[layer].index_select(1, slots)  # (Hkv, h, r)
         partial_k = torch.cat((cached, self.rehearsal.partial_key(layer, k).transpose(0, 1)), dim=1)  # (Hkv, h + m, r)
-        allowed = self.policy.rows_allowed(partial_q, partial_k, held, self.head_dim)  # (m, Hkv, h + m)
+        allowed = self.policy.rows_allowed(partial_q, partial_k, held, self.head_dim, self.rank_mean)  # (m, Hkv, h + m)
         cached_picks = allowed[:, :, :held]
         # Per row: rows selected among the h + j before it (every KV head), against all of them.
         self._count(

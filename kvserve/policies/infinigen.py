@@ -16,6 +16,7 @@ speculation selected it (``counter``, the paper's), least recently selected (``l
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,9 @@ import torch
 from kvserve.models.layers import RotaryEmbedding
 from kvserve.models.packed_linear import dense_linear, prepack
 from kvserve.policies.base import KVPolicy
+
+# Under tensor parallelism, the mean over the ranks of a per-rank value (``parallel/tensor_model.RankMean``).
+RankMean = Callable[[torch.Tensor], torch.Tensor]
 
 POOL_EVICTIONS = ("counter", "lru", "fifo")
 
@@ -61,14 +65,26 @@ class InfiniGen(KVPolicy):
         return max(1, math.ceil(self.pool_limit * full_length)) if self.pool_limit < 1 else full_length
 
     def select_decode_rows(
-        self, partial_q: torch.Tensor, partial_k: torch.Tensor, valid: torch.Tensor | None, head_dim: int
+        self,
+        partial_q: torch.Tensor,
+        partial_k: torch.Tensor,
+        valid: torch.Tensor | None,
+        head_dim: int,
+        rank_mean: RankMean | None = None,
     ) -> Selection:
         """The rows each decode sequence's next layer reads: partial queries (Hkv, B, G, r) against the partial
         keys of its candidates (Hkv, B, T, r); ``valid`` (B, T) marks the real candidates (None: all)."""
         logits = partial_logits(partial_q, partial_k, head_dim).transpose(0, 1)  # (B, Hkv, G, T)
-        return speculate(logits, valid, self.alpha)
+        return speculate(logits, valid, self.alpha, rank_mean)
 
-    def rows_allowed(self, partial_q: torch.Tensor, partial_k: torch.Tensor, held: int, head_dim: int) -> torch.Tensor:
+    def rows_allowed(
+        self,
+        partial_q: torch.Tensor,
+        partial_k: torch.Tensor,
+        held: int,
+        head_dim: int,
+        rank_mean: RankMean | None = None,
+    ) -> torch.Tensor:
         """Which of h cached and m new rows each of m new rows of a chunk reads, as decoding them one by one would:
         partial queries (m, Hkv, G, r) against partial keys (Hkv, h + m, r) -> (m, Hkv, h + m) bool, each row
         its selection among the rows before it, plus itself."""
@@ -78,7 +94,7 @@ class InfiniGen(KVPolicy):
         earlier = torch.arange(held + m, device=device)[None, :] < held + row[:, None]  # (m, h + m)
         grouped = partial_q.permute(1, 0, 2, 3).flatten(1, 2)  # (Hkv, m * G, r): one matmul per KV head
         logits = partial_logits(grouped, partial_k, head_dim).view(hkv, m, -1, held + m).transpose(0, 1)
-        selection = speculate(logits, earlier, self.alpha)  # over (m, Hkv, G, h + m) logits
+        selection = speculate(logits, earlier, self.alpha, rank_mean)  # over (m, Hkv, G, h + m) logits
         allowed = torch.zeros((m, hkv, held + m), dtype=torch.bool, device=device)
         chosen = selection.chosen[:, None, :].expand_as(selection.index)
         # Only the chosen entries: past a row's count the index holds placeholders (speculate's zeros).
@@ -97,18 +113,25 @@ class Selection:
     counts: torch.Tensor  # (R,) long
 
 
-def speculate(logits: torch.Tensor, valid: torch.Tensor | None, alpha: float) -> Selection:
+def speculate(
+    logits: torch.Tensor, valid: torch.Tensor | None, alpha: float, rank_mean: RankMean | None = None
+) -> Selection:
     """Select the candidates R query rows are predicted to attend to.
 
     logits (R, Hkv, G, n) float32: each row's speculated scores (``partial_logits``), query heads grouped
-    by KV head; valid (R, n) bool: which candidates a row may see (None: all of them).
+    by KV head; valid (R, n) bool: which candidates a row may see (None: all of them). ``rank_mean``: under
+    tensor parallelism these are this rank's heads, and the count is the mean over every rank's.
     """
     n = logits.shape[-1]
     if valid is not None:
         logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
     peak = logits.amax(dim=-1, keepdim=True)
     per_head = (logits >= peak - alpha).sum(dim=-1)  # (R, Hkv, G)
-    counts = per_head.sum(dim=(1, 2)) // (per_head.shape[1] * per_head.shape[2])  # the mean over heads, truncated
+    heads = per_head.shape[1] * per_head.shape[2]
+    if rank_mean is None:
+        counts = per_head.sum(dim=(1, 2)) // heads  # the mean over heads, truncated
+    else:  # every rank has as many heads; exact: integer sums, divided by integers, then floored
+        counts = (rank_mean(per_head.sum(dim=(1, 2)).float()) / heads).floor().long()
     counts = counts.clamp(min=1)
     counts = torch.minimum(counts, valid.sum(dim=-1)) if valid is not None else counts.clamp(max=n)
     kv_logits = logits.amax(dim=2)  # (R, Hkv, n): a token is wanted if any query head of the group wants it

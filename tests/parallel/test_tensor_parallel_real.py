@@ -14,7 +14,8 @@ PROMPTS = [
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
     "movable metal type, oil-based ink and a wooden press adapted from wine making. Within fifty years",
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg",
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based ink",  # the first's first block: a prefix hit
 ]
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
 # A module and a question: Prompt Cache's KV sharded like any other.

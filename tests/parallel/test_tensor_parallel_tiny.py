@@ -17,15 +17,18 @@ from kvserve.engine import LLMEngine
 from kvserve.errors import TensorParallelError, UnsupportedModelError
 from kvserve.models import load_model
 from kvserve.models.sharding import TensorShard
+from kvserve.policies.skewing import SKEWING_DIR_ENV
 from kvserve.sampling_params import SamplingParams
 from tests.composition.conftest import PML, SCHEMA, run
 from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
 
-SPEC = TinySpec(num_heads=4, num_kv_heads=2, num_layers=3, max_position_embeddings=512, seed=31)
+# Head dim 64: INT4 KV quantises in groups of 64.
+SPEC = TinySpec(num_heads=4, num_kv_heads=2, head_dim=64, num_layers=3, max_position_embeddings=512, seed=31)
+D = SPEC.head_dim
 BLOCK = 4
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
-# One block of the tiny model: 3 layers x 2 KV heads x head dim 16 x (k, v) x float32 x 4 tokens.
-BLOCK_BYTES = 3 * 2 * 16 * 2 * 4 * BLOCK
+# One block of the tiny model: 3 layers x 2 KV heads x head dim x (k, v) x float32 x 4 tokens.
+BLOCK_BYTES = 3 * 2 * D * 2 * 4 * BLOCK
 PROMPTS = [torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (37, 23, 30)]
 
 
@@ -66,7 +69,19 @@ SCENARIOS = {
     "preemption by swap": {"kv_cache_memory": 14 * BLOCK_BYTES, "preemption_mode": "swap"},
     "h2o at half the KV": {"kv_policy": "h2o", "kv_budget": 0.5},
     "pyramid at half the KV": {"kv_policy": "pyramid", "kv_budget": 0.5},
+    "offload to the host tier": {"kv_offload": "host", "kv_policy": "full"},
+    "INT4 offload": {"kv_offload": "host", "kv_policy": "int4"},
+    # Rank 0 of the one-process run writes the skewing file; the ranks of size 2 read their heads' share.
+    "InfiniGen": {"kv_offload": "disk", "kv_policy": "infinigen"},
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def skewing_dir(tmp_path_factory):
+    """InfiniGen's skewing goes to a temporary folder (the workers inherit the variable), never the user's."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(SKEWING_DIR_ENV, str(tmp_path_factory.mktemp("skewing")))
+        yield
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -91,6 +106,12 @@ def test_size_4_replicates_kv_heads_and_matches_one_process(folder) -> None:
         assert [c.cumulative_logprob for c in b.outputs] == pytest.approx([c.cumulative_logprob for c in a.outputs])
 
 
+def test_infinigen_without_a_skewing_file_says_how_to_make_one(folder, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(SKEWING_DIR_ENV, str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="run `kvserve infinigen-setup`"):
+        engine(folder, 2, kv_offload="host", kv_policy="infinigen")
+
+
 def test_sampled_n_and_prompt_cache_match_one_process(folder) -> None:
     params = SamplingParams(n=2, seed=5, max_tokens=10, ignore_eos=True, logprobs=2)
     reference, _ = generate(folder, 1, [PML], params, schema=SCHEMA)
@@ -105,9 +126,9 @@ def test_shards_hold_their_share_of_every_projection(folder) -> None:
     assert shards[0].config == load_model(folder, torch.float32).config  # the whole model's architecture
     for rank, part in enumerate(shards):
         layer, whole = part.model.layers[1], full.layers[1]
-        q, k, v = whole.self_attn.qkv_proj.weight.split((64, 32, 32))
-        rows = slice(rank * 32, rank * 32 + 32)
-        kv_rows = slice(rank * 16, rank * 16 + 16)
+        q, k, v = whole.self_attn.qkv_proj.weight.split((4 * D, 2 * D, 2 * D))
+        rows = slice(rank * 2 * D, (rank + 1) * 2 * D)  # two query heads
+        kv_rows = slice(rank * D, (rank + 1) * D)  # one KV head
         assert torch.equal(layer.self_attn.qkv_proj.weight, torch.cat((q[rows], k[kv_rows], v[kv_rows])))
         assert torch.equal(layer.self_attn.o_proj.weight, whole.self_attn.o_proj.weight[:, rows])
         assert torch.equal(layer.mlp.down_proj.weight, whole.mlp.down_proj.weight[:, rank * 64 : rank * 64 + 64])
