@@ -349,8 +349,9 @@ def _tensor_parallel_table(report: dict) -> str:
         "",
     ]
     for model, result in report["models"].items():
-        lines += [f"## {model}", "", "| size | phase | step (ms) | vs size 1 | all-reduce (ms) | share | calls | KiB |",
-                  "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        lines += [f"## {model}", "",
+                  "| size | phase | step (ms) | vs size 1 | all-reduce (ms) | share | calls | KiB | LM head (ms) |",
+                  "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
         base = result["costs"].get("1") or result["costs"].get(1)
         for size, phases in result["costs"].items():
             for phase, c in phases.items():
@@ -358,10 +359,10 @@ def _tensor_parallel_table(report: dict) -> str:
                 share = c["allreduce_ms"] / c["step_ms"]
                 lines.append(
                     f"| {size} | {phase} | {c['step_ms']:.1f} | {ratio} | {c['allreduce_ms']:.2f} | {share:.0%} | "
-                    f"{c['allreduce_calls']:.0f} | {c['allreduce_bytes'] / 1024:.0f} |"
+                    f"{c['allreduce_calls']:.0f} | {c['allreduce_bytes'] / 1024:.0f} | {c['head_ms']:.2f} |"
                 )
         for size, reason in result["skipped"].items():
-            lines.append(f"| {size} | skipped | {reason} | | | | | |")
+            lines.append(f"| {size} | skipped | {reason} | | | | | | |")
         lines.append("")
         for key, title in (("projection", model), ("projection_large", report["large_model"]["name"])):
             if not result[key]:

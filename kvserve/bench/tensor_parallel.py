@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+import torch
+
 from kvserve.sampling_params import SamplingParams
 
 # (name, bandwidth bytes/s, latency per all-reduce s): stated assumptions, not measurements.
@@ -39,6 +41,7 @@ class PhaseCost:
     allreduce_ms: float
     allreduce_calls: float
     allreduce_bytes: float
+    head_ms: float  # the LM head's part of the step (replicated: rank 0 alone computes logits)
 
 
 def measure_size(llm, prompt: list[int], batch: int, decode_steps: int, repeats: int) -> dict[str, PhaseCost]:  # noqa: ANN001 - kvserve.llm.LLM
@@ -64,6 +67,7 @@ def measure_size(llm, prompt: list[int], batch: int, decode_steps: int, repeats:
         return timed
 
     steps([prompt[:64]], 4, False)  # warm-up
+    head_ms = {rows: _head_ms(engine.loaded.model, engine.loaded.dtype, rows, repeats) for rows in (1, batch)}
     phases = {
         "prefill": (lambda: steps([prompt], 1, False), len(prompt)),
         "decode b=1": (lambda: steps([prompt[:32]], decode_steps + 1, True), 1),
@@ -78,8 +82,21 @@ def measure_size(llm, prompt: list[int], batch: int, decode_steps: int, repeats:
             statistics.median(c[0] for _, c in timed) * 1e3,
             statistics.median(c[1] for _, c in timed),
             statistics.median(c[2] for _, c in timed),
+            head_ms[1] if tokens == len(prompt) else head_ms[tokens],  # a prefill samples one row
         )
     return result
+
+
+def _head_ms(model, dtype: torch.dtype, rows: int, repeats: int) -> float:  # noqa: ANN001 - LlamaForCausalLM
+    """The replicated LM head's time for ``rows`` rows on rank 0 (what a vocabulary-parallel head would split)."""
+    hidden = torch.randn(rows, model.config.hidden_size, dtype=dtype)
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            model.compute_logits(hidden)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) * 1e3
 
 
 def run(
