@@ -10,7 +10,14 @@ from kvserve import LLM, SamplingParams
 from kvserve.attention import ContiguousKVCache
 from kvserve.generation import Generator
 from kvserve.models import load_model
-from tests.tiny_models import TinySpec, hf_logits, load_hf_model, torch_single_thread, write_tiny_model  # noqa: F401
+from tests.tiny_models import (  # noqa: F401 - torch_single_thread: autouse fixture
+    TinySpec,
+    assert_greedy_equal_up_to_ties,
+    hf_logits,
+    load_hf_model,
+    torch_single_thread,
+    write_tiny_model,
+)
 
 WINDOW = 8
 # KV memory for the engine test: room for the longest sequence with every layer full, not for all four
@@ -62,16 +69,19 @@ def test_engine_window_groups_match_full_layers_and_reference(tiny, preemption):
     folder, loaded, _ = tiny
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, loaded.config.vocab_size, (n,), generator=gen).tolist() for n in (5, 19, 33, 12)]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    outputs, preemptions = {}, {}
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    outputs, preemptions, completions = {}, {}, {}
     cache = CACHE[loaded.config.architecture]
     for groups in (True, False):
         llm = LLM(str(folder), dtype="float32", block_size=4, max_num_batched_tokens=16, kv_cache_memory=cache,
                   swap_space="256KiB", preemption_mode=preemption, kv_window_groups=groups)  # fmt: skip
-        outputs[groups] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        completions[groups] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        outputs[groups] = [c.token_ids for c in completions[groups]]
         preemptions[groups] = llm.engine.scheduler.num_preemptions
-    reference = [Generator(loaded).generate(p, params).token_ids for p in prompts]
-    assert outputs[True] == outputs[False] == reference
+    assert outputs[True] == outputs[False]
+    # The contiguous reference attends with other kernels: a float32 tie may go the other way (seen on AVX2).
+    for completion, prompt in zip(completions[True], prompts, strict=True):
+        assert_greedy_equal_up_to_ties(completion, Generator(loaded).generate(prompt, params).token_ids)
     # The same memory holds all four at once with window groups only: every layer full has to preempt.
     assert preemptions[False] > 0 and preemptions[True] < preemptions[False]
 
