@@ -233,7 +233,7 @@ def measure(
 @dataclass
 class Roofline:
     copy_gb_per_s: float  # read + write bytes per second of a large tensor copy
-    bf16_gflop_per_s: float  # a 2048 x 2048 x 2048 bfloat16 matmul
+    bf16_gflop_per_s: float  # a square bfloat16 matmul (2048, or smaller where bfloat16 is emulated)
 
 
 def measure_roofline(repeats: int = 10) -> Roofline:
@@ -251,10 +251,25 @@ def measure_roofline(repeats: int = 10) -> Roofline:
         return min(times)
 
     copy_s = best(lambda: dst.copy_(src))
-    a = torch.randn(2048, 2048).bfloat16()
-    b = torch.randn(2048, 2048).bfloat16()
+    n = _matmul_size()
+    a = torch.randn(n, n).bfloat16()
+    b = torch.randn(n, n).bfloat16()
     mm_s = best(lambda: a @ b)
-    return Roofline(2 * src.numel() * 4 / copy_s / 1e9, 2 * 2048**3 / mm_s / 1e9)
+    return Roofline(2 * src.numel() * 4 / copy_s / 1e9, 2 * n**3 / mm_s / 1e9)
+
+
+def _matmul_size(largest: int = 2048, enough_s: float = 0.05) -> int:
+    """The side of the peak-rate matmul: 2048, or the first power of two from 256 whose matmul takes ``enough_s``
+    (a CPU without AMX or avx512_bf16 emulates bfloat16 at ~1 GFLOP/s: 2048 would take half a minute a run)."""
+    n = 256
+    while n < largest:
+        a = torch.randn(n, n).bfloat16()
+        start = time.perf_counter()
+        a @ a
+        if time.perf_counter() - start >= enough_s:
+            return n
+        n *= 2
+    return largest
 
 
 def prefill_flops(config: ModelConfig, n: int) -> float:
