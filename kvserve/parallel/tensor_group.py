@@ -7,11 +7,11 @@ every rank runs it through its own ``ModelRunner`` (block moves, attention metad
 in all-reduces: ``tensor_model.py``); only rank 0 computes logits and samples (SPMD, as in vLLM).
 
 Two process groups: the default one (gloo on CPU, NCCL on CUDA) carries the all-reduces and has the step
-timeout, so a rank that hangs fails the step within it; a gloo group with a long timeout carries the step
-messages, on which idle workers wait. A rank that dies breaks its connections: the step fails at once.
-A worker that fails, or a local one found dead by the watch thread, loses the group for good: every later
-step and request is refused with the reason (``TensorParallelError``), ``/health`` answers 503, and the
-local workers are stopped (killed if they do not stop).
+timeout, so a rank that hangs fails the step within it; a gloo group carries the step messages, on which idle
+workers wait without a time limit (rank 0's end of it has the step timeout). A rank that dies breaks its
+connections: the step fails at once. A worker that fails, or a local one found dead by the watch thread,
+loses the group for good: every later step and request is refused with the reason (``TensorParallelError``),
+``/health`` answers 503, and the local workers are stopped (killed if they do not stop).
 
 Launch: ``size`` ranks over ``nnodes`` machines, ``size / nnodes`` per machine. Rank 0 hosts the rendezvous
 (``master_addr:master_port``; a free port on one machine). The engine's machine (node 0) starts its other
@@ -21,6 +21,7 @@ starts that node's ranks and waits for them.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -95,10 +96,17 @@ def threads_per_rank(launch: Launch) -> int:
 
 
 class TensorParallelGroup:
-    """Rank 0's end. ``start`` the workers, load this rank's shard, ``join(model, cache_maker)``; then
-    ``run_step`` before each local step, and ``close``."""
+    """Rank 0's end: constructing it spawns this machine's workers; load rank 0's shard meanwhile, then ``join``
+    with it; ``run_step`` before each local step; ``close``."""
 
     def __init__(self, config: EngineConfig) -> None:
+        if dist.is_initialized():
+            gc.collect()  # an engine dropped without close() (in a reference cycle) leaves its group here
+        if dist.is_initialized():
+            raise TensorParallelError(
+                "torch.distributed is already initialised in this process (another engine with tensor or parallel "
+                "prefill processes): close it first (llm.close(), or `with LLM(...) as llm:`)"
+            )
         self.launch = Launch.of(config)
         self.config = config
         self.rank, self.size = 0, self.launch.size
