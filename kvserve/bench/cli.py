@@ -326,8 +326,10 @@ def cmd_bench_tensor_parallel(args: argparse.Namespace) -> int:
         scale = (large["hidden"] / config.hidden_size, large["layers"] / config.num_layers)
         result["projection_large"] = tp.projection(result, int(large["parameters"]), scale)
         models[name] = result
+    # What ran: GGUF Q4 weights run as int4 only with bfloat16 activations on CPU.
+    weights = args.weights if dtype == torch.bfloat16 and args.device == "cpu" else "dequant"
     report = new_report(
-        "tensor-parallel", dtype=str(dtype).removeprefix("torch."), weights=args.weights, sizes=sizes,
+        "tensor-parallel", dtype=str(dtype).removeprefix("torch."), weights=weights, sizes=sizes,
         prompt_tokens=args.prompt_tokens, batch=args.batch, links=tp.LINKS, large_model=tp.LARGE_MODEL,
         models=models,
     )  # fmt: skip
