@@ -206,7 +206,7 @@ def test_a_hung_rank_fails_the_step_within_the_timeout(folder) -> None:
 
 
 def test_gemma3_with_sliding_window_groups_matches_one_process(tmp_path) -> None:
-    """Gemma 3's per-head q/k norms and its window KV groups (prompts three to five windows long) shard like the rest."""
+    """Gemma 3's per-head q/k norms and window KV groups (prompts three to five windows long) shard like the rest."""
     spec = TinySpec(
         arch="gemma3", num_heads=4, num_kv_heads=2, head_dim=16, num_layers=6, tie_word_embeddings=True,
         extra={"sliding_window": 8, "query_pre_attn_scalar": 16, "hidden_activation": "gelu_pytorch_tanh"},
