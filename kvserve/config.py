@@ -177,6 +177,11 @@ class EngineConfig:
             raise ValueError("nnodes > 1 needs a fixed master_port that every machine can reach on master_addr")
         if self.tensor_parallel_timeout <= 0:
             raise ValueError(f"tensor_parallel_timeout must be > 0 seconds, got {self.tensor_parallel_timeout!r}")
+        if self.tensor_parallel_size > 1 and self.kv_pool_limit < 1:
+            raise ValueError(
+                f"kv_pool_limit={self.kv_pool_limit} evicts by InfiniGen's selection counts, which each "
+                "tensor-parallel rank keeps for its own heads only: use kv_pool_limit=1 with tensor_parallel_size > 1"
+            )
         if self.tensor_parallel_size > 1 and self.prefill_parallel > 1:
             raise ValueError(
                 "prefill_parallel > 1 (KV-Runahead) with tensor_parallel_size > 1 is not supported: its prefill "

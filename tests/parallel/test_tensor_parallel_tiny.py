@@ -148,6 +148,12 @@ def test_bad_launch_options_are_refused_before_anything_starts() -> None:
         "fixed master_port": {"tensor_parallel_size": 2, "nnodes": 2},
         "KV-Runahead": {"tensor_parallel_size": 2, "prefill_parallel": 2},
         "batch_invariant": {"tensor_parallel_size": 2, "batch_invariant": True},
+        "kv_pool_limit=1 with tensor_parallel_size": {
+            "tensor_parallel_size": 2,
+            "kv_offload": "host",
+            "kv_policy": "infinigen",
+            "kv_pool_limit": 0.5,
+        },
     }
     for message, options in cases.items():
         with pytest.raises(ValueError, match=message):
