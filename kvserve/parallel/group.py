@@ -78,7 +78,7 @@ class PrefillGroup:
     ) -> None:
         if num_procs < 2:
             raise ValueError(f"a prefill group needs at least 2 processes, got {num_procs}")
-        _check_no_group()
+        check_no_world(ParallelPrefillError)
         self.model = model
         self.num_procs = num_procs
         self.rank = num_procs - 1
@@ -256,14 +256,15 @@ def _worker_main(
             dist.destroy_process_group()
 
 
-def _check_no_group() -> None:
-    """One process group per process: refuse a second, after letting a dropped engine's group be collected."""
+def check_no_world(error: type[Exception]) -> None:
+    """One torch.distributed world per process (a prefill or a tensor-parallel group): raise ``error`` for a second,
+    after letting a dropped engine's group be collected."""
     if dist.is_initialized():
         gc.collect()  # an engine dropped without close() (in a reference cycle) releases its group here
     if dist.is_initialized():
-        raise ParallelPrefillError(
-            "torch.distributed is already initialised in this process: one prefill group per process; close the "
-            "other engine first (llm.close(), or `with LLM(...) as llm:`)"
+        raise error(
+            "torch.distributed is already initialised in this process (another engine's parallel prefill or "
+            "tensor-parallel group): close that engine first (llm.close(), or `with LLM(...) as llm:`)"
         )
 
 

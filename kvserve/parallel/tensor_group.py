@@ -21,7 +21,6 @@ starts that node's ranks and waits for them.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import queue
@@ -41,6 +40,7 @@ from kvserve.errors import TensorParallelError
 from kvserve.heap import HeapTrimmer
 from kvserve.log import get_logger
 from kvserve.models.sharding import TensorShard
+from kvserve.parallel.group import check_no_world
 from kvserve.parallel.tensor_model import CommStats, RankMean, parallelize
 
 if TYPE_CHECKING:
@@ -100,13 +100,7 @@ class TensorParallelGroup:
     with it; ``run_step`` before each local step; ``close``."""
 
     def __init__(self, config: EngineConfig) -> None:
-        if dist.is_initialized():
-            gc.collect()  # an engine dropped without close() (in a reference cycle) leaves its group here
-        if dist.is_initialized():
-            raise TensorParallelError(
-                "torch.distributed is already initialised in this process (another engine with tensor or parallel "
-                "prefill processes): close it first (llm.close(), or `with LLM(...) as llm:`)"
-            )
+        check_no_world(TensorParallelError)
         self.launch = Launch.of(config)
         self.config = config
         self.rank, self.size = 0, self.launch.size
