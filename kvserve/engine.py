@@ -76,7 +76,7 @@ class LLMEngine:
         self.parallel_prefill = self._start_parallel_prefill() if config.prefill_parallel > 1 else None
         cache = make_kv_cache(config, self.plan, self.loaded)
         if self.tensor_parallel is not None:  # the workers have loaded their shards: meet them
-            cache.set_rank_mean(self.tensor_parallel.join(self.loaded.model))
+            self.tensor_parallel.join(self.loaded.model, cache)
         self.runner = ModelRunner(self.loaded.model, cache, config.device, self.parallel_prefill, self.tensor_parallel)
         self.scheduler = Scheduler(
             SchedulerConfig(

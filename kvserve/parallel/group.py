@@ -274,10 +274,11 @@ def _release(workers: list[mp.Process], jobs: list[mp.Queue], groups: list[objec
         if dist.is_initialized() and dist.group.WORLD is pg:
             dist.destroy_process_group()
     groups.clear()
-    _stop_workers(workers, jobs)
+    stop_workers(workers, jobs)
 
 
-def _stop_workers(workers: list[mp.Process], jobs: list[mp.Queue], grace_s: float = 5.0) -> None:
+def stop_workers(workers: list[mp.Process], jobs: list[mp.Queue], grace_s: float = 5.0) -> None:
+    """Send each job queue its stop (None), then join every worker, killing one that does not exit in time."""
     for q in jobs:
         try:
             q.put(None)

@@ -40,12 +40,13 @@ from kvserve.errors import TensorParallelError
 from kvserve.heap import HeapTrimmer
 from kvserve.log import get_logger
 from kvserve.models.sharding import TensorShard
-from kvserve.parallel.group import check_no_world
+from kvserve.parallel.group import check_no_world, stop_workers
 from kvserve.parallel.tensor_model import CommStats, RankMean, parallelize
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from kvserve.attention.backend import AttentionBackend
     from kvserve.config import EngineConfig
     from kvserve.scheduler import SchedulerOutput
 
@@ -103,7 +104,7 @@ class TensorParallelGroup:
         check_no_world(TensorParallelError)
         self.launch = Launch.of(config)
         self.config = config
-        self.rank, self.size = 0, self.launch.size
+        self.size = self.launch.size
         self.shard = TensorShard(0, self.size)
         self.threads = threads_per_rank(self.launch)
         self.stats = CommStats()
@@ -115,25 +116,21 @@ class TensorParallelGroup:
             self.size, is_master=True, timeout=timedelta(seconds=300), wait_for_workers=False,
         )  # fmt: skip
         self.workers, self.status = _spawn(config, self.launch, self.store.port, self.threads, skip_rank=0)
-        self._finalizer = weakref.finalize(self, _stop, self.workers)
+        self._finalizer = weakref.finalize(self, stop_workers, self.workers, [])
         self._closing = threading.Event()
 
-    def join(self, model: torch.nn.Module, start_timeout_s: float = 300.0) -> RankMean:
-        """Wait for the local workers to load, join the process groups, wrap ``model``'s row-parallel projections;
-        returns the score mean the compressing caches use."""
+    def join(self, model: torch.nn.Module, cache: AttentionBackend, start_timeout_s: float = 300.0) -> None:
+        """Wait for the local workers to load, then join the process groups with rank 0's ``model`` and ``cache``."""
         try:
             _wait_loaded(self.workers, self.status, start_timeout_s)
-            dist.init_process_group(
-                _backend(self.config), store=self.store, rank=0, world_size=self.size,
-                timeout=timedelta(seconds=self.launch.timeout_s),
-            )  # fmt: skip
             # A timeout is each process's own: rank 0 gives up on a worker that does not take a step within the
             # step timeout, while idle workers wait for the next step as long as it takes.
-            self._control = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.launch.timeout_s))
+            self._control = _join_world(
+                self.config, self.launch, self.store, 0, model, cache, self.stats, self.launch.timeout_s
+            )
         except Exception as exc:
             self.close()
             raise TensorParallelError(f"the tensor-parallel group did not start: {exc}") from exc
-        parallelize(model, dist.group.WORLD, self.stats)
         threading.Thread(
             target=_watch, args=(weakref.ref(self), self._closing), name="kvserve-tp-watch", daemon=True
         ).start()
@@ -141,7 +138,6 @@ class TensorParallelGroup:
             "tensor parallel: %d ranks over %d machine(s), %d here (this process + %d workers), %d threads each",
             self.size, self.launch.nnodes, self.launch.per_node, len(self.workers), self.threads,
         )  # fmt: skip
-        return RankMean(dist.group.WORLD, self.size, self.stats)
 
     def run_step(self, out: SchedulerOutput, rows_from: Mapping[int, int]) -> None:
         """Send the step to every worker (they run it while this rank does); refused once the group is lost."""
@@ -189,8 +185,26 @@ class TensorParallelGroup:
         self._finalizer()
 
 
-def _backend(config: EngineConfig) -> str:
-    return "nccl" if torch.device(config.device).type == "cuda" else "gloo"
+def _join_world(
+    config: EngineConfig,
+    launch: Launch,
+    store: dist.TCPStore,
+    rank: int,
+    model: torch.nn.Module,
+    cache: AttentionBackend,
+    stats: CommStats,
+    control_timeout_s: float,
+) -> object:
+    """Join the default group (all-reduces, gloo or NCCL, the step timeout) and the gloo group of step messages
+    (``control_timeout_s``); wrap ``model``'s row-parallel projections and give ``cache`` the score mean over the
+    ranks. Returns the step-message group."""
+    backend = "nccl" if torch.device(config.device).type == "cuda" else "gloo"
+    timeout = timedelta(seconds=launch.timeout_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=launch.size, timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s))
+    parallelize(model, dist.group.WORLD, stats)
+    cache.set_rank_mean(RankMean(dist.group.WORLD, launch.size, stats))
+    return control
 
 
 def _spawn(
@@ -250,14 +264,9 @@ def _worker_main(args: _WorkerArgs, status: mp.Queue) -> None:
         store = dist.TCPStore(
             launch.master_addr, args.store_port, launch.size, is_master=False, timeout=timedelta(seconds=300)
         )
-        dist.init_process_group(
-            _backend(args.config), store=store, rank=args.rank, world_size=launch.size,
-            timeout=timedelta(seconds=launch.timeout_s),
-        )  # fmt: skip
-        control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-        stats = CommStats()
-        parallelize(runner.model, dist.group.WORLD, stats)
-        runner.cache.set_rank_mean(RankMean(dist.group.WORLD, launch.size, stats))
+        control = _join_world(
+            args.config, launch, store, args.rank, runner.model, runner.cache, CommStats(), IDLE_TIMEOUT.total_seconds()
+        )
         _serve_steps(runner, control)
     except Exception as exc:  # the engine's collectives fail too; this names the cause in the worker's log
         status.put(("error", name, f"{type(exc).__name__}: {exc}"))
@@ -309,7 +318,7 @@ def run_node(config: EngineConfig) -> int:
         for worker in workers:
             worker.join()
     finally:
-        _stop(workers)
+        stop_workers(workers, [])
     failures = []
     while True:
         try:
@@ -334,11 +343,3 @@ def _watch(ref: weakref.ref[TensorParallelGroup], closing: threading.Event) -> N
             group.failure = f"worker process(es) exited: {', '.join(dead)}"
             get_logger().error("tensor-parallel group lost: %s", group.failure)
         del group
-
-
-def _stop(workers: list[mp.Process], grace_s: float = 5.0) -> None:
-    for worker in workers:
-        worker.join(timeout=grace_s)
-        if worker.is_alive():
-            worker.kill()
-            worker.join(timeout=grace_s)
