@@ -17,6 +17,7 @@ from kvserve.config import (
 )
 from kvserve.models.dtype import DTYPE_NAMES
 from kvserve.policies import KV_POLICY_NAMES
+from kvserve.policies.layer_schedule import LAYER_SCHEDULES
 
 
 def add_engine_args(parser: argparse.ArgumentParser, kv_cache_memory: str = "1GiB") -> None:
@@ -190,7 +191,8 @@ def add_kv_policy_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("KV policy")
     group.add_argument(
         "--kv-policy", choices=KV_POLICY_NAMES, default="full",
-        help="full (lossless, default), pyramid (PyramidInfer), local (sinks + recent window), h2o (heavy hitters); "
+        help="full (lossless, default), pyramid (PyramidInfer), local (sinks + recent window), h2o (heavy hitters), "
+        "snapkv (per-head selection by an observation window), pyramidkv (snapkv with budgets falling by depth); "
         "any of those but full gives each layer its own KV blocks, and requests may then pick their own policy; "
         "with --kv-offload: full (fetch everything), int4 (fetch 4-bit KV) or infinigen (fetch predicted rows)",
     )  # fmt: skip
@@ -200,6 +202,15 @@ def add_kv_policy_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--recent-ratio", type=float, default=None,
         help="pyramid: recent-token share of a layer's budget; h2o: recent share (default: pyramid 0.4, h2o 0.5)",
+    )  # fmt: skip
+    group.add_argument(
+        "--observation-window", type=int, default=None,
+        help="snapkv/pyramidkv: the last queries of a prompt that vote, always kept (default 32)",
+    )  # fmt: skip
+    group.add_argument(
+        "--layer-schedule", choices=LAYER_SCHEDULES, default=None,
+        help="how the budget spreads over layers: uniform, pyramidinfer (cosine, the pyramid default) or pyramidkv "
+        "(linear, the pyramidkv default)",
     )  # fmt: skip
 
     offload = parser.add_argument_group("KV offloading (InfiniGen)")
@@ -224,6 +235,7 @@ def add_kv_policy_args(parser: argparse.ArgumentParser) -> None:
 def kv_policy_options(args: argparse.Namespace) -> dict[str, object]:
     return {
         "kv_policy": args.kv_policy, "kv_budget": args.kv_budget, "recent_ratio": args.recent_ratio,
+        "observation_window": args.observation_window, "layer_schedule": args.layer_schedule,
         "kv_offload": args.kv_offload, "kv_offload_path": args.kv_offload_path,
         "infinigen_alpha": args.infinigen_alpha, "infinigen_partial_ratio": args.infinigen_partial_ratio,
         "kv_pool_limit": args.kv_pool_limit, "kv_pool_eviction": args.kv_pool_eviction,

@@ -286,13 +286,13 @@ class CompressedKVCache(AttentionBackend):
         num_candidates = held + m
         num_tokens = meta.context_lens[i] + meta.query_lens[i]
         previous = self.scores.index_select(0, ctx) if held and policy.scores != SCORES_NONE else None
-        scores = policy.prefill_scores(q, keys, held, num_tokens, previous)  # (h + m,) or None
-        if scores is not None and self.rank_mean is not None:  # every rank's earlier scores are the same
+        scores = policy.prefill_scores(q, keys, held, num_tokens, previous)  # (h + m,), (h + m, Hkv) or None
+        if scores is not None and scores.dim() == 1 and self.rank_mean is not None:  # the same on every rank
             scores = self.rank_mean(scores)
         if num_candidates <= target:
             self._write(self._slot_ids(table, held, num_candidates, q.device), k, v)
             if scores is not None:
-                self.scores.index_copy_(0, self._slot_ids(table, 0, num_candidates, q.device), scores)
+                self.scores.index_copy_(0, self._slot_ids(table, 0, num_candidates, q.device), self._slot(scores))
             meta.state.held_after[i][layer] = num_candidates
             return out, None
         frozen = meta.group_frozen[i][layer] if meta.group_frozen[i] else 0
@@ -301,7 +301,7 @@ class CompressedKVCache(AttentionBackend):
         meta.state.held_after[i][layer] = target
         if not policy.drops_rows or meta.keep_all_rows[i]:
             return out, None
-        return out, kept[kept >= held] - held
+        return out, kept[kept >= held] - held  # a row-dropping policy keeps the same tokens in every head
 
     def _decode(
         self,
@@ -392,12 +392,27 @@ class CompressedKVCache(AttentionBackend):
         frozen: int = 0,
     ) -> None:
         """Candidates ``kept`` (ascending) into the group's first slots; keys/values (n, Hkv, D) are copies. The
-        first ``frozen`` (shared module slots, which ``kept`` starts with) are already in place and never written."""
+        first ``frozen`` (shared module slots, which ``kept`` starts with) are already in place and never written.
+        ``kept`` (k,) keeps the same candidates in every KV head; (k, Hkv) each head's own (per-head policies, with
+        per-head ``scores`` (n, Hkv)), so a slot holds different tokens in different heads."""
         kept = kept[frozen:]
-        dst = self._slot_ids(table, frozen, frozen + kept.numel(), keys.device)
-        self._write(dst, keys.index_select(0, kept), values.index_select(0, kept))
+        dst = self._slot_ids(table, frozen, frozen + kept.shape[0], keys.device)
+        if kept.dim() == 1:
+            self._write(dst, keys.index_select(0, kept), values.index_select(0, kept))
+        else:
+            rows = kept[:, :, None].expand(-1, -1, keys.shape[-1])  # (k, Hkv, D)
+            self._write(dst, keys.gather(0, rows), values.gather(0, rows))
         if scores is not None:
-            self.scores.index_copy_(0, dst, scores.index_select(0, kept))
+            chosen = scores.index_select(0, kept) if kept.dim() == 1 else scores.gather(0, kept)
+            self.scores.index_copy_(0, dst, self._slot(chosen))
+
+    def _slot(self, scores: torch.Tensor) -> torch.Tensor:
+        """Scores as the per-slot record: (n,) as they are; per-head (n, Hkv) averaged over every rank's heads
+        (what decoding folds each step's head-averaged attention into)."""
+        if scores.dim() == 1:
+            return scores
+        mean = scores.mean(dim=1)
+        return mean if self.rank_mean is None else self.rank_mean(mean)
 
     @staticmethod
     def _check_metadata(metadata: AttentionMetadata) -> CompressedAttentionMetadata:
@@ -441,4 +456,5 @@ def _select(
         return policy.select(scores, num_candidates, keep, num_tokens)
     rest_scores = None if scores is None else scores[frozen:]
     rest = policy.select(rest_scores, num_candidates - frozen, keep - frozen, num_tokens)
-    return torch.cat((torch.arange(frozen, device=rest.device), rest + frozen))
+    shared = torch.arange(frozen, device=rest.device)
+    return torch.cat((shared if rest.dim() == 1 else shared[:, None].expand(-1, rest.shape[1]), rest + frozen))

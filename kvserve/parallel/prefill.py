@@ -127,13 +127,15 @@ class ParallelPrefill:
 
     def takes(self, out: SchedulerOutput, rows_from: Mapping[int, int]) -> bool:
         """Whether the step ``out`` runs over the group: one sequence's whole prompt (a Prompt Cache module's
-        too), nothing cached, no prompt logprobs, and long enough (``qualifies``)."""
+        too), nothing cached, no prompt logprobs, long enough (``qualifies``), and not under a per-head policy
+        (SnapKV: the ranks' votes are summed per slot, not per KV head; such a prompt runs in this process)."""
         if len(out.scheduled) != 1:
             return False
         seq = out.scheduled[0]
+        per_head = seq.kv_policy is not None and seq.kv_policy.per_head
         return (
             seq.num_computed_tokens == 0 and seq.ends_prompt and seq.seq_id not in rows_from
-            and self.qualifies(len(seq.token_ids))
+            and self.qualifies(len(seq.token_ids)) and not per_head
         )  # fmt: skip
 
     def run(

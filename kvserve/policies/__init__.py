@@ -10,6 +10,7 @@ from kvserve.policies.h2o import HeavyHitters
 from kvserve.policies.infinigen import InfiniGen
 from kvserve.policies.pyramid import PyramidInfer
 from kvserve.policies.quant import Int4KV
+from kvserve.policies.snapkv import PyramidKV, SnapKV
 from kvserve.policies.streaming import LocalWindow
 
 POLICIES: dict[str, type[KVPolicy]] = {
@@ -17,6 +18,8 @@ POLICIES: dict[str, type[KVPolicy]] = {
     "pyramid": PyramidInfer,
     "local": LocalWindow,
     "h2o": HeavyHitters,
+    "snapkv": SnapKV,
+    "pyramidkv": PyramidKV,
     "infinigen": InfiniGen,
     "int4": Int4KV,
 }
@@ -32,6 +35,8 @@ __all__ = [
     "KVPolicy",
     "LocalWindow",
     "PyramidInfer",
+    "PyramidKV",
+    "SnapKV",
     "make_policy",
 ]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.policies.scoring import column_sums
+from kvserve.policies.scoring import column_sums, head_column_sums
 
 # What attention weights a policy scores slots by (see ``KVPolicy.scores``).
 SCORES_NONE = "none"  # positional policies (full cache, local window)
@@ -40,6 +40,7 @@ class KVPolicy:
     scores = SCORES_NONE
     drops_rows = False  # deeper layers compute only the tokens shallower ones kept (PyramidInfer)
     offload_only = False  # changes what an offloading engine fetches, not what a layer keeps (kv_offload)
+    per_head = False  # scores and keeps tokens per KV head while prefilling (SnapKV); else the same in every head
 
     def __post_init__(self) -> None:
         if not 0 < self.budget <= 1:
@@ -87,7 +88,8 @@ class KVPolicy:
 
         ``scores`` (num_candidates,) float32 are the policy's scores of every candidate, or None for a
         positional policy; ``num_tokens`` is the sequence's length. The base keeps the most recent
-        ``keep`` (a lossless policy never asks).
+        ``keep`` (a lossless policy never asks). A ``per_head`` policy given per-head scores
+        (num_candidates, Hkv) returns (keep, Hkv), ascending per head.
         """
         return torch.arange(num_candidates - keep, num_candidates)
 
@@ -110,6 +112,8 @@ class KVPolicy:
         votes = self.votes(q.shape[0], num_tokens)
         if votes is None:
             return None
+        if self.per_head:  # (h + m, Hkv); a per-head policy ranks afresh each chunk
+            return head_column_sums(q, keys, held, *votes)
         total = column_sums(q, keys, held, *votes)
         if previous is not None and self.scores == SCORES_ACCUMULATED:
             total[:held] += previous

@@ -13,7 +13,8 @@ the sequence shrinks layer by layer by a factor r_l = (1 - d) (cos(pi l / L) + 1
 shallow layers lose little and deep ones more (at a 60% budget the first half of the layers loses
 about 7%); S_r is never dropped. Layer l keeps a fraction rho + (1 - rho) prod_{j<=l} r_j of the
 sequence, rho = |S_r| / length, with d solved so that the mean over layers is ``budget``.
-``layer_retention`` sets the fractions explicitly instead.
+``layer_retention`` sets the fractions explicitly instead; ``layer_schedule="pyramidkv"`` uses PyramidKV's
+linear schedule (``policies/layer_schedule.py``) and ``"uniform"`` the same budget in every layer.
 
 Choices where the paper leaves room:
 - rho is ``recent_ratio`` (40% by default, the paper's best trade-off) but at most 80% of the budget,
@@ -31,6 +32,7 @@ from functools import lru_cache
 import torch
 
 from kvserve.policies.base import SCORES_RECENT, KVPolicy
+from kvserve.policies.layer_schedule import LAYER_SCHEDULES, pyramidkv_schedule
 
 MAX_RECENT_SHARE_OF_BUDGET = 0.8
 
@@ -41,6 +43,7 @@ class PyramidInfer(KVPolicy):
     num_sinks: int = 4
     distance_weight: float = 1.2
     layer_retention: tuple[float, ...] | None = None  # explicit per-layer fractions (overrides budget)
+    layer_schedule: str = "pyramidinfer"  # pyramidinfer | pyramidkv | uniform (without layer_retention)
     decode_decay: float = 0.9  # weight of the old scores at each decode step
     drops_rows: bool = True  # False: every layer computes every token (an ablation; the KV is still compressed)
 
@@ -59,6 +62,8 @@ class PyramidInfer(KVPolicy):
             raise ValueError(f"distance_weight must be >= 1, got {self.distance_weight!r}")
         if not 0 <= self.decode_decay < 1:
             raise ValueError(f"decode_decay must be in [0, 1), got {self.decode_decay!r}")
+        if self.layer_schedule not in LAYER_SCHEDULES:
+            raise ValueError(f"layer_schedule must be one of {list(LAYER_SCHEDULES)}, got {self.layer_schedule!r}")
         if self.layer_retention is not None:
             object.__setattr__(self, "layer_retention", tuple(float(r) for r in self.layer_retention))
             bad = [r for r in self.layer_retention if not 0 < r <= 1]
@@ -85,6 +90,10 @@ class PyramidInfer(KVPolicy):
                     f"layer_retention has {len(self.layer_retention)} entries; the model has {num_layers} layers"
                 )
             return self.layer_retention
+        if self.layer_schedule == "pyramidkv":
+            return pyramidkv_schedule(num_layers, self.budget)
+        if self.layer_schedule == "uniform":
+            return super().retention(num_layers)
         return pyramid_schedule(num_layers, self.budget, self.recent_share)
 
     def recent_count(self, num_tokens: int) -> int:

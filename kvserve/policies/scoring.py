@@ -1,4 +1,4 @@
-"""Attention weights as slot scores: what the write-time policies (PyramidInfer, H2O) rank slots by.
+"""Attention weights as slot scores: what the write-time policies (PyramidInfer, H2O, SnapKV) rank slots by.
 
 These functions take plain tensors (queries, candidate keys, running scores) and know nothing of blocks,
 so each is tested alone on hand-made tensors; the compressed cache calls them with what it gathered.
@@ -30,21 +30,28 @@ def column_sums(q: torch.Tensor, keys: torch.Tensor, held: int, first: int, row_
     q (m, H, D) are the chunk's queries, the j-th at candidate index held + j, seeing candidates up to its
     own; keys (n, Hkv, D) with n = held + m; ``row_weights`` (m - first,) weigh queries first..m-1.
     """
+    return head_column_sums(q, keys, held, first, row_weights).mean(dim=1)
+
+
+def head_column_sums(
+    q: torch.Tensor, keys: torch.Tensor, held: int, first: int, row_weights: torch.Tensor
+) -> torch.Tensor:
+    """``column_sums`` per KV head: (n, Hkv) float32, each the mean over the query heads that read it (GQA)."""
     m, num_heads, head_dim = q.shape
     n, num_kv_heads = keys.shape[:2]
     group = num_heads // num_kv_heads
     kh = keys.transpose(0, 1)[:, None]  # (Hkv, 1, n, D): query head h reads KV head h // group
-    total = torch.zeros(n, dtype=torch.float32, device=q.device)
+    total = torch.zeros(num_kv_heads, n, dtype=torch.float32, device=q.device)
     for begin in range(first, m, SCORE_CHUNK):
         end = min(begin + SCORE_CHUNK, m)
         qh = q[begin:end].transpose(0, 1).reshape(num_kv_heads, group, end - begin, head_dim)  # (Hkv, G, c, D)
-        logits = scaled_logits(qh, kh).view(num_heads, end - begin, n)  # (H, c, n) float32
-        # Query j of the chunk sits at candidate index held + begin + j and sees keys up to there.
+        logits = scaled_logits(qh, kh)  # (Hkv, G, c, n) float32
+        # Query j of the chunk sits at candidate index held + j and sees keys up to there.
         rows = held + torch.arange(begin, end, device=q.device)
         visible = torch.arange(n, device=q.device)[None, :] <= rows[:, None]
-        weights = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).mean(dim=0)  # (c, n)
+        weights = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).mean(dim=1)  # (Hkv, c, n)
         total += row_weights[begin - first : end - first].to(weights.device) @ weights
-    return total
+    return total.T
 
 
 def update_scores(policies: Sequence[KVPolicy], scores: torch.Tensor, step_weights: torch.Tensor) -> torch.Tensor:

@@ -101,7 +101,9 @@ def test_parallel_prefill_into_an_offloaded_cache_equals_single_process(folder, 
     assert got == expected
 
 
-@pytest.mark.parametrize(("policy", "tier"), [("pyramid", "host"), ("h2o", "disk"), ("local", "disk")])
+@pytest.mark.parametrize(
+    ("policy", "tier"), [("pyramid", "host"), ("h2o", "disk"), ("local", "disk"), ("snapkv", "host")]
+)
 def test_compressed_kv_in_an_offloaded_tier_equals_it_on_the_device(loaded, policy, tier) -> None:
     """PyramidInfer/H2O/local x offload: the per-layer slab lives in the host or disk tier and each layer reads
     its kept slots from there; the same tokens as on the device, with fewer bytes than the full cache's."""
@@ -239,7 +241,7 @@ def test_prompt_cache_with_h2o_at_full_budget_equals_prompt_cache_alone(loaded, 
     assert offloaded == [prompt_cache_reference]  # and with the per-layer slab in the disk tier
 
 
-@pytest.mark.parametrize("policy", ["pyramid", "h2o", "local"])
+@pytest.mark.parametrize("policy", ["pyramid", "h2o", "local", "snapkv", "pyramidkv"])
 def test_prompt_cache_stores_modules_compressed_and_never_rewrites_them(loaded, policy) -> None:
     """Prompt Cache x PyramidInfer/H2O/local: a module is encoded under the policy, so each layer keeps its own
     share of it (less memory per cached module); requests import those slots and compress only their own."""

@@ -69,6 +69,7 @@ SCENARIOS = {
     "preemption by swap": {"kv_cache_memory": 14 * BLOCK_BYTES, "preemption_mode": "swap"},
     "h2o at half the KV": {"kv_policy": "h2o", "kv_budget": 0.5},
     "pyramid at half the KV": {"kv_policy": "pyramid", "kv_budget": 0.5},
+    "snapkv at half the KV": {"kv_policy": "snapkv", "kv_budget": 0.5},
     "offload to the host tier": {"kv_offload": "host", "kv_policy": "full"},
     "INT4 offload": {"kv_offload": "host", "kv_policy": "int4"},
     # Rank 0 of the one-process run writes the skewing file; the ranks of size 2 read their heads' share.

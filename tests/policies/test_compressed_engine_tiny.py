@@ -227,7 +227,7 @@ def test_lossy_policy_errors_name_the_problem(folder, loaded) -> None:
     with pytest.raises(ValueError, match="kv_budget must be in"):
         SamplingParams(kv_budget=1.5)
     with pytest.raises(ValueError, match="kv_policy must be one of"):
-        SamplingParams(kv_policy="snapkv")
+        SamplingParams(kv_policy="quest")
     with pytest.raises(ValueError, match="kv_budget must be 1"):
         SamplingParams(kv_policy="full", kv_budget=0.5)
     with pytest.raises(ValueError, match="kv_pool_limit evicts by InfiniGen's selection counts"):
