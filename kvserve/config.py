@@ -73,6 +73,8 @@ class EngineConfig:
     prompt_cache_tier: str = "device"  # device: blocks of the KV pool; host: CPU memory, copied in on use
     prompt_cache_memory: str | int = "512MiB"  # LRU-evicted past this; on device, at most half of kv_cache_memory
     prompt_cache_encode: str = "eager"  # eager: when a schema is registered; lazy: when a prompt first imports
+    # Share of a prompt's imported module tokens recomputed with attention across modules (CacheBlend; 0: none).
+    prompt_cache_recompute: float = 0.0
     # The same numerics for a sequence whatever runs beside it and whether its prefix came from the cache:
     # one matmul kernel for every row count, attention per query row (models/batch_invariant.py,
     # attention/row_invariant.py). Off: a sequence's last bits, and so some greedy tokens, depend on its batch.
@@ -114,6 +116,7 @@ class EngineConfig:
             raise ValueError(
                 f"prompt_cache_encode must be one of {PROMPT_CACHE_ENCODES}, got {self.prompt_cache_encode!r}"
             )
+        self._check_prompt_cache_recompute()
         check_device(self.device)  # last: the rules above name what a device cannot run, wherever it exists
 
     def prompt_cache_refusal(self) -> str | None:
@@ -143,6 +146,24 @@ class EngineConfig:
                 "prompt_cache_tier='device'"
             )
         return None
+
+    def _check_prompt_cache_recompute(self) -> None:
+        """Selective recompute (attention/blend.py) rewrites a request's own copy of paged module blocks."""
+        share = self.prompt_cache_recompute
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0.0 <= share <= 1.0:
+            raise ValueError(f"prompt_cache_recompute must be a share in [0, 1] of the imported module tokens, "
+                             f"got {share!r}")  # fmt: skip
+        if share == 0:
+            return
+        others = {
+            "kv_policy": (self.kv_policy, "full", "a compressing policy keeps some slots per layer"),
+            "kv_offload": (self.kv_offload, "none", "an offloaded cache is not read in place by the recompute"),
+            "tensor_parallel_size": (self.tensor_parallel_size, 1, "the recompute runs on one rank's cache"),
+            "prefill_parallel": (self.prefill_parallel, 1, "KV-Runahead prefills whole prompts, not chosen tokens"),
+        }  # fmt: skip
+        for name, (value, needed, why) in others.items():
+            if value != needed:
+                raise ValueError(f"prompt_cache_recompute={share} needs {name}={needed!r}, got {value!r}: {why}")
 
     def _check_batch_invariant(self) -> None:
         if not self.batch_invariant:

@@ -112,7 +112,8 @@ class LLMEngine:
             self.kv, self.runner.cache, config.prompt_cache_tier, module_budget, plan.block_bytes // config.block_size,
             plan.per_layer_groups,
         )  # fmt: skip
-        return PromptCache(self.tokenizer, self.max_model_len, store, eager=config.prompt_cache_encode == "eager")
+        eager = config.prompt_cache_encode == "eager"
+        return PromptCache(self.tokenizer, self.max_model_len, store, eager, config.prompt_cache_recompute)
 
     def _start_tensor_parallel(self):  # noqa: ANN202 - kvserve.parallel.tensor_group.TensorParallelGroup
         """Spawn this machine's other ranks (they load their shards while this process loads its own); this

@@ -119,6 +119,11 @@ def add_prompt_cache_args(parser: argparse.ArgumentParser) -> None:
         "--prompt-cache-encode", choices=PROMPT_CACHE_ENCODES, default="eager",
         help="encode a schema's modules when it is registered (eager) or when a prompt first imports them (lazy)",
     )  # fmt: skip
+    group.add_argument(
+        "--prompt-cache-recompute", type=float, default=0.0, metavar="R",
+        help="share in [0, 1] of a prompt's imported module tokens recomputed with attention across modules, "
+        "those whose KV deviates most (CacheBlend); 0: none",
+    )  # fmt: skip
 
 
 def add_schema_arg(parser: argparse.ArgumentParser) -> None:
@@ -145,7 +150,7 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
 def prompt_cache_options(args: argparse.Namespace) -> dict[str, object]:
     return {
         "prompt_cache_tier": args.prompt_cache_tier, "prompt_cache_memory": args.prompt_cache_memory,
-        "prompt_cache_encode": args.prompt_cache_encode,
+        "prompt_cache_encode": args.prompt_cache_encode, "prompt_cache_recompute": args.prompt_cache_recompute,
     }  # fmt: skip
 
 

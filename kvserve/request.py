@@ -80,6 +80,10 @@ class CachedPrompt:
     group_shared: tuple[tuple[int, ...], ...] = ()
     group_tails: tuple[tuple[int, ...], ...] = ()
     num_tokens: int = 0
+    # Selective recompute (prompt_cache/blend.py): indices of the module tokens that may be recomputed (in the
+    # sequence's own, copied blocks: none lies in ``shared_blocks``) and how many of them to recompute.
+    recompute: tuple[int, ...] = ()
+    recompute_count: int = 0
 
     def group_slots(self, block_size: int) -> list[int]:
         """Slots each layer holds once the modules are imported."""

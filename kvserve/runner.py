@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata, StepReport
+from kvserve.attention.blend import recompute_modules
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.scheduler import ScheduledSequence, SchedulerOutput
 
@@ -62,6 +63,8 @@ class ModelRunner:
 
     def _execute(self, out: SchedulerOutput, rows_from: Mapping[int, int]) -> RunnerOutput:
         self.cache.apply_moves(out)
+        for job in out.recomputes:  # Prompt Cache selective recompute: the modules' KV before any query reads it
+            recompute_modules(self.model, self.cache, job)
         if not out.scheduled:
             return RunnerOutput()
         scheduled = out.scheduled

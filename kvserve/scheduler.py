@@ -61,12 +61,27 @@ class ScheduledSequence:
 
 
 @dataclass(frozen=True)
+class ModuleRecompute:
+    """Selective recompute of a Prompt Cache prompt's imported tokens (``attention/blend.py``), run after the
+    step's moves and before its forward: ``count`` of the ``candidates`` whose KV deviates most once the modules
+    attend to each other are recomputed, into slots of the sequence's own blocks."""
+
+    seq_id: int
+    token_ids: tuple[int, ...]  # the imported module tokens, in sequence order
+    positions: tuple[int, ...]  # their position ids (schema positions, gaps allowed)
+    slots: tuple[int, ...]  # their cache slots
+    candidates: tuple[int, ...]  # indices into the above that may be recomputed (their slots are the sequence's own)
+    count: int  # how many candidates to recompute (all of them: no selection pass)
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     scheduled: tuple[ScheduledSequence, ...] = ()
     blocks_to_swap_out: tuple[tuple[int, int], ...] = ()  # (device block, host block)
     blocks_to_swap_in: tuple[tuple[int, int], ...] = ()  # (host block, device block)
     blocks_to_copy: tuple[tuple[int, int], ...] = ()  # copy-on-write (src, dst) device blocks
     slots_to_copy: tuple[tuple[int, int], ...] = ()  # Prompt Cache module tails: (src, dst) device slots
+    recomputes: tuple[ModuleRecompute, ...] = ()  # Prompt Cache selective recompute, after the moves
     preempted: tuple[str, ...] = ()  # request ids preempted this step
     rejected: tuple[str, ...] = ()  # request ids that can never fit in the KV cache
 
@@ -76,7 +91,8 @@ class SchedulerOutput:
 
     @property
     def empty(self) -> bool:
-        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.slots_to_copy)
+        moves = self.blocks_to_swap_out or self.blocks_to_swap_in or self.slots_to_copy
+        return not (self.scheduled or moves or self.recomputes)
 
 
 @dataclass
@@ -89,6 +105,7 @@ class _Step:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write taken from the manager so far
     slot_copies: list[tuple[int, int]] = field(default_factory=list)
+    recomputes: list[ModuleRecompute] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
 
@@ -170,6 +187,7 @@ class Scheduler:
             blocks_to_swap_in=tuple(step.swap_in),
             blocks_to_copy=tuple(step.copies + self.kv.take_pending_copies()),
             slots_to_copy=tuple(step.slot_copies),
+            recomputes=tuple(step.recomputes),
             preempted=tuple(step.preempted),
             rejected=tuple(step.rejected),
         )
@@ -261,7 +279,24 @@ class Scheduler:
         first = max(lead, computed)
         dst = self.kv.slots(seq.seq_id, first, end)
         step.slot_copies += zip(cached.tail_slots[first - lead :], dst, strict=True)
+        if cached.recompute_count:
+            self._recompute(request, seq, computed, step)
         return max(computed, end)
+
+    def _recompute(self, request: Request, seq: Sequence, computed: int, step: _Step) -> None:
+        """Queue the selective recompute of an admitted Prompt Cache prompt. Candidates in prefix-hit blocks are
+        left as they are: those blocks hold a recompute already (the salt names the share) and may be shared."""
+        cached, n = request.prompt_cache, request.prompt_cache.num_tokens
+        candidates = tuple(i for i in cached.recompute if i >= computed)
+        if not candidates:
+            return
+        count = min(len(candidates), cached.recompute_count)
+        step.recomputes.append(
+            ModuleRecompute(
+                seq.seq_id, tuple(seq.token_ids[:n]), request.positions(0, n), tuple(self.kv.slots(seq.seq_id, 0, n)),
+                candidates, count,
+            )
+        )  # fmt: skip
 
     def _allocate_groups(self, request: Request, seq: Sequence, step: _Step) -> int:
         """A group per layer: empty, or starting with the imported modules' slots each layer kept (full blocks

@@ -8,12 +8,14 @@ and only the uncached tokens go through the model before the first sampled token
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass
 from functools import cached_property
 
 from kvserve.prompt_cache.pml import PMLError, parse_prompt, parse_schema
+from kvserve.prompt_cache.recompute import plan_recompute
 from kvserve.prompt_cache.roles import RoleFrames
 from kvserve.prompt_cache.schema import SchemaLayout
 from kvserve.prompt_cache.store import CachedModule, ModuleBlocks, ModuleStore
@@ -62,8 +64,12 @@ class _Registered:
 
 
 class PromptCache:
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, store: ModuleStore, eager: bool) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, max_model_len: int, store: ModuleStore, eager: bool, recompute: float = 0.0
+    ) -> None:
+        """``recompute``: share of a prompt's imported module tokens recomputed across modules (``recompute.py``)."""
         self.tokenizer, self.max_model_len, self.store, self.eager = tokenizer, max_model_len, store, eager
+        self.recompute = recompute
         self._schemas: dict[str, _Registered] = {}
 
     @cached_property
@@ -144,7 +150,10 @@ class PromptCache:
             for blocks in pinned:
                 self.store.unpin(blocks.module)
             raise
-        return _assemble(pinned, layout.token_ids, layout.positions, self.store.kv.block_size, registered.text)
+        prepared = _assemble(pinned, layout.token_ids, layout.positions, self.store.kv.block_size, registered.text)
+        if self.recompute > 0 and not self.store.per_layer_groups:
+            return _with_recompute(prepared, pinned, self.store.kv.block_size, self.recompute)
+        return prepared
 
     def _stored(self, schema: str, name: str, layout: SchemaLayout) -> CachedModule | None:
         """The module's store entry, added back (to encode on use) if it was evicted; None for no tokens."""
@@ -191,3 +200,22 @@ def _assemble(
     return PreparedPrompt(
         token_ids, positions, cached, [b.module for b in pinned], len(uncached), ("prompt-cache", digest)
     )  # fmt: skip
+
+
+def _with_recompute(
+    prepared: PreparedPrompt, pinned: list[ModuleBlocks], block_size: int, share: float
+) -> PreparedPrompt:
+    """The prompt with selective recompute: the candidates to rewrite, and the full blocks holding any of them
+    copied into the request's own blocks (their slots go before the tails: token order is unchanged)."""
+    cached = prepared.cached
+    owners = [i for i, b in enumerate(pinned) for _ in range(len(b.full_blocks) * block_size)]
+    owners += [i for i, b in enumerate(pinned) for _ in range(len(b.tail_slots))]
+    plan = plan_recompute(owners, prepared.positions[: len(owners)], len(cached.shared_blocks), block_size, share)
+    if not plan.count:
+        return prepared
+    copied = [b * block_size + j for b in cached.shared_blocks[plan.num_shared :] for j in range(block_size)]
+    cached = dataclasses.replace(
+        cached, shared_blocks=cached.shared_blocks[: plan.num_shared], tail_slots=(*copied, *cached.tail_slots),
+        recompute=plan.candidates, recompute_count=plan.count,
+    )  # fmt: skip
+    return dataclasses.replace(prepared, cached=cached, salt=(*prepared.salt, "recompute", repr(share)))

@@ -1,0 +1,133 @@
+"""Selective recompute of imported Prompt Cache tokens over the paged cache (CacheBlend, Yao et al., EuroSys'25,
+https://arxiv.org/abs/2405.16444).
+
+A ``ModuleRecompute`` (scheduler.py) names a sequence's imported module tokens, their positions and slots, the
+candidates that may be rewritten and how many. Two passes over the model, both through ``BlendAttention``,
+whose queries attend to the imported tokens' cached keys causally by *position* (schema positions, gaps
+allowed), not by slot order:
+
+1. Selection (skipped when every candidate is recomputed): every candidate through layer 0, its queries over
+   the whole assembled prompt; layer 1's fresh keys and values of them are compared with the cached ones, and
+   the ``count`` with the largest deviation (squared L2 of K and V together) are chosen. Layer 0's own KV
+   depends on the token and its position only, so layer 1 is the first where the modules' isolation shows.
+   The choice is made once and kept for every layer (the paper narrows it layer by layer).
+2. Recompute: the chosen tokens through every layer; each layer writes their fresh keys and values into their
+   slots (the sequence's own copies) before they attend, so unchosen tokens contribute their cached KV and
+   chosen ones their fresh KV. With every candidate chosen the result is a plain prefill at those positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata, UnsupportedKVOperation
+from kvserve.attention.paged import PagedKVCache
+from kvserve.scheduler import ModuleRecompute
+
+
+@dataclass(frozen=True)
+class BlendMetadata(AttentionMetadata):
+    """The step's queries (some imported tokens) over every imported token of one sequence."""
+
+    context_slots: torch.Tensor  # (C,) long: the imported tokens' cache slots
+    context_positions: torch.Tensor  # (C,) long: their positions
+    query_slots: torch.Tensor  # (N,) long: the queries' own slots (written to when ``write``)
+    query_positions: torch.Tensor  # (N,) long
+    write: bool  # store the queries' fresh keys/values before attending (the recompute pass)
+    stop_at: int | None = None  # the selection pass: layer whose fresh keys/values end the forward
+
+
+class _LayerKV(Exception):  # noqa: N818 - not an error: the selection pass ends here with what it came for
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        super().__init__()
+        self.k, self.v = k, v
+
+
+class BlendAttention(AttentionBackend):
+    """Attention by position over one sequence's imported tokens in a paged cache."""
+
+    def __init__(self, cache: AttentionBackend) -> None:
+        if not isinstance(cache, PagedKVCache):
+            kind = type(cache).__name__
+            raise UnsupportedKVOperation(f"selective recompute reads a paged cache in place, not a {kind}")
+        self.cache = cache
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s keys and values as (slots, Hkv, D) views of the cache."""
+        cache, row = self.cache, self.cache.layer_rows[layer]
+        shape = (-1, cache.num_kv_heads, cache.head_dim)
+        return cache.k[row].view(shape), cache.v[row].view(shape)
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """q (N, H, D), k and v (N, Hkv, D) -> (N, H, D)."""
+        md = metadata
+        if md.stop_at == layer:
+            raise _LayerKV(k, v)
+        k_cache, v_cache = self.layer_kv(layer)
+        if md.write:
+            k_cache.index_copy_(0, md.query_slots, k)
+            v_cache.index_copy_(0, md.query_slots, v)
+        keys = k_cache.index_select(0, md.context_slots).transpose(0, 1).unsqueeze(0)  # (1, Hkv, C, D)
+        values = v_cache.index_select(0, md.context_slots).transpose(0, 1).unsqueeze(0)
+        mask = md.context_positions.unsqueeze(0) <= md.query_positions.unsqueeze(1)  # (N, C)
+        qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, N, D)
+        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=True)  # (1, H, N, D)
+        return out.squeeze(0).transpose(0, 1)  # (N, H, D)
+
+
+def kv_deviation(k: torch.Tensor, v: torch.Tensor, k_cached: torch.Tensor, v_cached: torch.Tensor) -> torch.Tensor:
+    """Per token, the squared L2 distance of fresh from cached keys and values: (N, Hkv, D) each -> (N,) float32."""
+    dk = (k.float() - k_cached.float()).square().sum((1, 2))
+    dv = (v.float() - v_cached.float()).square().sum((1, 2))
+    return dk + dv
+
+
+def select_deviating(deviation: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the ``count`` largest deviations (N,), ascending: (count,) long."""
+    return torch.topk(deviation, count).indices.sort().values
+
+
+def recompute_modules(model: torch.nn.Module, cache: AttentionBackend, job: ModuleRecompute) -> None:
+    """Run ``job``: choose its tokens (unless all are recomputed) and rewrite their keys and values in ``cache``."""
+    blend = BlendAttention(cache)
+    device = blend.cache.k.device
+    ids = torch.tensor(job.token_ids, dtype=torch.long, device=device)  # (C,)
+    positions = torch.tensor(job.positions, dtype=torch.long, device=device)
+    slots = torch.tensor(job.slots, dtype=torch.long, device=device)
+    chosen = torch.tensor(job.candidates, dtype=torch.long, device=device)  # (M,) indices into the C tokens
+    if job.count < len(job.candidates):
+        deviation = _deviation(model, blend, job.seq_id, ids, positions, slots, chosen)  # (M,)
+        chosen = chosen[select_deviating(deviation, job.count)]
+    metadata = _metadata(job.seq_id, positions, slots, chosen, write=True)
+    model(ids[chosen], positions[chosen], blend, metadata)
+
+
+def _deviation(
+    model: torch.nn.Module, blend: BlendAttention, seq_id: int, ids: torch.Tensor, positions: torch.Tensor,
+    slots: torch.Tensor, candidates: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """The candidates' layer-1 KV deviation (M,) after layer 0 attends over the whole assembled prompt."""
+    layer = min(1, len(model.layers) - 1)
+    metadata = _metadata(seq_id, positions, slots, candidates, write=False, stop_at=layer)
+    try:
+        model(ids[candidates], positions[candidates], blend, metadata)
+    except _LayerKV as fresh:
+        k_cache, v_cache = blend.layer_kv(layer)
+        cand_slots = slots[candidates]
+        return kv_deviation(fresh.k, fresh.v, k_cache.index_select(0, cand_slots), v_cache.index_select(0, cand_slots))
+    raise RuntimeError(f"the model never reached layer {layer}'s attention")
+
+
+def _metadata(
+    seq_id: int, positions: torch.Tensor, slots: torch.Tensor, chosen: torch.Tensor, write: bool,
+    stop_at: int | None = None,
+) -> BlendMetadata:  # fmt: skip
+    return BlendMetadata(
+        (seq_id,), (len(chosen),), (len(slots),), context_slots=slots, context_positions=positions,
+        query_slots=slots[chosen], query_positions=positions[chosen], write=write, stop_at=stop_at,
+    )  # fmt: skip
