@@ -6,12 +6,23 @@ is a PML prompt importing it. Everything else (positions, greedy decoding, scori
 Writes accuracy.json and accuracy.md next to this script.
 
     .venv/bin/python benchmarks/prompt_cache/accuracy.py --threads 2
+
+With ``--modules N`` each document is cut into N modules encoded alone (they no longer attend to each
+other either), and plain prompts, Prompt Cache and Prompt Cache with ``--recompute R`` (selective
+recompute, CacheBlend) answer the same questions; besides option accuracy, the first answer token's
+distribution is compared with the plain prompt's (L1 distance over the union of both top-20 tokens, and
+whether the top token agrees). Writes accuracy-recompute.json and .md.
+
+    .venv/bin/python benchmarks/prompt_cache/accuracy.py --threads 2 --modules 4 --recompute 0.15 --limit 3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -19,9 +30,22 @@ import torch
 from kvserve.bench.machine import describe_machine
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine
-from kvserve.eval.longqa import evaluate_longqa
+from kvserve.eval.longqa import (
+    DEFAULT_MAX_TOKENS,
+    Document,
+    build_prompts,
+    evaluate_longqa,
+    load_documents,
+    pml_prompts,
+    score_answer,
+)
+from kvserve.llm import LLM
 from kvserve.models.dtype import DTYPE_NAMES
-from kvserve.models.loader import load_model
+from kvserve.models.loader import LoadedModel, load_model
+from kvserve.outputs import RequestOutput
+from kvserve.prompt_cache.pml import pml_escape
+from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer import Tokenizer
 
 HERE = Path(__file__).resolve().parent
 
@@ -31,10 +55,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--limit", type=int, default=None, help="first N documents (default: all 15)")
+    parser.add_argument("--modules", type=int, default=0, help="cut each document into N modules (recompute run)")
+    parser.add_argument("--recompute", type=float, default=0.15, help="share recomputed in the --modules run")
+    parser.add_argument("--context", type=int, default=2048, help="prompt tokens at most in the --modules run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     loaded = load_model(dtype=dtype)
+    if args.modules:
+        recompute_run(loaded, args, dtype)
+        return
     runs = {}
     for prompt_cache in (False, True):
         engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_memory="2GiB", swap_space=0), loaded)
@@ -74,6 +104,97 @@ def main() -> None:
     ]) + "\n"  # fmt: skip
     (HERE / "accuracy.md").write_text(table)
     print(table)
+
+
+def split_schema(
+    tokenizer: Tokenizer, task: str, document: Document, kept: str, name: str, parts: int
+) -> tuple[str, list[str]]:
+    """``pml_prompts``' schema and prompts with the document module cut into ``parts`` modules (by tokens)."""
+    schema, prompts = pml_prompts(tokenizer, task, document, kept, name)
+    ids = tokenizer.encode(kept, add_special_tokens=False)
+    size = -(-len(ids) // parts)
+    texts = [tokenizer.decode(ids[i * size : (i + 1) * size]) for i in range(parts)]
+    modules = "".join(f'<module name="doc{i}">{pml_escape(t)}</module>' for i, t in enumerate(texts))
+    schema = schema.replace(f'<module name="doc">{pml_escape(kept)}</module>', modules)
+    imports = "".join(f"<doc{i}/>" for i in range(parts))
+    return schema, [p.replace("<doc/>", imports) for p in prompts]
+
+
+def first_token(out: RequestOutput) -> dict[int, float]:
+    return out.outputs[0].logprobs[0]
+
+
+def l1_top(a: dict[int, float], b: dict[int, float]) -> float:
+    """L1 distance of two next-token distributions over the union of their top tokens (a missing one: 0)."""
+    return sum(abs(math.exp(a.get(t, -math.inf)) - math.exp(b.get(t, -math.inf))) for t in set(a) | set(b))
+
+
+def recompute_run(loaded: LoadedModel, args: argparse.Namespace, dtype: torch.dtype) -> None:
+    task, tokenizer = "quality", loaded.tokenizer
+    params = SamplingParams(temperature=0.0, max_tokens=DEFAULT_MAX_TOKENS[task], logprobs=20)
+    documents = load_documents(task, args.limit)
+    variants = {"plain": 0.0, "prompt cache": 0.0, f"prompt cache + recompute {args.recompute}": args.recompute}
+    outputs: dict[str, list] = {v: [] for v in variants}
+    seconds = dict.fromkeys(variants, 0.0)
+    golds = []
+    for number, document in enumerate(documents):
+        built = build_prompts(tokenizer, task, document, args.context)
+        kept = tokenizer.decode(tokenizer.encode(document.text, add_special_tokens=False)[: built.kept_tokens])
+        name = f"blend-{number}"
+        schema, pml = split_schema(tokenizer, task, document, kept, name, args.modules)
+        golds += document.answers
+        for variant, share in variants.items():
+            config = EngineConfig(dtype=args.dtype, kv_cache_memory="1GiB", swap_space=0, prompt_cache_recompute=share)
+            llm = LLM.from_engine(LLMEngine(config, loaded))
+            start = time.perf_counter()
+            if variant == "plain":
+                outputs[variant] += llm.generate(built.prompts, params, use_tqdm=False)
+            else:
+                llm.engine.register_schema(schema)
+                outputs[variant] += llm.generate(pml, params, use_tqdm=False)
+            seconds[variant] += time.perf_counter() - start
+        print(f"document {number + 1}/{len(documents)}: {len(pml)} questions", flush=True)
+    plain = [first_token(o) for o in outputs["plain"]]
+    summary = {}
+    for variant, outs in outputs.items():
+        firsts = [first_token(o) for o in outs]
+        summary[variant] = {
+            "option_acc": statistics.mean(
+                score_answer(task, o.outputs[0].text, g)["option_acc"] for o, g in zip(outs, golds, strict=True)
+            ),
+            "l1_to_plain": statistics.mean(l1_top(f, p) for f, p in zip(firsts, plain, strict=True)),
+            "top1_agrees_with_plain": statistics.mean(
+                float(max(f, key=f.get) == max(p, key=p.get)) for f, p in zip(firsts, plain, strict=True)
+            ),
+            "answer_agrees_with_plain": statistics.mean(
+                float(o.outputs[0].text == q.outputs[0].text) for o, q in zip(outs, outputs["plain"], strict=True)
+            ),
+            "seconds": seconds[variant],
+        }
+    report = {
+        "model": loaded.path.name, "dtype": DTYPE_NAMES[dtype], "threads": args.threads,
+        "machine": describe_machine(), "documents": len(documents), "questions": len(golds),
+        "context": args.context, "modules": args.modules, "recompute": args.recompute, "results": summary,
+    }  # fmt: skip
+    (HERE / "accuracy-recompute.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [
+        f"# L-Eval QuALITY, document cut into {args.modules} modules: selective recompute, {report['model']}, "
+        f"{report['dtype']}",
+        "",
+        f"`python benchmarks/prompt_cache/accuracy.py --threads {args.threads} --modules {args.modules} --recompute "
+        f"{args.recompute} --limit {args.limit} --context {args.context}`: {len(golds)} questions over "
+        f"{len(documents)} documents, greedy.",
+        "",
+        "| prompts | option accuracy | first-token L1 to plain (top-20) | top-1 = plain | answer = plain | time (s) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for variant, r in summary.items():
+        lines.append(
+            f"| {variant} | {r['option_acc']:.3f} | {r['l1_to_plain']:.4f} | {r['top1_agrees_with_plain']:.3f} | "
+            f"{r['answer_agrees_with_plain']:.3f} | {r['seconds']:.0f} |"
+        )
+    (HERE / "accuracy-recompute.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -147,9 +147,17 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     pc.add_argument("--questions", type=int, default=3, help="measured questions per length (one more warms up)")
     pc.add_argument("--kv-cache-memory", default="1GiB", help="KV cache of each engine")
     pc.add_argument(
-        "--layout", choices=("prefix", "behind-parameter"), default="prefix",
-        help="prefix: the document leads every prompt; behind-parameter: a per-request reader name comes first",
+        "--layout", choices=("prefix", "behind-parameter", "modules"), default="prefix",
+        help="prefix: the document leads every prompt; behind-parameter: a per-request reader name comes first; "
+        "modules: the document cut into 4 modules, each encoded alone",
     )  # fmt: skip
+    pc.add_argument(
+        "--prompt-cache-recompute",
+        type=float,
+        default=0.0,
+        metavar="R",
+        help="also time Prompt Cache recomputing this share of the module tokens (CacheBlend); 0: not timed",
+    )
     add_output_arg(pc, "prompt-cache", "ttft or ttft-behind-parameter")
     pc.set_defaults(func=cmd_bench_prompt_cache)
 
@@ -889,13 +897,16 @@ def cmd_bench_prompt_cache(args: argparse.Namespace) -> int:
     results = []
     for tokens in lengths:
         log(f"bench prompt-cache: {tokens}-token document, {len(questions) - 1} questions measured")
-        runs = run_length(loaded, options, tokens, text_ids, questions, args.layout, log)
+        runs = run_length(loaded, options, tokens, text_ids, questions, args.layout, log, args.prompt_cache_recompute)
         results += [{"target_tokens": tokens, **r.as_dict()} for r in runs]
     report = new_report(
         "prompt-cache", model=loaded.path.name, dtype=args.dtype, weights=args.weights,
         threads=torch.get_num_threads(), lengths=lengths, layout=args.layout, results=results,
+        prompt_cache_recompute=args.prompt_cache_recompute,
         workload=(
-            f"L-Eval QuALITY stories cut to each length as one module, {len(questions) - 1} questions as new text"
+            "L-Eval QuALITY stories cut to each length as "
+            + ("4 modules" if args.layout == "modules" else "one module")
+            + f", {len(questions) - 1} questions as new text"
             + (", behind a reader module whose name parameter differs per request" if args.layout != "prefix" else "")
             + ", one request at a time, TTFT = arrival to first token (median); max_num_batched_tokens 2048"
         ),

@@ -34,8 +34,9 @@ from kvserve.models.loader import LoadedModel
 from kvserve.prompt_cache.pml import pml_escape
 from kvserve.sampling_params import SamplingParams
 
-METHODS = ("no cache", "prefix cache", "prompt cache (device)", "prompt cache (host)")
-LAYOUTS = ("prefix", "behind-parameter")
+METHODS = ("no cache", "prefix cache", "prompt cache (device)", "prompt cache (host)", "prompt cache + recompute")
+LAYOUTS = ("prefix", "behind-parameter", "modules")
+NUM_MODULES = 4  # layout "modules": the document cut into this many modules, each encoded alone
 READERS = ("Ada", "Grace Hopper", "Alan", "Edsger W. Dijkstra", "Barbara", "Ken Thompson", "Frances", "Donald")
 _FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
 
@@ -86,6 +87,19 @@ def schema_and_prompts(
     return schema, prompts
 
 
+def modules_schema_and_prompts(name: str, parts: list[str], questions: list[str]) -> tuple[str, list[str]]:
+    """Layout ``modules``: each part of the document a module of its own (they do not attend to each other); each
+    question imports them all, in order, and asks as new text."""
+    modules = "".join(f'<module name="doc{i}">{pml_escape(part)}</module>' for i, part in enumerate(parts))
+    schema = f'<schema name="{name}" xml:space="preserve">{modules}</schema>'
+    imports = "".join(f"<doc{i}/>" for i in range(len(parts)))
+    prompts = [
+        f'<prompt schema="{name}" xml:space="preserve">{imports}{pml_escape(question_text(q))}</prompt>'
+        for q in questions
+    ]
+    return schema, prompts
+
+
 def plain_token_ids(engine: LLMEngine, pml: str) -> list[int]:
     """The PML prompt's tokens in position order: what the same request would send without Prompt Cache."""
     prepared = engine.prompt_cache.prepare(pml)
@@ -118,15 +132,16 @@ def warm_up(loaded: LoadedModel, options: dict, text_ids: list[int]) -> None:
 
 def run_length(
     loaded: LoadedModel, options: dict, tokens: int, text_ids: list[int], questions: list[str], layout: str,
-    log: Callable[[str], None],
+    log: Callable[[str], None], recompute: float = 0.0,
 ) -> list[TTFTResult]:  # fmt: skip
-    """Every method at one document length; ``questions[0]`` warms the prefix cache, the rest are measured."""
-    document = loaded.tokenizer.decode(text_ids[:tokens])
-    name_tokens = max(8, *(len(loaded.tokenizer.encode(r, add_special_tokens=False)) for r in READERS))
-    schema, prompts = schema_and_prompts(f"leval-{tokens}", document, questions, layout, name_tokens)
+    """Every method at one document length; ``questions[0]`` warms the prefix cache, the rest are measured.
+    ``recompute`` > 0 adds Prompt Cache with that share of the module tokens recomputed (device tier)."""
+    schema, prompts = _workload(loaded, tokens, text_ids, questions, layout)
     results, token_ids = [], []
-    for tier in ("device", "host"):
-        engine = LLMEngine(EngineConfig(**options, prompt_cache_tier=tier), loaded)
+    engines = [("device", 0.0), ("host", 0.0)] + ([("device", recompute)] if recompute else [])
+    for tier, share in engines:
+        config = EngineConfig(**options, prompt_cache_tier=tier, prompt_cache_recompute=share)
+        engine = LLMEngine(config, loaded)
         start = time.perf_counter()
         engine.register_schema(schema)
         engine.encode_modules()
@@ -136,7 +151,9 @@ def run_length(
         token_ids = [plain_token_ids(engine, p) for p in prompts]
         store = engine.prompt_cache.store
         per_token = store.memory_bytes() / sum(m["tokens"] for m in info["modules"].values())
-        results.append(_result(f"prompt cache ({tier})", info["modules"]["doc"]["tokens"], runs, setup, per_token))
+        doc_tokens = sum(m["tokens"] for n, m in info["modules"].items() if n.startswith("doc"))
+        method = f"prompt cache ({tier})" if not share else "prompt cache + recompute"
+        results.append(_result(method, doc_tokens, runs, setup, per_token))
     doc_tokens = results[0].document_tokens
     engine = LLMEngine(EngineConfig(**options, enable_prefix_caching=True), loaded)
     setup = time_to_first_token(engine, token_ids[0])[0]
@@ -148,6 +165,20 @@ def run_length(
         log(f"  {tokens} tokens, {r.method}: median TTFT {r.median_ttft_s * 1e3:.1f} ms, "
             f"{r.computed_tokens:.0f} tokens computed")  # fmt: skip
     return sorted(results, key=lambda r: METHODS.index(r.method))
+
+
+def _workload(
+    loaded: LoadedModel, tokens: int, text_ids: list[int], questions: list[str], layout: str
+) -> tuple[str, list[str]]:
+    """The schema and the PML prompts of one document length."""
+    name = f"leval-{tokens}"
+    if layout == "modules":
+        size = tokens // NUM_MODULES
+        parts = [loaded.tokenizer.decode(text_ids[i * size : (i + 1) * size]) for i in range(NUM_MODULES)]
+        return modules_schema_and_prompts(name, parts, questions)
+    document = loaded.tokenizer.decode(text_ids[:tokens])
+    name_tokens = max(8, *(len(loaded.tokenizer.encode(r, add_special_tokens=False)) for r in READERS))
+    return schema_and_prompts(name, document, questions, layout, name_tokens)
 
 
 def _result(

@@ -40,3 +40,19 @@ def prompt_cache_reference(engine: LLMEngine, hf, pml: str) -> torch.Tensor:
         return torch.log_softmax(logits.float(), -1)
     finally:
         engine.prompt_cache.release(prepared.modules)
+
+
+def plain_reference(engine: LLMEngine, hf, pml: str) -> torch.Tensor:
+    """Transformers' next-token log-probs for a PML prompt's tokens in position order at their positions: the plain
+    prefill that selective recompute of every imported token equals."""
+    prepared = engine.prompt_cache.prepare(pml)
+    engine.prompt_cache.release(prepared.modules)
+    order = sorted(range(len(prepared.positions)), key=lambda i: prepared.positions[i])
+    ids = torch.tensor([[prepared.token_ids[i] for i in order]])
+    positions = torch.tensor([[prepared.positions[i] for i in order]])
+    n = ids.shape[1]
+    # An explicit causal mask: without one, transformers reads gaps in position_ids as packed sequences.
+    mask = torch.full((1, 1, n, n), torch.finfo(torch.float32).min).triu(1)
+    with torch.no_grad():
+        logits = hf(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits[0, -1]
+    return torch.log_softmax(logits.float(), -1)

@@ -8,6 +8,7 @@ offline ``LLM`` API registers a schema and answers with the module tokens served
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import kvserve.llm
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine
-from tests.prompt_cache.reference import prompt_cache_reference
+from tests.prompt_cache.reference import plain_reference, prompt_cache_reference
 
 pytestmark = pytest.mark.real_model
 
@@ -85,3 +86,23 @@ def test_offline_api_registers_a_schema_and_reuses_its_modules(default_model, pa
     )
     for out in outs:
         assert out.num_cached_tokens >= info["modules"]["doc"]["tokens"] and out.outputs[0].text.strip()
+
+
+def test_selective_recompute_moves_a_multi_module_prompt_towards_the_plain_prompt(
+    default_model, hf_default_model, passage, monkeypatch
+):
+    monkeypatch.setattr(kvserve.llm, "LLMEngine", lambda config: LLMEngine(config, default_model))
+    parts = [passage[i * 400 : (i + 1) * 400] for i in range(3)]
+    modules = "".join(f'<module name="p{i}">{part}</module>' for i, part in enumerate(parts))
+    schema = f'<schema name="parts"><system>Be brief.</system><user>{modules}</user></schema>'
+    prompt = '<prompt schema="parts"><p0/><p1/><p2/><user>Who is Emma?</user></prompt>'
+    first = SamplingParams(max_tokens=1, temperature=0, logprobs=20)
+    distances = {}
+    for share in (0.0, 0.3):
+        llm = LLM(dtype="float32", kv_cache_memory="64MiB", swap_space=0, prompt_cache_recompute=share)
+        llm.register_schema(schema)
+        reference = plain_reference(llm.engine, hf_default_model, prompt).exp()
+        (out,) = llm.generate([prompt], first, use_tqdm=False)
+        probs = {t: math.exp(lp) for t, lp in out.outputs[0].logprobs[0].items()}
+        distances[share] = sum(abs(p - float(reference[t])) for t, p in probs.items())
+    assert distances[0.3] < distances[0.0]

@@ -18,7 +18,7 @@ from kvserve.engine import LLMEngine
 from kvserve.models import LoadedModel, load_model
 from kvserve.prompt_cache.recompute import plan_recompute
 from kvserve.sampling_params import SamplingParams
-from tests.prompt_cache.reference import prompt_cache_reference
+from tests.prompt_cache.reference import plain_reference, prompt_cache_reference
 from tests.tiny_models import TinySpec, load_hf_model, torch_single_thread, write_tiny_model  # noqa: F401
 
 SPEC = TinySpec(num_heads=4, num_kv_heads=2, seed=7)
@@ -64,22 +64,6 @@ def first_logprobs(engine: LLMEngine, prompt: str) -> dict[int, float]:
     return outputs[-1].outputs[0].logprobs[0]
 
 
-def plain_reference(engine: LLMEngine, hf, prompt: str) -> torch.Tensor:
-    """Transformers' next-token log-probs for the prompt's tokens in position order at their positions."""
-    prepared = engine.prompt_cache.prepare(prompt)
-    engine.prompt_cache.release(prepared.modules)
-    order = sorted(range(len(prepared.positions)), key=lambda i: prepared.positions[i])
-    ids = torch.tensor([[prepared.token_ids[i] for i in order]])
-    positions = torch.tensor([[prepared.positions[i] for i in order]])
-    assert positions[0, -1] > positions.shape[1]  # the layout leaves gaps
-    n = ids.shape[1]
-    # An explicit causal mask: without one, transformers reads gaps in position_ids as packed sequences.
-    mask = torch.full((1, 1, n, n), torch.finfo(torch.float32).min).triu(1)
-    with torch.no_grad():
-        logits = hf(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits[0, -1]
-    return torch.log_softmax(logits.float(), -1)
-
-
 def distance(logprobs: dict[int, float], reference: torch.Tensor) -> float:
     return max(abs(lp - float(reference[token])) for token, lp in logprobs.items())
 
@@ -88,6 +72,9 @@ def test_recomputing_every_imported_token_equals_a_plain_prefill(loaded, folder)
     hf = load_hf_model(folder)
     engine = make_engine(loaded, 1.0)
     reference = plain_reference(engine, hf, PROMPT)
+    prepared = engine.prompt_cache.prepare(PROMPT)
+    engine.prompt_cache.release(prepared.modules)
+    assert max(prepared.positions) + 1 > len(prepared.positions)  # gaps: fewer tokens than positions
     assert distance(first_logprobs(engine, PROMPT), reference) < 1e-4
     cached = first_logprobs(make_engine(loaded, 0.0), PROMPT)
     assert distance(cached, reference) > 1e-2  # without recompute the modules miss each other
