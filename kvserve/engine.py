@@ -84,6 +84,7 @@ class LLMEngine:
                 config.max_num_batched_tokens,
                 config.preemption_mode,
                 self.plan.per_layer_groups,
+                layer_windows=self.plan.group_windows(cfg.layer_windows),
                 same_step_prefix_hits=self.plan.same_step_prefix_hits,
             ),
             self.kv,

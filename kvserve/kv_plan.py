@@ -5,6 +5,7 @@ line makes the same plan from the model's metadata before any weight loads, so a
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,11 @@ class KVPlan:
             return tuple(KVGroupSpec((layer,)) for layer in range(num_layers))
         return self.layout.groups
 
+    def group_windows(self, layer_windows: Sequence[int | None]) -> tuple[int | None, ...]:
+        """With per-layer groups on a model with sliding-window layers, each layer's window; else ()."""
+        windowed = self.per_layer_groups and any(w is not None for w in layer_windows)
+        return tuple(layer_windows) if windowed else ()
+
     def prompt_cache_refusal(self, config: EngineConfig) -> str | None:
         """Why this engine cannot take Prompt Cache schemas, or None."""
         refusal = config.prompt_cache_refusal()
@@ -63,7 +69,7 @@ class KVPlan:
         tokens = self.num_blocks * block_size * self.block_layers // num_layers
         where = f"offloaded to the {self.offload} tier" if self.offload != "none" else "on the device"
         depth = " (one layer each)" if self.per_layer_groups else ""
-        if self.layout.windowed:
+        if self.layout.windowed and not self.per_layer_groups:
             groups = len(self.layout.groups)
             depth = f" ({self.block_layers} layers each, {groups} groups; window groups keep their window)"
         return (
@@ -118,11 +124,6 @@ def kv_layout(config: EngineConfig, model: ModelConfig, policy: KVPolicy) -> KVL
 
 def windowed_model_refusal(config: EngineConfig, policy: KVPolicy) -> str | None:
     """Why an engine over a model with sliding-window layers cannot run ``config``, or None."""
-    if policy.per_layer_groups:
-        return (
-            f"kv_policy={policy.name!r} keeps its own slots per layer, and a sliding-window layer would need both "
-            "its window and the policy's choice; use kv_policy='full' (window groups already keep only the window)"
-        )
     if config.kv_offload != "none":
         return f"kv_offload={config.kv_offload!r} tiers every layer's whole context; use kv_offload='none'"
     if config.prefill_parallel > 1:

@@ -35,6 +35,9 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # or "swap" (falls back to recompute when the host tier is full)
     # Per-layer KV groups (a compressing policy may run): each group holds what the request's policy keeps.
     per_layer_groups: bool = False
+    # With per-layer groups, each layer's sliding window (None: global): a window layer keeps its window, whatever
+    # the policy (which compresses the global layers); (): no sliding-window layers.
+    layer_windows: tuple[int | None, ...] = ()
     # Whether a block computed in a step can be a prefix hit for a request admitted in the same step: true where
     # every layer writes the whole step's keys before any sequence attends (the paged cache); an offloaded cache
     # fetches a decode's rows ahead of the layer, so its blocks become findable once the step has run.
@@ -394,11 +397,17 @@ class Scheduler:
         module blocks (``frozen``) were compressed when the module was encoded and stay as they are; the group's
         own slots after them get the policy's share of the whole sequence, as if the modules were not there (a
         prompt's question after a long document stays in PyramidInfer's recent window, as without modules)."""
-        if not frozen:
-            return policy.slots_after_per_layer(held, new, num_tokens, self.kv.block_size)
-        own_held = [h - f for h, f in zip(held, frozen, strict=True)]
-        own = policy.slots_after_per_layer(own_held, new, num_tokens, self.kv.block_size)
-        return [f + t for f, t in zip(frozen, own, strict=True)]
+        slack = self.kv.block_size
+        if frozen:
+            own_held = [h - f for h, f in zip(held, frozen, strict=True)]
+            own = policy.slots_after_per_layer(own_held, new, num_tokens, slack)
+            targets = [f + t for f, t in zip(frozen, own, strict=True)]
+        else:
+            targets = policy.slots_after_per_layer(held, new, num_tokens, slack)
+        for layer, window in enumerate(self.config.layer_windows):
+            if window is not None:  # the window, once it is outgrown by a block (as the policy's own rule)
+                targets[layer] = held[layer] + new if held[layer] + new <= window + slack else window
+        return targets
 
     def _imported_slots(self, request: Request) -> tuple[list[int], tuple[int, ...], int]:
         """A waiting request's slots per layer from imported modules, the frozen ones, and their tokens. Its

@@ -170,7 +170,7 @@ def test_what_needs_the_models_facts_is_checked_on_its_metadata_before_the_weigh
     capsys.readouterr()  # transformers' progress bar while writing the checkpoint
     _refuse_loading(monkeypatch)
     cases = [
-        (["serve", windowed, "--kv-policy", "h2o"], "has sliding-window layers: kv_policy='h2o' keeps its own slots"),
+        (["serve", windowed, "--prefill-parallel", "2"], "has sliding-window layers: parallel prefill (KV-Runahead)"),
         (["generate", "--model", windowed, "--kv-offload", "host", "hi"], "tiers every layer's whole context"),
         (["serve", "--kv-cache-memory", "1KiB"], "kv_cache_memory='1KiB' holds no block; one block of 16 tokens"),
         (["eval", "ppl", "--model", windowed, "--kv-cache-memory", "100"], "kv_cache_memory='100' holds no block"),

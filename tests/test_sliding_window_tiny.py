@@ -102,3 +102,36 @@ def test_prefix_caching_and_n_over_window_groups(tiny):
         if caching:
             assert llm.engine.kv_usage().prefix_hit_tokens >= 24
     assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "pyramid"])
+def test_compressing_policies_keep_the_window_in_window_layers(tiny, policy):
+    """A compressing policy over a sliding-window model: each window layer keeps its window (plus at most a block
+    of slack), each global layer the policy's share. At budget 1, and wherever every layer has a window
+    (Mistral), that loses nothing: the tokens of the full cache's window groups."""
+    folder, loaded, _ = tiny
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, loaded.config.vocab_size, (n,), generator=gen).tolist() for n in (40, 23, 9)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    options = dict(dtype="float32", block_size=4, max_num_batched_tokens=16)
+
+    def tokens(**kv) -> list[list[int]]:
+        llm = LLM(str(folder), **options, **kv)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    full = tokens()
+    assert tokens(kv_policy=policy, kv_budget=1.0) == full
+    windows = loaded.config.layer_windows
+    if all(w is not None for w in windows):
+        assert tokens(kv_policy=policy, kv_budget=0.5) == full
+    llm = LLM(str(folder), **options, kv_policy=policy, kv_budget=0.5)
+    engine = llm.engine
+    engine.add_request(prompts[0], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        for _, seq in engine._seqs.values():
+            for layer, (held, window) in enumerate(zip(seq.group_slots, windows, strict=True)):
+                limit = window if window is not None else engine.kv_policy.capacity(layer, len(windows), seq.num_tokens)
+                assert held <= limit + 4
+                if window is not None and seq.num_computed_tokens > window + 4:
+                    assert held >= window  # never less than the window sees

@@ -102,10 +102,13 @@ class CompressedKVCache(AttentionBackend):
         num_host_blocks: int = 0,
         tier: str = "none",
         path: str | None = None,
+        layer_windows: Sequence[int | None] = (),
     ) -> None:
         """``tier``: where the slab lives, ``none`` (the device) or a slower tier (``host``, ``disk``: kv_offload),
-        from which each layer reads the rows it attends over; ``path`` is the disk tier's folder."""
+        from which each layer reads the rows it attends over; ``path`` is the disk tier's folder.
+        ``layer_windows``: per layer, its sliding window (None: global; (): every layer global)."""
         self.device, self.tier = torch.device(device), None
+        self.layer_windows = tuple(layer_windows) or (None,) * num_layers
         if tier == "none":  # one slab of blocks that any layer's group may hold: a paged store of one "layer"
             self.store = PagedKVCache(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, pin_memory)
             self.k, self.v = self.store.k, self.store.v  # (1, num_blocks, block_size, Hkv, D)
@@ -125,7 +128,7 @@ class CompressedKVCache(AttentionBackend):
     def make_host_cache(self, num_blocks: int | None = None) -> CompressedKVCache:
         return CompressedKVCache(
             self.num_layers, num_blocks or self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-            self.k.dtype, "cpu", pin_memory=self.k.is_cuda,
+            self.k.dtype, "cpu", pin_memory=self.k.is_cuda, layer_windows=self.layer_windows,
         )  # fmt: skip
 
     def build_metadata(self, out: SchedulerOutput, rows_from: Mapping[int, int]) -> CompressedAttentionMetadata:
@@ -275,6 +278,7 @@ class CompressedKVCache(AttentionBackend):
         """One sequence's m rows: q (m, H, D), k/v (m, Hkv, D) -> output (m, H, D) and the rows going on."""
         policy, table = meta.policies[i], meta.block_tables[i][layer]
         held, target = meta.state.held_after[i][layer], meta.group_targets[i][layer]
+        window = self.layer_windows[layer]
         m = q.shape[0]
         ctx = self._slot_ids(table, 0, held, q.device)
         if held:
@@ -282,11 +286,12 @@ class CompressedKVCache(AttentionBackend):
             keys, values = torch.cat((cached_k, k)), torch.cat((cached_v, v))  # (h + m, Hkv, D)
         else:
             keys, values = k, v
-        out = attend_prefill(q, keys, values, held)
+        out = attend_prefill(q, keys, values, held, window)  # a window layer's slots are its latest positions
         num_candidates = held + m
         num_tokens = meta.context_lens[i] + meta.query_lens[i]
-        previous = self.scores.index_select(0, ctx) if held and policy.scores != SCORES_NONE else None
-        scores = policy.prefill_scores(q, keys, held, num_tokens, previous)  # (h + m,), (h + m, Hkv) or None
+        scoring = policy.scores != SCORES_NONE and window is None
+        previous = self.scores.index_select(0, ctx) if held and scoring else None
+        scores = policy.prefill_scores(q, keys, held, num_tokens, previous) if scoring else None
         if scores is not None and scores.dim() == 1 and self.rank_mean is not None:  # the same on every rank
             scores = self.rank_mean(scores)
         if num_candidates <= target:
@@ -296,10 +301,11 @@ class CompressedKVCache(AttentionBackend):
             meta.state.held_after[i][layer] = num_candidates
             return out, None
         frozen = meta.group_frozen[i][layer] if meta.group_frozen[i] else 0
-        kept = _select(policy, scores, num_candidates, target, num_tokens, frozen).to(q.device)  # ascending
+        kept = self._choose(layer, policy, scores, num_candidates, target, num_tokens, frozen).to(q.device)
         self._write_kept(table, keys, values, scores, kept, frozen)
         meta.state.held_after[i][layer] = target
-        if not policy.drops_rows or meta.keep_all_rows[i]:
+        # Windows count positions: with sliding-window layers no row leaves the hidden states.
+        if not policy.drops_rows or meta.keep_all_rows[i] or self.windowed:
             return out, None
         return out, kept[kept >= held] - held  # a row-dropping policy keeps the same tokens in every head
 
@@ -318,7 +324,8 @@ class CompressedKVCache(AttentionBackend):
         held = [meta.state.held_after[i][layer] for i in seqs]
         tables = [meta.block_tables[i][layer] for i in seqs]
         policies = [meta.policies[i] for i in seqs]
-        scoring = any(p.scores != SCORES_NONE for p in policies)
+        window = self.layer_windows[layer]
+        scoring = window is None and any(p.scores != SCORES_NONE for p in policies)
         # The new token goes to slot h first (the scheduler reserved it even where the layer then compresses),
         # so one pass reads the whole candidate set.
         new_slots = torch.tensor([t[h // bs] * bs + h % bs for t, h in zip(tables, held, strict=True)], device=device)
@@ -329,8 +336,9 @@ class CompressedKVCache(AttentionBackend):
         length = width * bs
         padded = pad_tables(tables, width, device)  # (B, W) int32; padding (block 0) is past each row's end
         ends = torch.tensor(held, dtype=torch.int32, device=device) + 1
+        starts = torch.zeros_like(ends) if window is None else (ends - window).clamp(min=0)  # the window's first
         k_slab, v_slab, read_tables = self._decode_source(padded)
-        out, weights = paged_decode(q, k_slab, v_slab, read_tables, torch.zeros_like(ends), ends, want_weights=scoring)
+        out, weights = paged_decode(q, k_slab, v_slab, read_tables, starts, ends, want_weights=scoring)
         scores = None
         if scoring:  # each slot's probability averaged over heads, from the same pass, folded into its score
             if self.rank_mean is not None:
@@ -378,7 +386,8 @@ class CompressedKVCache(AttentionBackend):
         keys, values = candidates()
         scores = None if scores is None else scores[:n]
         frozen = meta.group_frozen[seq][layer] if meta.group_frozen[seq] else 0
-        kept = _select(meta.policies[seq], scores, n, target, meta.context_lens[seq] + 1, frozen).to(keys.device)
+        policy, num_tokens = meta.policies[seq], meta.context_lens[seq] + 1
+        kept = self._choose(layer, policy, scores, n, target, num_tokens, frozen).to(keys.device)
         self._write_kept(meta.block_tables[seq][layer], keys[:n], values[:n], scores, kept, frozen)
         meta.state.held_after[seq][layer] = target
 
@@ -405,6 +414,20 @@ class CompressedKVCache(AttentionBackend):
         if scores is not None:
             chosen = scores.index_select(0, kept) if kept.dim() == 1 else scores.gather(0, kept)
             self.scores.index_copy_(0, dst, self._slot(chosen))
+
+    @property
+    def windowed(self) -> bool:
+        return any(w is not None for w in self.layer_windows)
+
+    def _choose(
+        self, layer: int, policy: KVPolicy, scores: torch.Tensor | None, num_candidates: int, keep: int,
+        num_tokens: int, frozen: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """Which candidates ``layer`` keeps: a sliding-window layer its latest ``keep`` (all a window can see
+        again), any other the policy's choice."""
+        if self.layer_windows[layer] is not None:
+            return torch.arange(num_candidates - keep, num_candidates)
+        return _select(policy, scores, num_candidates, keep, num_tokens, frozen)
 
     def _slot(self, scores: torch.Tensor) -> torch.Tensor:
         """Scores as the per-slot record: (n,) as they are; per-head (n, Hkv) averaged over every rank's heads

@@ -26,7 +26,8 @@ def make_kv_cache(config: EngineConfig, plan: KVPlan, loaded: LoadedModel) -> At
     shape = (cfg.num_layers, plan.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, config.device)
     if plan.per_layer_groups:
         return CompressedKVCache(
-            *shape, num_host_blocks=plan.num_host_blocks, tier=plan.offload, path=config.kv_offload_path
+            *shape, num_host_blocks=plan.num_host_blocks, tier=plan.offload, path=config.kv_offload_path,
+            layer_windows=cfg.layer_windows,
         )  # fmt: skip
     if plan.offload == "none":
         return PagedKVCache(
