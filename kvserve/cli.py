@@ -32,6 +32,8 @@ from kvserve.log import get_logger
 from kvserve.models.dtype import DTYPE_CHOICES, DTYPES, resolve_dtype_name
 from kvserve.models.loader import LoadedModel, load_model
 from kvserve.models.sharding import TensorShard
+from kvserve.policies.calibration import ThresholdCalibration
+from kvserve.policies.infinigen import InfiniGen
 from kvserve.progress import DelayedProgress
 from kvserve.sampling_params import SamplingParams
 
@@ -159,10 +161,16 @@ def cmd_tune_runahead(args: argparse.Namespace) -> int:
 def cmd_infinigen_setup(args: argparse.Namespace) -> int:
     from kvserve.policies.skewing import skewing_for
 
+    target = ThresholdCalibration(args.calibration_mass, args.calibration_quantile)  # raises on a bad value
+    InfiniGen(partial_ratio=args.partial_ratio)  # raises on a bad ratio, before the model loads
     loaded = load_from_args(args)
     directory = Path(args.output).expanduser() if args.output else None
-    skewing, file = skewing_for(loaded, directory, refresh=args.refresh)
+    dims = InfiniGen(partial_ratio=args.partial_ratio).partial_dims(loaded.config.head_dim)
+    skewing, file = skewing_for(loaded, directory, refresh=args.refresh, partial_dims=dims, target=target)
     layers, heads, dim = skewing.ranking.shape
+    alphas = " ".join(f"{a:.2f}" for a in skewing.alphas[dims][1:])
+    print(f"infinigen-setup: {loaded.path.name}: alpha auto, layers 1-{layers - 1} ({dims} of {dim} partial dims; "
+          f"keeps {target.mass:g} of the attention on {target.quantile:g} of the sample's rows): {alphas}")  # fmt: skip
     print(f"infinigen-setup: {loaded.path.name}: skewing for {layers} layers x {heads} KV heads (head dim {dim}) "
           f"in {file}")  # fmt: skip
     return 0
@@ -218,6 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
     setup.add_argument("--output", default=None, help="folder (default: $KVSERVE_INFINIGEN_DIR or "
                        "~/.cache/kvserve/infinigen)")  # fmt: skip
     setup.add_argument("--refresh", action="store_true", help="recompute even if a cached file exists")
+    setup.add_argument("--partial-ratio", type=float, default=InfiniGen.partial_ratio,
+                       help="calibrate alpha auto for this --infinigen-partial-ratio (%(default)s; engines calibrate "
+                       "another one on first use)")  # fmt: skip
+    setup.add_argument("--calibration-mass", type=float, default=ThresholdCalibration.mass,
+                       help="share of a row's attention the selection keeps (%(default)s)")  # fmt: skip
+    setup.add_argument("--calibration-quantile", type=float, default=ThresholdCalibration.quantile,
+                       help="share of the sample's rows that keep it (%(default)s)")  # fmt: skip
     setup.set_defaults(func=cmd_infinigen_setup)
 
     worker = sub.add_parser(

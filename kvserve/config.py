@@ -65,7 +65,9 @@ class EngineConfig:
     # what kv_policy fetches (full: everything; int4: everything, quantised; infinigen: the predicted rows).
     kv_offload: str = "none"  # none | host | disk
     kv_offload_path: str | None = None  # disk: the folder of the memory-mapped file (default: the temp dir)
-    infinigen_alpha: float = 4.0  # fetch tokens whose speculated logit is within alpha of the best
+    # Fetch tokens whose speculated logit is within alpha of the best; "auto": each layer's alpha calibrated on the
+    # model (kvserve infinigen-setup, policies/calibration.py); a number: that alpha for every layer.
+    infinigen_alpha: float | str = "auto"
     infinigen_partial_ratio: float = 0.3  # share of skewed dimensions in the partial query/key
     kv_pool_limit: float = 1.0  # infinigen: slots per sequence in the slower tier, as a share of its full KV
     kv_pool_eviction: str = "counter"  # counter | lru | fifo: the victim when the pool is full

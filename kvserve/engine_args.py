@@ -17,6 +17,7 @@ from kvserve.config import (
 )
 from kvserve.models.dtype import DTYPE_NAMES
 from kvserve.policies import KV_POLICY_NAMES
+from kvserve.policies.infinigen import parse_alpha
 from kvserve.policies.layer_schedule import LAYER_SCHEDULES
 
 
@@ -227,14 +228,22 @@ def add_kv_policy_args(parser: argparse.ArgumentParser) -> None:
     offload.add_argument(
         "--kv-offload-path", default=None, help="disk tier: folder of the mapped file (default: the temp dir)"
     )
-    offload.add_argument("--infinigen-alpha", type=float, default=4.0,
-                         help="fetch tokens whose speculated logit is within alpha of the best (4)")  # fmt: skip
+    offload.add_argument("--infinigen-alpha", type=_alpha_arg, default="auto", metavar="auto|ALPHA",
+                         help="fetch tokens whose speculated logit is within alpha of the best; auto (default): "
+                         "each layer's alpha calibrated on the model (kvserve infinigen-setup)")  # fmt: skip
     offload.add_argument("--infinigen-partial-ratio", type=float, default=0.3,
                          help="share of skewed query/key dimensions the rehearsal uses (0.3)")  # fmt: skip
     offload.add_argument("--kv-pool-limit", type=float, default=1.0,
                          help="infinigen: slots per sequence, share of prompt + max_tokens")  # fmt: skip
     offload.add_argument("--kv-pool-eviction", choices=POOL_EVICTIONS, default="counter",
                          help="victim when the pool is full: counter (least selected), lru or fifo")  # fmt: skip
+
+
+def _alpha_arg(text: str) -> str | float:
+    try:
+        return parse_alpha(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def kv_policy_options(args: argparse.Namespace) -> dict[str, object]:

@@ -144,7 +144,7 @@ BAD_FLAGS = [
     ),
     pytest.param(
         ["--kv-offload", "host", "--kv-policy", "infinigen", "--infinigen-alpha", "-1"],
-        "infinigen_alpha must be a finite number >= 0, got -1.0",
+        "infinigen_alpha must be 'auto' or a finite number >= 0 (or one per layer), got -1.0",
         id="alpha-negative",
     ),
     pytest.param(

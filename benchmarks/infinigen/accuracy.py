@@ -2,8 +2,9 @@
 
 Three sweeps, each point one engine with its KV offloaded to the host tier (``kv_offload="host"``):
 
-- alpha 1..9 at partial ratio 0.3 and partial ratio 0.1..0.9 at alpha 4 (the paper's Figure 17 shape);
-- a KV pool limited to 80% of each sequence's KV with counter / LRU / FIFO eviction (Table 2's shape);
+- alpha "auto" (each layer's alpha calibrated on the model, the default) and 1..9 at partial ratio 0.3, and
+  partial ratio 0.1..0.9 at alpha 4 (the paper's Figure 17 shape);
+- a KV pool limited to 80% of each sequence's KV with counter / LRU / FIFO eviction, alpha 4 (Table 2's shape);
 - baselines: the full cache, H2O at several budgets (the share of the KV it keeps, i.e. reads per step),
   INT4 KV.
 
@@ -14,6 +15,10 @@ The fetch fraction is the share of earlier rows the rehearsal selected, averaged
 (layer 0 always reads everything): the bytes InfiniGen moves relative to fetching everything. H2O's is
 the share of earlier rows its scored rows read (``h2o_read_fraction``): more than its budget, since a
 scored chunk also reads its own earlier rows uncompressed.
+
+With ``--agree-tokens N`` every configuration also generates N greedy tokens after a long prompt (the
+``--agree-prompt`` tokens of Emma from past InfiniGen's calibration sample) and reports how many match the
+full cache's, and where the first difference is.
 
     python benchmarks/infinigen/accuracy.py --threads 2
 
@@ -34,12 +39,14 @@ import torch
 from kvserve.attention.offloaded import OffloadedKVCache
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine
-from kvserve.eval.data import WIKITEXT2
+from kvserve.eval.data import AUSTEN, WIKITEXT2
 from kvserve.eval.loglikelihood import EngineScorer
 from kvserve.eval.multiple_choice import evaluate_multiple_choice, load_questions
 from kvserve.eval.perplexity import evaluate_perplexity, sliding_windows
 from kvserve.models import load_model
 from kvserve.models.dtype import DTYPE_NAMES, DTYPES, resolve_dtype_name
+from kvserve.policies.infinigen import InfiniGen, parse_alpha
+from kvserve.sampling_params import SamplingParams
 
 HERE = Path(__file__).parent
 
@@ -52,7 +59,7 @@ def points(args: argparse.Namespace) -> list[dict]:
     out.append({"label": "int4", "kv_policy": "int4", "kv_offload": "host"})
     for alpha in args.alphas.split(","):
         out.append({"label": f"infinigen a={alpha}", "sweep": "alpha", "kv_policy": "infinigen", "kv_offload": "host",
-                    "infinigen_alpha": float(alpha), "infinigen_partial_ratio": 0.3})  # fmt: skip
+                    "infinigen_alpha": parse_alpha(alpha), "infinigen_partial_ratio": 0.3})  # fmt: skip
     for ratio in args.ratios.split(","):
         if float(ratio) == 0.3 and "4" in args.alphas.split(","):
             continue  # the alpha sweep has it
@@ -60,7 +67,8 @@ def points(args: argparse.Namespace) -> list[dict]:
                     "infinigen_alpha": 4.0, "infinigen_partial_ratio": float(ratio)})  # fmt: skip
     for eviction in args.evictions.split(","):
         out.append({"label": f"pool 80% {eviction}", "sweep": "pool", "kv_policy": "infinigen", "kv_offload": "host",
-                    "kv_pool_limit": 0.8, "kv_pool_eviction": eviction, "ppl_only": True})  # fmt: skip
+                    "infinigen_alpha": 4.0, "kv_pool_limit": 0.8, "kv_pool_eviction": eviction,
+                    "ppl_only": True})  # fmt: skip
     return out
 
 
@@ -90,12 +98,14 @@ def main() -> int:
     parser.add_argument("--pool-limit-tokens", type=int, default=4096, help="WikiText-2 tokens for the pool sweep")
     parser.add_argument("--tasks", default="arc_easy")
     parser.add_argument("--mc-limit", type=int, default=500, help="questions per multiple-choice task")
-    parser.add_argument("--alphas", default="1,2,3,4,5,6,7,8,9")
+    parser.add_argument("--alphas", default="auto,1,2,3,4,5,6,7,8,9", help="comma-separated: auto or numbers")
     parser.add_argument("--ratios", default="0.1,0.3,0.5,0.7,0.9")
     parser.add_argument("--h2o-budgets", default="0.1,0.2,0.3")
     parser.add_argument("--evictions", default="counter,lru,fifo")
     parser.add_argument("--only", default=None, help="comma-separated labels to run (default: all)")
     parser.add_argument("--mc-sweeps", default="baseline,alpha", help="sweeps that also run multiple choice")
+    parser.add_argument("--agree-tokens", type=int, default=0, help="greedy tokens compared with the full cache's")
+    parser.add_argument("--agree-prompt", type=int, default=2000, help="prompt tokens before them")
     parser.add_argument("--output", type=Path, default=HERE / "accuracy.json")
     parser.add_argument("--combine", type=Path, nargs="+", default=None,
                         help="only merge these reports (parts of the sweep) into --output and plot")  # fmt: skip
@@ -111,7 +121,7 @@ def main() -> int:
     chosen = points(args)
     if args.only:
         chosen = [p for p in chosen if p["label"] in args.only.split(",")]
-    results = []
+    results, reference = [], None  # reference: the first configuration's greedy tokens (the full cache's)
     for point in chosen:
         options = {k: v for k, v in point.items() if k not in ("label", "sweep", "ppl_only")}
         engine = LLMEngine(EngineConfig(dtype=dtype, kv_cache_memory="2GiB", enable_prefix_caching=False, **options),
@@ -128,6 +138,8 @@ def main() -> int:
             fractions = cache.stats.fetch_fraction()
             row["fetch_fraction"] = sum(fractions) / len(fractions)
             row["fetch_fraction_per_layer"] = fractions
+            if isinstance(cache.policy, InfiniGen):
+                row["alpha_per_layer"] = cache.policy.alpha if isinstance(cache.policy.alpha, tuple) else None
         elif options["kv_policy"] == "h2o":
             row["fetch_fraction"] = h2o_read_fraction(engine, len(tokens))
         else:
@@ -137,10 +149,14 @@ def main() -> int:
                 mc = evaluate_multiple_choice(scorer, loaded.tokenizer, task, questions)
                 row[task] = mc["acc"]
                 row[f"{task}_norm"] = mc["acc_norm"]
+        if args.agree_tokens:
+            row.update(agreement(engine, loaded.tokenizer, args, reference))
+            reference = reference or row.pop("_tokens")
+            row.pop("_tokens", None)
         row["seconds"] = time.perf_counter() - start
         engine.close()
         results.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "fetch_fraction_per_layer"}), file=sys.stderr,
+        print(json.dumps({k: v for k, v in row.items() if not k.endswith("_per_layer")}), file=sys.stderr,
               flush=True)  # fmt: skip
     report = {
         "command": " ".join(sys.argv),
@@ -161,6 +177,22 @@ def main() -> int:
     plot(report, args.output.with_suffix(".png"))
     print(f"wrote {args.output} and {args.output.with_suffix('.png')}", file=sys.stderr)
     return 0
+
+
+def agreement(engine: LLMEngine, tokenizer, args: argparse.Namespace, reference: list[int] | None) -> dict:  # noqa: ANN001
+    """Greedy tokens after a long prompt of Emma, against ``reference`` (None: these become the reference)."""
+    text = AUSTEN.read_text(encoding="utf-8")[60_000:]  # past the calibration sample (Emma's first 2,048 tokens)
+    prompt = tokenizer.encode(text[: args.agree_prompt * 8], add_special_tokens=False)[: args.agree_prompt]
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=args.agree_tokens, ignore_eos=True))
+    done = []
+    while engine.has_unfinished_requests():
+        done.extend(o for o in engine.step() if o.finished)
+    tokens = list(done[0].outputs[0].token_ids)
+    if reference is None:
+        return {"_tokens": tokens, "greedy_match": 1.0, "greedy_first_difference": None}
+    same = [a == b for a, b in zip(tokens, reference, strict=True)]
+    first = next((i for i, s in enumerate(same) if not s), None)
+    return {"greedy_match": sum(same) / len(same), "greedy_first_difference": first}
 
 
 def combine(parts: list[Path], output: Path) -> int:
@@ -190,7 +222,7 @@ def plot(report: dict, path: Path) -> None:
             (("alpha", "infinigen_alpha", "alpha"), ("ratio", "infinigen_partial_ratio", "partial ratio"))
         ):
             ax = axes[m][col]
-            points = sorted((r[key], r[metric]) for r in rows if metric in r and (
+            points = sorted((r[key], r[metric]) for r in rows if metric in r and not isinstance(r[key], str) and (
                 r.get("sweep") == sweep or (sweep == "ratio" and r.get("sweep") == "alpha" and r[key] == 0.3
                                             and r["infinigen_alpha"] == 4.0)))  # fmt: skip
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label="infinigen")
@@ -202,7 +234,9 @@ def plot(report: dict, path: Path) -> None:
                 ax.set_yscale("log")
             ax.legend(fontsize=8)
         ax = axes[m][2]
-        for name, select in (("infinigen", lambda r: r["kv_policy"] == "infinigen" and r.get("sweep") != "pool"),
+        for name, select in (("infinigen", lambda r: r["kv_policy"] == "infinigen" and r.get("sweep") != "pool"
+                              and r.get("infinigen_alpha") != "auto"),
+                             ("infinigen alpha auto", lambda r: r.get("infinigen_alpha") == "auto"),
                              ("h2o", lambda r: r["kv_policy"] == "h2o")):  # fmt: skip
             points = sorted((r["fetch_fraction"], r[metric]) for r in rows if select(r) and metric in r)
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", linestyle="none", label=name)

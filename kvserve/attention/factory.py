@@ -8,7 +8,8 @@ from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.compressed import CompressedKVCache
 from kvserve.attention.offloaded import OffloadedKVCache
 from kvserve.attention.paged import PagedKVCache
-from kvserve.policies.infinigen import InfiniGen, Rehearsal
+from kvserve.log import get_logger
+from kvserve.policies.infinigen import AUTO, InfiniGen, Rehearsal
 from kvserve.policies.skewing import skewing_for
 
 if TYPE_CHECKING:
@@ -35,10 +36,26 @@ def make_kv_cache(config: EngineConfig, plan: KVPlan, loaded: LoadedModel) -> At
             num_host_blocks=plan.num_host_blocks, layer_to_group=plan.layout.layer_to_group,
             layer_windows=cfg.layer_windows,
         )  # fmt: skip
-    rehearsal = None
-    if isinstance(plan.policy, InfiniGen):
-        skew = skewing_for(loaded)[0].partial(plan.policy.partial_dims(cfg.head_dim))  # (L, Hkv, D, r)
-        if loaded.shard is not None:  # this rank's KV heads
-            skew = skew[:, loaded.shard.kv_heads(loaded.config.num_kv_heads)]
-        rehearsal = Rehearsal(loaded.model, skew)
-    return OffloadedKVCache(plan.policy, plan.offload, *shape, path=config.kv_offload_path, rehearsal=rehearsal)
+    policy, rehearsal = plan.policy, None
+    if isinstance(policy, InfiniGen):
+        policy, rehearsal = infinigen_rehearsal(policy, loaded)
+    return OffloadedKVCache(policy, plan.offload, *shape, path=config.kv_offload_path, rehearsal=rehearsal)
+
+
+def infinigen_rehearsal(policy: InfiniGen, loaded: LoadedModel) -> tuple[InfiniGen, Rehearsal]:
+    """The policy with ``infinigen_alpha="auto"`` resolved into the model's calibrated per-layer alphas, and
+    the rehearsal over the skewing's partial dimensions (this rank's KV heads under tensor parallelism)."""
+    dims = policy.partial_dims(loaded.model.config.head_dim)
+    auto = policy.alpha == AUTO
+    skewing = skewing_for(loaded, partial_dims=dims if auto else None)[0]
+    policy = policy.resolve_alpha(skewing.alphas.get(dims))
+    if auto:
+        get_logger().info(
+            "InfiniGen: infinigen_alpha='auto' -> per-layer alphas %s (each keeps %g of the attention on %g of "
+            "the sample's rows)", " ".join(f"{a:.2f}" for a in policy.alpha), skewing.target.mass,
+            skewing.target.quantile,
+        )  # fmt: skip
+    skew = skewing.partial(dims)  # (L, Hkv, D, r)
+    if loaded.shard is not None:  # this rank's KV heads
+        skew = skew[:, loaded.shard.kv_heads(loaded.config.num_kv_heads)]
+    return policy, Rehearsal(loaded.model, skew)

@@ -98,6 +98,15 @@ class OffloadStats:
         return [f / c if c else 1.0 for f, c in zip(self.fetched_rows, self.cached_rows, strict=True)]
 
 
+def _check_infinigen(policy: InfiniGen, rehearsal: Rehearsal | None, num_layers: int) -> None:
+    """InfiniGen runs with the model's rehearsal and an alpha per layer (resolved from ``"auto"``)."""
+    if rehearsal is None:
+        raise ValueError("kv_policy='infinigen' needs the model's rehearsal (skewed partial weights)")
+    if isinstance(policy.alpha, tuple) and len(policy.alpha) != num_layers:
+        raise ValueError(f"infinigen_alpha has {len(policy.alpha)} per-layer values; the model has {num_layers} layers")
+    policy.layer_alpha(0)  # raises while alpha is still "auto"
+
+
 class OffloadedKVCache(AttentionBackend):
     """Full KV in a slower tier, fetched per layer and step according to ``policy`` (see the module doc)."""
 
@@ -118,8 +127,8 @@ class OffloadedKVCache(AttentionBackend):
     ) -> None:
         if policy.name not in ("full", "infinigen", "int4"):
             raise ValueError(f"kv_offload runs kv_policy full, infinigen or int4, not {policy.name!r}")
-        if isinstance(policy, InfiniGen) and rehearsal is None:
-            raise ValueError("kv_policy='infinigen' needs the model's rehearsal (skewed partial weights)")
+        if isinstance(policy, InfiniGen):
+            _check_infinigen(policy, rehearsal, num_layers)
         self.policy, self.rehearsal = policy, rehearsal
         self.rank_mean: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallelism: set_rank_mean
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
@@ -347,7 +356,7 @@ class OffloadedKVCache(AttentionBackend):
         valid = step.candidate_valid
         if batch == 1:  # its candidates are a prefix: cut the rest off instead of masking them
             partial_k, valid = partial_k[:, :, : int(step.own[0])], None
-        selection = self.policy.select_decode_rows(partial_q, partial_k, valid, self.head_dim, self.rank_mean)
+        selection = self.policy.select_decode_rows(layer, partial_q, partial_k, valid, self.head_dim, self.rank_mean)
         index = selection.index.flatten(1)  # (B, Hkv * K) rows of the blocks
         slots = (blocks.gather(1, index // bs) * bs + index % bs).view_as(selection.index)  # (B, Hkv, K)
         # One more row per (sequence, head), any row: the step's own key/value goes there once fetched.
@@ -441,7 +450,8 @@ class OffloadedKVCache(AttentionBackend):
         partial_q = meta.state.partial_queries[layer][first_row : first_row + m]  # (m, Hkv, G, r)
         cached = self.partial_keys[layer].index_select(1, slots)  # (Hkv, h, r)
         partial_k = torch.cat((cached, self.rehearsal.partial_key(layer, k).transpose(0, 1)), dim=1)  # (Hkv, h + m, r)
-        allowed = self.policy.rows_allowed(partial_q, partial_k, held, self.head_dim, self.rank_mean)  # (m, Hkv, h + m)
+        allowed = self.policy.rows_allowed(layer, partial_q, partial_k, held, self.head_dim, self.rank_mean)
+        # allowed: (m, Hkv, h + m)
         cached_picks = allowed[:, :, :held]
         # Per row: rows selected among the h + j before it (every KV head), against all of them.
         self._count(

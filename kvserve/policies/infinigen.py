@@ -6,7 +6,10 @@ attention: layer i's query projection applied to layer i-1's attention input, ro
 against a partial key cache of the same dimensions kept on the device. A token is fetched when its
 speculated score is within ``alpha`` of the best one; how many tokens is one count per layer (the mean
 over heads of each head's count, as the paper), and each KV head fetches its own top tokens. Layer 0
-reads its whole cache.
+reads its whole cache. ``alpha="auto"`` (the default) takes each layer's alpha from the model's calibration
+(``policies/calibration.py``: the smallest alpha that keeps a target share of the attention on the sample
+text); the place that loads the skewing resolves it into a tuple (``resolve_alpha``). A number is every
+layer's alpha.
 
 An optional KV pool limit caps each sequence's slots in the slower tier at ``pool_limit`` of the KV it
 would reach (prompt + max_tokens); past it a victim's slot is overwritten in place, chosen by how often
@@ -15,6 +18,7 @@ speculation selected it (``counter``, the paper's), least recently selected (``l
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,11 +33,15 @@ from kvserve.policies.base import KVPolicy
 RankMean = Callable[[torch.Tensor], torch.Tensor]
 
 POOL_EVICTIONS = ("counter", "lru", "fifo")
+AUTO = "auto"  # infinigen_alpha: each layer's calibrated alpha
+
+# "auto", one alpha for every layer, or one per layer.
+Alpha = str | float | tuple[float, ...]
 
 
 @dataclass(frozen=True)
 class InfiniGen(KVPolicy):
-    alpha: float = 4.0  # fetch tokens whose speculated logit is within alpha of the best
+    alpha: Alpha = AUTO  # fetch tokens whose speculated logit is within alpha of the best ("auto": calibrated)
     partial_ratio: float = 0.3  # share of each head's skewed dimensions in the partial query/key
     pool_limit: float = 1.0  # slots a sequence may hold in the slower tier, as a share of its full KV
     pool_eviction: str = "counter"
@@ -48,14 +56,38 @@ class InfiniGen(KVPolicy):
                 f"kv_policy='infinigen' keeps the whole cache in the slower tier; kv_budget must be 1, "
                 f"got {self.budget}"
             )
-        if not (isinstance(self.alpha, int | float) and math.isfinite(self.alpha) and self.alpha >= 0):
-            raise ValueError(f"infinigen_alpha must be a finite number >= 0, got {self.alpha!r}")
+        check_alpha(self.alpha)
         if not 0 < self.partial_ratio <= 1:
             raise ValueError(f"infinigen_partial_ratio must be in (0, 1], got {self.partial_ratio!r}")
         if not 0 < self.pool_limit <= 1:
             raise ValueError(f"kv_pool_limit must be in (0, 1], got {self.pool_limit!r}")
         if self.pool_eviction not in POOL_EVICTIONS:
             raise ValueError(f"kv_pool_eviction must be one of {list(POOL_EVICTIONS)}, got {self.pool_eviction!r}")
+
+    def layer_alpha(self, layer: int) -> float:
+        """Layer ``layer``'s alpha; a ValueError while it is still ``"auto"`` (unresolved)."""
+        if isinstance(self.alpha, tuple):
+            if not 0 <= layer < len(self.alpha):
+                raise ValueError(f"InfiniGen has alphas for {len(self.alpha)} layers, asked for layer {layer}")
+            return self.alpha[layer]
+        if self.alpha == AUTO:
+            raise ValueError(
+                "infinigen_alpha='auto' is resolved from the model's calibration (`kvserve infinigen-setup`) "
+                "when the offloaded cache is built; this policy was not"
+            )
+        return float(self.alpha)
+
+    def resolve_alpha(self, calibrated: tuple[float, ...] | None) -> InfiniGen:
+        """This policy with ``"auto"`` replaced by the model's per-layer alphas (itself if alpha is set);
+        a ValueError saying how to calibrate when there are none."""
+        if self.alpha != AUTO:
+            return self
+        if calibrated is None:
+            raise ValueError(
+                "infinigen_alpha='auto' needs the model's calibrated alphas, which its skewing file lacks: run "
+                "`kvserve infinigen-setup` for this model (or give infinigen_alpha a number)"
+            )
+        return dataclasses.replace(self, alpha=tuple(float(a) for a in calibrated))
 
     def partial_dims(self, head_dim: int) -> int:
         return max(1, math.ceil(self.partial_ratio * head_dim))
@@ -66,41 +98,65 @@ class InfiniGen(KVPolicy):
 
     def select_decode_rows(
         self,
+        layer: int,
         partial_q: torch.Tensor,
         partial_k: torch.Tensor,
         valid: torch.Tensor | None,
         head_dim: int,
         rank_mean: RankMean | None = None,
     ) -> Selection:
-        """The rows each decode sequence's next layer reads: partial queries (Hkv, B, G, r) against the partial
+        """The rows each decode sequence's layer ``layer`` reads: partial queries (Hkv, B, G, r) against the partial
         keys of its candidates (Hkv, B, T, r); ``valid`` (B, T) marks the real candidates (None: all)."""
         logits = partial_logits(partial_q, partial_k, head_dim).transpose(0, 1)  # (B, Hkv, G, T)
-        return speculate(logits, valid, self.alpha, rank_mean)
+        return speculate(logits, valid, self.layer_alpha(layer), rank_mean)
 
     def rows_allowed(
         self,
+        layer: int,
         partial_q: torch.Tensor,
         partial_k: torch.Tensor,
         held: int,
         head_dim: int,
         rank_mean: RankMean | None = None,
     ) -> torch.Tensor:
-        """Which of h cached and m new rows each of m new rows of a chunk reads, as decoding them one by one would:
-        partial queries (m, Hkv, G, r) against partial keys (Hkv, h + m, r) -> (m, Hkv, h + m) bool, each row
-        its selection among the rows before it, plus itself."""
+        """Which of h cached and m new rows each of m new rows of a chunk reads at layer ``layer``, as decoding
+        them one by one would: partial queries (m, Hkv, G, r) against partial keys (Hkv, h + m, r) ->
+        (m, Hkv, h + m) bool, each row its selection among the rows before it, plus itself."""
         m, hkv = partial_q.shape[:2]
         device = partial_q.device
         row = torch.arange(m, device=device)
         earlier = torch.arange(held + m, device=device)[None, :] < held + row[:, None]  # (m, h + m)
         grouped = partial_q.permute(1, 0, 2, 3).flatten(1, 2)  # (Hkv, m * G, r): one matmul per KV head
         logits = partial_logits(grouped, partial_k, head_dim).view(hkv, m, -1, held + m).transpose(0, 1)
-        selection = speculate(logits, earlier, self.alpha, rank_mean)  # over (m, Hkv, G, h + m) logits
+        selection = speculate(logits, earlier, self.layer_alpha(layer), rank_mean)  # over (m, Hkv, G, h + m) logits
         allowed = torch.zeros((m, hkv, held + m), dtype=torch.bool, device=device)
         chosen = selection.chosen[:, None, :].expand_as(selection.index)
         # Only the chosen entries: past a row's count the index holds placeholders (speculate's zeros).
         allowed.scatter_(2, selection.index.where(chosen, selection.index[..., :1]), True)
         allowed[row, :, held + row] = True  # a row always reads its own key, as a decode step does
         return allowed
+
+
+def check_alpha(alpha: object) -> None:
+    """A ValueError naming ``alpha`` unless it is "auto", a finite number >= 0 or a non-empty tuple of them."""
+    values = alpha if isinstance(alpha, tuple) and alpha else (alpha,)
+    if alpha == AUTO or all(_is_alpha(value) for value in values):
+        return
+    raise ValueError(f"infinigen_alpha must be 'auto' or a finite number >= 0 (or one per layer), got {alpha!r}")
+
+
+def parse_alpha(text: str) -> str | float:
+    """A command line's infinigen_alpha: "auto", or a number (its range is checked with the engine's options)."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"infinigen_alpha must be 'auto' or a number, got {text!r}") from None
+
+
+def _is_alpha(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 @dataclass(frozen=True)

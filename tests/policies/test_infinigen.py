@@ -5,7 +5,6 @@ trace, INT4 quantisation error and size, and the option errors of the policies a
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -314,7 +313,7 @@ def test_int4_packs_two_codes_per_byte_low_first() -> None:
 @pytest.mark.parametrize(
     ("knobs", "message"),
     [
-        ({"alpha": -1.0}, "infinigen_alpha must be a finite number >= 0, got -1.0"),
+        ({"alpha": -1.0}, "infinigen_alpha must be 'auto' or a finite number >= 0 (or one per layer), got -1.0"),
         ({"alpha": float("inf")}, "got inf"),
         ({"partial_ratio": 0.0}, "infinigen_partial_ratio must be in (0, 1], got 0.0"),
         ({"partial_ratio": 1.5}, "infinigen_partial_ratio must be in (0, 1], got 1.5"),
@@ -372,4 +371,4 @@ def test_engine_config_accepts_offload_options(tmp_path: Path) -> None:
     )  # fmt: skip
     policy = make_policy(config.kv_policy, config.kv_budget, **config.kv_policy_knobs)
     assert policy == InfiniGen(alpha=2, partial_ratio=0.5, pool_limit=0.25, pool_eviction="fifo")
-    assert math.isclose(EngineConfig(kv_offload="host", kv_policy="int4").infinigen_alpha, 4.0)
+    assert EngineConfig(kv_offload="host", kv_policy="int4").infinigen_alpha == "auto"

@@ -1,6 +1,7 @@
 """InfiniGen on the real default model (SmolLM2-135M-Instruct, float32): its skewing (computed once into a
 temporary folder) leaves attention scores unchanged, offloading with every row selected generates the
-device engine's tokens on a prose prompt, and the default settings fetch fewer rows past layer 0."""
+device engine's tokens on a prose prompt, and the default settings (alpha "auto": calibrated per layer) fetch
+fewer rows past layer 0."""
 
 from __future__ import annotations
 
@@ -79,8 +80,12 @@ def test_selecting_everything_generates_the_device_engines_tokens(default_model,
 
 
 def test_default_infinigen_fetches_fewer_rows_past_layer_zero(default_model, skewing, prose) -> None:
+    """The default, infinigen_alpha="auto": each layer's alpha calibrated on the sample (its skewing file's)."""
     tokens, engine = generate(default_model, prose, 8, kv_offload="host", kv_policy="infinigen")
     assert len(tokens) == 8
+    policy = engine.runner.cache.policy
+    assert policy.alpha == skewing.alphas[policy.partial_dims(default_model.config.head_dim)]
+    assert len(policy.alpha) == default_model.config.num_layers and len(set(policy.alpha[1:])) > 1  # per layer
     fractions = engine.runner.cache.stats.fetch_fraction()
     assert fractions[0] == 1.0 and all(0 < f <= 1 for f in fractions)
     deeper = fractions[1:]

@@ -104,10 +104,10 @@ def test_infinigen_rows_allowed_follow_speculation_among_earlier_rows() -> None:
     m, held, r, group = 3, 5, 4, H // HKV
     partial_q = torch.randn(m, HKV, group, r, generator=g)
     partial_k = torch.randn(HKV, held + m, r, generator=g)
-    everything = InfiniGen(alpha=1e9).rows_allowed(partial_q, partial_k, held, D)
+    everything = InfiniGen(alpha=1e9).rows_allowed(1, partial_q, partial_k, held, D)
     for j in range(m):  # alpha that admits every logit: all earlier rows and itself, nothing later
         assert everything[j].tolist() == [[c <= held + j for c in range(held + m)]] * HKV
-    only_best = InfiniGen(alpha=0.0).rows_allowed(partial_q, partial_k, held, D)
+    only_best = InfiniGen(alpha=0.0).rows_allowed(1, partial_q, partial_k, held, D)
     for j in range(m):
         for head in range(HKV):
             logits = partial_q[j, head] @ partial_k[head, : held + j].T  # (G, earlier rows)
