@@ -140,7 +140,10 @@ def run_length(
     results, token_ids = [], []
     engines = [("device", 0.0), ("host", 0.0)] + ([("device", recompute)] if recompute else [])
     for tier, share in engines:
-        config = EngineConfig(**options, prompt_cache_tier=tier, prompt_cache_recompute=share)
+        # With recompute, no prefix caching: a question would find the blocks an earlier one recomputed (same
+        # modules, same share) and skip the recompute this run times.
+        config = EngineConfig(**options, prompt_cache_tier=tier, prompt_cache_recompute=share,
+                              enable_prefix_caching=not share)  # fmt: skip
         engine = LLMEngine(config, loaded)
         start = time.perf_counter()
         engine.register_schema(schema)
