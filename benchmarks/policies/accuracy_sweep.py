@@ -35,6 +35,7 @@ HERE = Path(__file__).parent
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="a model name or path (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--policies", default="pyramid,local,h2o")
@@ -47,7 +48,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = resolve_dtype_name(args.dtype, "cpu")
-    loaded = load_model(dtype=DTYPES[dtype])
+    loaded = load_model(args.model, dtype=DTYPES[dtype])
     tokens = loaded.tokenizer.encode(WIKITEXT2.read_text(encoding="utf-8"), add_special_tokens=False)
     tokens = tokens[: args.limit_tokens]
     text = loaded.tokenizer.decode(tokens)
@@ -59,7 +60,7 @@ def main() -> int:
     for policy, budget in points:
         config = EngineConfig(
             dtype=dtype, kv_policy=policy, kv_budget=None if policy == "full" else budget,
-            kv_cache_memory="2GiB", max_num_seqs=64, enable_prefix_caching=False,
+            kv_cache_memory="2GiB", max_num_seqs=64, enable_prefix_caching=False, model=str(loaded.path),
         )  # fmt: skip
         engine = LLMEngine(config, loaded)
         scorer = EngineScorer(engine, progress=False)

@@ -116,7 +116,8 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     )
     add_model_args(cmp)
     cmp.add_argument("--policies", default="full,pyramid,h2o", help="comma-separated, full first (the baseline)")
-    cmp.add_argument("--kv-budget", type=float, default=0.5, help="budget of every compressing policy")
+    cmp.add_argument("--kv-budget", type=_budgets, default=(0.5,),
+                     help="budget of every compressing policy, or several (comma-separated): one run each")  # fmt: skip
     cmp.add_argument("--kv-cache-memory", default="400MiB", help="the same KV memory for every policy")
     cmp.add_argument("--num-requests", type=int, default=32)
     cmp.add_argument("--prompt-tokens", default="1024,2048", help="prompt lengths drawn uniformly from MIN,MAX")
@@ -653,11 +654,11 @@ def cmd_bench_compression(args: argparse.Namespace) -> int:
         begin = rng.randrange(0, len(text) - n)
         prompts.append(text[begin : begin + n])
     results = []
-    for policy in args.policies.split(","):
+    points = [(p, None) if p == "full" else (p, b) for p in args.policies.split(",") for b in args.kv_budget]
+    for policy, budget in dict.fromkeys(points):  # full once, whatever the budgets
         config = EngineConfig(
             dtype=args.dtype, device=args.device, weights=args.weights, kv_cache_memory=args.kv_cache_memory,
-            max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, kv_policy=policy,
-            kv_budget=None if policy == "full" else args.kv_budget,
+            max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, kv_policy=policy, kv_budget=budget,
         )  # fmt: skip
         engine = LLMEngine(config, loaded)
         log(f"bench compression: {engine.kv_summary}")
@@ -677,6 +678,13 @@ def cmd_bench_compression(args: argparse.Namespace) -> int:
     write_report(out, report, markdown(report))
     plot_compression(report, out.with_suffix(".png"))
     return 0
+
+
+def _budgets(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected budgets such as 0.25,0.5, got {text!r}") from None
 
 
 def cmd_bench_offload(args: argparse.Namespace) -> int:

@@ -45,3 +45,14 @@ def test_generate_and_bench_compression(tmp_path, capsys) -> None:
     assert pyramid["kv_bytes_per_seq"] < 0.6 * full["kv_bytes_per_seq"]
     assert pyramid["peak_running"] > full["peak_running"]
     assert out.with_suffix(".png").stat().st_size > 0 and "| pyramid | 0.5 |" in out.with_suffix(".md").read_text()
+
+
+def test_bench_compression_runs_each_budget_and_the_full_cache_once(tmp_path) -> None:
+    folder = write_tiny_model(tmp_path / "tiny", SPEC)
+    out = tmp_path / "budgets"
+    argv = ["bench", "compression", "--model", str(folder), "--dtype", "float32", "--num-requests", "4"]
+    argv += ["--prompt-tokens", "200,300", "--max-tokens", "4", "--kv-cache-memory", "600KiB", "--output", str(out)]
+    assert main([*argv, "--policies", "full,snapkv", "--kv-budget", "0.25,0.75"]) == 0
+    results = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert [(r["policy"], r["budget"]) for r in results] == [("full", 1.0), ("snapkv", 0.25), ("snapkv", 0.75)]
+    assert results[1]["kv_bytes_per_seq"] < results[2]["kv_bytes_per_seq"] < results[0]["kv_bytes_per_seq"]
