@@ -43,6 +43,7 @@ def main() -> int:
     parser.add_argument("--limit-tokens", type=int, default=16384, help="WikiText-2 tokens scored")
     parser.add_argument("--tasks", default="arc_easy,piqa")
     parser.add_argument("--mc-limit", type=int, default=500, help="questions per multiple-choice task")
+    parser.add_argument("--mc-budgets", default=None, help="budgets the multiple-choice tasks run at (default: all)")
     parser.add_argument("--output", type=Path, default=HERE / "accuracy.json")
     args = parser.parse_args()
     if args.threads:
@@ -67,7 +68,8 @@ def main() -> int:
         start = time.perf_counter()
         ppl = evaluate_perplexity(scorer, tokens, text, 2048, 512)
         row = {"policy": policy, "budget": budget, "perplexity": ppl.perplexity}
-        for task, questions in tasks.items():
+        mc_budgets = None if args.mc_budgets is None else {float(b) for b in args.mc_budgets.split(",")}
+        for task, questions in tasks.items() if mc_budgets is None or policy == "full" or budget in mc_budgets else ():
             mc = evaluate_multiple_choice(scorer, loaded.tokenizer, task, questions)
             row[task] = mc["acc"]
             row[f"{task}_norm"] = mc["acc_norm"]
@@ -101,7 +103,9 @@ def plot(report: dict, path: Path) -> None:
     policies = sorted({r["policy"] for r in report["results"]} - {"full"})
     for ax, metric in zip(axes, metrics, strict=True):
         for policy in policies:
-            rows = sorted((r for r in report["results"] if r["policy"] == policy), key=lambda r: r["budget"])
+            rows = sorted(
+                (r for r in report["results"] if r["policy"] == policy and metric in r), key=lambda r: r["budget"]
+            )
             rows.append(full)  # every policy is the full cache at budget 1
             ax.plot([r["budget"] * 100 for r in rows], [r[metric] for r in rows], marker="o", label=policy)
         ax.set_xlabel("KV budget (% of the full cache)")
