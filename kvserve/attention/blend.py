@@ -18,6 +18,7 @@ allowed), not by slot order:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ class BlendMetadata(AttentionMetadata):
     query_positions: torch.Tensor  # (N,) long
     write: bool  # store the queries' fresh keys/values before attending (the recompute pass)
     stop_at: int | None = None  # the selection pass: layer whose fresh keys/values end the forward
+    bias: torch.Tensor | None = None  # (N, C) float: 0 where a query sees a key (by position), -inf elsewhere
 
 
 class _LayerKV(Exception):  # noqa: N818 - not an error: the selection pass ends here with what it came for
@@ -74,9 +76,9 @@ class BlendAttention(AttentionBackend):
             v_cache.index_copy_(0, md.query_slots, v)
         keys = k_cache.index_select(0, md.context_slots).transpose(0, 1).unsqueeze(0)  # (1, Hkv, C, D)
         values = v_cache.index_select(0, md.context_slots).transpose(0, 1).unsqueeze(0)
-        mask = md.context_positions.unsqueeze(0) <= md.query_positions.unsqueeze(1)  # (N, C)
         qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, N, D)
-        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=True)  # (1, H, N, D)
+        bias = md.bias.to(q.dtype)  # made once per pass, not per layer
+        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=bias, enable_gqa=True)  # (1, H, N, D)
         return out.squeeze(0).transpose(0, 1)  # (N, H, D)
 
 
@@ -127,7 +129,9 @@ def _metadata(
     seq_id: int, positions: torch.Tensor, slots: torch.Tensor, chosen: torch.Tensor, write: bool,
     stop_at: int | None = None,
 ) -> BlendMetadata:  # fmt: skip
+    visible = positions.unsqueeze(0) <= positions[chosen].unsqueeze(1)  # (N, C): causal by position
+    bias = torch.zeros(visible.shape, dtype=torch.float32, device=positions.device).masked_fill_(~visible, -math.inf)
     return BlendMetadata(
         (seq_id,), (len(chosen),), (len(slots),), context_slots=slots, context_positions=positions,
-        query_slots=slots[chosen], query_positions=positions[chosen], write=write, stop_at=stop_at,
+        query_slots=slots[chosen], query_positions=positions[chosen], write=write, stop_at=stop_at, bias=bias,
     )  # fmt: skip
