@@ -117,15 +117,18 @@ def kv_layout(config: EngineConfig, model: ModelConfig, policy: KVPolicy) -> KVL
     refusal = windowed_model_refusal(config, policy)
     if refusal:
         raise ValueError(f"{model.architecture} has sliding-window layers: {refusal}")
-    if not config.kv_window_groups:
+    if not config.kv_window_groups or config.kv_offload != "none":  # the tier keeps every layer's whole context
         return single_group_layout(model.num_layers)
     return window_group_layout(model.layer_windows)
 
 
 def windowed_model_refusal(config: EngineConfig, policy: KVPolicy) -> str | None:
     """Why an engine over a model with sliding-window layers cannot run ``config``, or None."""
-    if config.kv_offload != "none":
-        return f"kv_offload={config.kv_offload!r} tiers every layer's whole context; use kv_offload='none'"
+    if config.kv_offload != "none" and config.kv_pool_limit < 1:
+        return (
+            f"kv_pool_limit={config.kv_pool_limit} overwrites slots in place, so a window layer could no longer find "
+            "its window by position; use kv_pool_limit=1"
+        )
     if config.prefill_parallel > 1:
         return "parallel prefill (KV-Runahead) passes whole caches between processes without windows; use 1"
     return None

@@ -39,7 +39,9 @@ def make_kv_cache(config: EngineConfig, plan: KVPlan, loaded: LoadedModel) -> At
     policy, rehearsal = plan.policy, None
     if isinstance(policy, InfiniGen):
         policy, rehearsal = infinigen_rehearsal(policy, loaded)
-    return OffloadedKVCache(policy, plan.offload, *shape, path=config.kv_offload_path, rehearsal=rehearsal)
+    return OffloadedKVCache(
+        policy, plan.offload, *shape, path=config.kv_offload_path, rehearsal=rehearsal, layer_windows=cfg.layer_windows
+    )
 
 
 def infinigen_rehearsal(policy: InfiniGen, loaded: LoadedModel) -> tuple[InfiniGen, Rehearsal]:

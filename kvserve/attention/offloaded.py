@@ -18,6 +18,13 @@ tools score a continuation) attends only to the rows its own rehearsal selects a
 plus itself, which is what decoding them one by one would read.
 With a KV pool limit, a row past the pool's capacity is computed on its own: it selects, attends, and
 its keys/values overwrite the victim's slot (per KV head) with its partial key and counters.
+
+Sliding-window layers (``layer_windows``, Gemma 3): the tier keeps every layer's whole context, in one KV
+group (the simplest layout; the tier is the large, cheap memory), but a window layer reads only the last
+``window`` positions (its own included): a decode fetches just the blocks that cover its window, a chunk
+fetches the rows its first row's window reaches and attends with the window's mask. InfiniGen speculates
+for global layers only; a window layer reads its whole window (layer 0 too, within its window if it has
+one). A KV pool limit overwrites slots in place, so positions no longer follow slots: not with windows.
 """
 
 from __future__ import annotations
@@ -56,14 +63,23 @@ class _Fetch:
     valid: torch.Tensor
     buffers: dict[str, torch.Tensor]  # the staging buffers it lands in
     shape: tuple[int, ...]  # of the keys/values they hold
+    own: torch.Tensor | None = None  # "blocks": (B,) long, where each sequence's new row goes among the T
+
+
+@dataclass(frozen=True)
+class _DecodeBlocks:
+    """The blocks a decode batch reads in layers of one window size (None: the whole context)."""
+
+    block_index: torch.Tensor  # (Bd, W) long block ids covering each sequence's visible rows and the next one
+    own: torch.Tensor  # (Bd,) long: where each sequence's new row goes among its W * block_size rows
+    candidate_valid: torch.Tensor  # (Bd, W * block_size) bool: the cached rows of block_index it sees
 
 
 @dataclass
 class _Step:
     decodes: list[int]  # sequences (metadata order) decoding one token, batched
-    block_index: torch.Tensor  # (Bd, W) long block ids covering each decode sequence's rows and the next one
-    own: torch.Tensor  # (Bd,) long: the rows each decode sequence has cached, i.e. where its new row goes
-    candidate_valid: torch.Tensor  # (Bd, W * block_size) bool: the rows of block_index that are cached
+    views: dict[int | None, _DecodeBlocks]  # window size (None: global layers) -> what its layers fetch
+    cached: int  # rows the decode sequences hold, together
     rows: torch.Tensor  # (Bd,) long: the decode sequences' rows in the step's tokens
     tokens: torch.Tensor  # (Bd,) int32: their new tokens' indices in their sequences
     write_slots: torch.Tensor | None  # (Bd, Hkv) long: where the new rows go, unless a full pool evicts
@@ -107,6 +123,20 @@ def _check_infinigen(policy: InfiniGen, rehearsal: Rehearsal | None, num_layers:
     policy.layer_alpha(0)  # raises while alpha is still "auto"
 
 
+def _check_windows(windows: Sequence[int | None], num_layers: int, policy: KVPolicy) -> tuple[int | None, ...]:
+    """Each layer's window (a sliding-window model), or () when every layer sees its whole context."""
+    if not any(w is not None for w in windows):
+        return ()
+    if len(windows) != num_layers:
+        raise ValueError(f"layer_windows has {len(windows)} entries; the model has {num_layers} layers")
+    if isinstance(policy, InfiniGen) and policy.pool_limit < 1:
+        raise ValueError(
+            f"kv_pool_limit={policy.pool_limit} overwrites slots in place, so a sliding-window layer could no longer "
+            "find its window by position: use kv_pool_limit=1 on a model with sliding-window layers"
+        )
+    return tuple(windows)
+
+
 class OffloadedKVCache(AttentionBackend):
     """Full KV in a slower tier, fetched per layer and step according to ``policy`` (see the module doc)."""
 
@@ -124,11 +154,13 @@ class OffloadedKVCache(AttentionBackend):
         path: str | None = None,
         rehearsal: Rehearsal | None = None,
         queue: TransferQueue | None = None,
+        layer_windows: Sequence[int | None] = (),
     ) -> None:
         if policy.name not in ("full", "infinigen", "int4"):
             raise ValueError(f"kv_offload runs kv_policy full, infinigen or int4, not {policy.name!r}")
         if isinstance(policy, InfiniGen):
             _check_infinigen(policy, rehearsal, num_layers)
+        self.layer_windows = _check_windows(layer_windows, num_layers, policy)
         self.policy, self.rehearsal = policy, rehearsal
         self.rank_mean: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallelism: set_rank_mean
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
@@ -223,12 +255,6 @@ class OffloadedKVCache(AttentionBackend):
         decodes = [i for i, n in enumerate(metadata.query_lens) if n == 1 and metadata.context_lens[i] > 0]
         held = [self._held(metadata, i) for i in decodes]
         bs = self.block_size
-        # Whole blocks up to and including each sequence's next row: its own key/value goes there once fetched.
-        width = math.ceil((max(held, default=0) + 1) / bs)
-        tables = [metadata.block_tables[i][: h // bs + 1] for i, h in zip(decodes, held, strict=True)]
-        blocks = pad_tables(tables, width)  # (Bd, W)
-        own = torch.tensor(held, dtype=torch.long)
-        valid = torch.arange(width * bs)[None, :] < own[:, None]
         starts = row_starts(metadata.query_lens)
         tokens = [metadata.context_lens[i] for i in decodes]
         evicting = any(t >= self._capacity(metadata, i) for i, t in zip(decodes, tokens, strict=True))
@@ -238,11 +264,28 @@ class OffloadedKVCache(AttentionBackend):
             write = torch.tensor(own_slots, dtype=torch.long, device=self.device)[:, None].expand(-1, self.num_kv_heads)
         if decodes:
             self.stats.decode_steps += 1
+        views = {w: self._decode_blocks(metadata, decodes, held, w) for w in set(self.layer_windows or (None,))}
         return _Step(
-            decodes, blocks.long().to(self.device), own.to(self.device), valid.to(self.device),
-            torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=self.device),
+            decodes, views, sum(held), torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=self.device),
             torch.tensor(tokens, dtype=torch.int32, device=self.device), write,
         )  # fmt: skip
+
+    def _decode_blocks(
+        self, meta: OffloadAttentionMetadata, decodes: list[int], held: list[int], window: int | None
+    ) -> _DecodeBlocks:
+        """Per decode sequence, the whole blocks from its window's first row (0 without a window) up to and
+        including its next row: its own key/value goes there once fetched."""
+        bs = self.block_size
+        firsts = [max(0, h + 1 - window) if window else 0 for h in held]  # first visible row
+        lows = [f // bs for f in firsts]  # first block read
+        width = max((h // bs - low + 1 for h, low in zip(held, lows, strict=True)), default=1)
+        tables = [meta.block_tables[i][low : h // bs + 1] for i, h, low in zip(decodes, held, lows, strict=True)]
+        blocks = pad_tables(tables, width)  # (Bd, W)
+        base = torch.tensor(lows, dtype=torch.long) * bs  # (Bd,) row of the first block read
+        own = torch.tensor(held, dtype=torch.long) - base
+        position = torch.arange(width * bs)[None, :] + base[:, None]  # (Bd, W * bs)
+        valid = (position < own[:, None] + base[:, None]) & (position >= torch.tensor(firsts)[:, None])
+        return _DecodeBlocks(blocks.long().to(self.device), own.to(self.device), valid.to(self.device))
 
     def store_layer(
         self,
@@ -267,14 +310,14 @@ class OffloadedKVCache(AttentionBackend):
             return
         step = metadata.state
         nxt = layer + 1
-        if self.rehearsal is not None and nxt < self.num_layers:
+        if self.rehearsal is not None and nxt < self.num_layers and self._window(nxt) is None:
             step.partial_queries[nxt] = self.rehearsal.partial_query(nxt, x, rope)  # (N, Hkv, G, r)
         if not step.decodes:
             return
         if layer == 0:
             step.pending[0] = self._fetch_blocks(0, step)
         if nxt < self.num_layers:
-            selective = self.rehearsal is not None
+            selective = self.rehearsal is not None and self._window(nxt) is None
             step.pending[nxt] = (
                 self._fetch_selected(nxt, step, metadata) if selective else self._fetch_blocks(nxt, step)
             )
@@ -313,26 +356,29 @@ class OffloadedKVCache(AttentionBackend):
         # The step's own key/value is on the device already: it takes the spare row each fetch left.
         if fetch.layout == "blocks":  # (B, T, Hkv, D) -> (B, Hkv, T, D)
             batch_rows = torch.arange(batch, device=q.device)
-            keys[batch_rows, step.own], values[batch_rows, step.own] = k, v
+            keys[batch_rows, fetch.own], values[batch_rows, fetch.own] = k, v
             keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         else:  # (B, Hkv, K + 1, D)
             keys[:, :, -1], values[:, :, -1] = k, v
         mask = fetch.valid[:, None, None, :]  # (B, 1, 1, T)
-        if batch == 1:  # its valid rows are a prefix: cut the rest off instead of masking (SDPA is faster unmasked)
-            keep = int(fetch.valid[0].sum())
-            keys, values, mask = keys[:, :, :keep], values[:, :, :keep], None
+        if batch == 1:  # its valid rows are a range: cut the rest off instead of masking (SDPA is faster unmasked)
+            seen = fetch.valid[0].nonzero()
+            first, last = int(seen[0]), int(seen[-1]) + 1
+            keys, values, mask = keys[:, :, first:last], values[:, :, first:last], None
         out = gqa_attend(q, keys, values, mask)  # (B, H, D)
         self._store_decodes(layer, k, v, meta)
         return out
 
     def _fetch_blocks(self, layer: int, step: _Step) -> _Fetch:
-        """Every cached row of the decode sequences, as whole blocks (the fetch-everything baseline)."""
-        blocks = step.block_index.view(-1)
+        """Every cached row the decode sequences see in ``layer`` (their window's, in a window layer), as
+        whole blocks (the fetch-everything baseline)."""
+        view = step.views[self._window(layer)]
+        blocks = view.block_index.view(-1)
         num_rows = blocks.numel() * self.block_size
-        batch = step.block_index.shape[0]
-        valid = step.candidate_valid.clone()
-        valid[torch.arange(batch, device=self.device), step.own] = True  # the step's own row
-        self._count(layer, int(step.candidate_valid.sum()), int(step.candidate_valid.sum()))
+        batch = view.block_index.shape[0]
+        valid = view.candidate_valid.clone()
+        valid[torch.arange(batch, device=self.device), view.own] = True  # the step's own row
+        self._count(layer, int(view.candidate_valid.sum()), step.cached)
         out = {name: self.staging.get(name, layer, num_rows) for name in self.rows}
 
         def copy() -> None:
@@ -342,20 +388,21 @@ class OffloadedKVCache(AttentionBackend):
                 gather_rows(by_block, blocks, buffer.view(blocks.numel(), -1))
 
         shape = (batch, num_rows // batch, self.num_kv_heads, self.head_dim)
-        return _Fetch(self.queue.fetch(copy, num_rows * self._row_bytes()), "blocks", valid, out, shape)
+        return _Fetch(self.queue.fetch(copy, num_rows * self._row_bytes()), "blocks", valid, out, shape, view.own)
 
     def _fetch_selected(self, layer: int, step: _Step, meta: OffloadAttentionMetadata) -> _Fetch:
         """The rows layer ``layer``'s rehearsal selects for each decode sequence (InfiniGen)."""
         partial_q = step.partial_queries[layer].index_select(0, step.rows).transpose(0, 1)  # (Hkv, B, G, r)
-        blocks = step.block_index  # (B, W)
+        view = step.views[None]  # speculation runs in global layers only
+        blocks = view.block_index  # (B, W)
         batch, width = blocks.shape
         bs = self.block_size
         # Whole blocks of partial keys (a block's rows are contiguous per head): (Hkv, B, W * bs, r).
         by_block = self.partial_keys[layer].view(self.num_kv_heads, self.num_blocks, -1)
         partial_k = by_block.index_select(1, blocks.view(-1)).view(self.num_kv_heads, batch, width * bs, -1)
-        valid = step.candidate_valid
+        valid = view.candidate_valid
         if batch == 1:  # its candidates are a prefix: cut the rest off instead of masking them
-            partial_k, valid = partial_k[:, :, : int(step.own[0])], None
+            partial_k, valid = partial_k[:, :, : int(view.own[0])], None
         selection = self.policy.select_decode_rows(layer, partial_q, partial_k, valid, self.head_dim, self.rank_mean)
         index = selection.index.flatten(1)  # (B, Hkv * K) rows of the blocks
         slots = (blocks.gather(1, index // bs) * bs + index % bs).view_as(selection.index)  # (B, Hkv, K)
@@ -364,7 +411,7 @@ class OffloadedKVCache(AttentionBackend):
         heads = torch.arange(self.num_kv_heads, device=slots.device)[None, :, None]
         flat = (slots * self.num_kv_heads + heads).view(-1)  # rows of the tier's (slots * Hkv, D) view
         top = slots.shape[-1]
-        self._count(layer, int(selection.counts.sum()), int(step.candidate_valid.sum()))
+        self._count(layer, int(selection.counts.sum()), step.cached)
         if self.pool is not None:
             self._note_selected(
                 layer, slots[..., :-1], selection.chosen, step.tokens
@@ -399,7 +446,9 @@ class OffloadedKVCache(AttentionBackend):
         m = q.shape[0]
         context = meta.context_lens[i]
         bulk = max(0, min(m, self._capacity(meta, i) - context))  # rows that still find a free slot of their own
-        selective = isinstance(self.policy, InfiniGen) and layer > 0
+        selective = isinstance(self.policy, InfiniGen) and layer > 0 and self._window(layer) is None
+        if not selective and meta.scored_from:  # speculation counts its own picks (_select_rows)
+            self._count_reads(layer, meta, i, context + min(meta.scored_from[i], m), context + m)
         first_scored = min(meta.scored_from[i], bulk) if meta.scored_from and selective else 0
         out = torch.empty_like(q)
         if first_scored:  # prompt rows: attend to everything before them, in one piece
@@ -425,17 +474,18 @@ class OffloadedKVCache(AttentionBackend):
         of the step and token ``token`` of its sequence: attend (each only to the rows InfiniGen selects for
         it, if ``select``), then store."""
         m = q.shape[0]
-        held = min(token, self._capacity(meta, i))
+        held, window = min(token, self._capacity(meta, i)), self._window(layer)
+        first = max(0, token + 1 - window) if window else 0  # the first row the chunk's first row sees
         allowed = None
-        if held:
-            slots = self._slots(meta.block_tables[i], held)  # (h,) the pool's slots
+        if held > first:
+            slots = self._slots(meta.block_tables[i], held, first)  # (h,) the pool's slots
             keys, values = self._fetch_rows(layer, slots)  # (h, Hkv, D)
             keys, values = torch.cat((keys, k)), torch.cat((values, v))
             if select:
                 allowed = self._select_rows(layer, slots, k, meta, first_row, m, token)
         else:
             keys, values = k, v
-        out = _attend(q, keys, values, held, allowed)
+        out = _attend(q, keys, values, max(0, held - first), allowed, window)
         write = self._write_slots(layer, meta, i, token, m)  # (m, Hkv)
         tokens = torch.arange(token, token + m, dtype=torch.int32, device=self.device)
         self._store(layer, write, k, v, tokens)
@@ -564,6 +614,20 @@ class OffloadedKVCache(AttentionBackend):
         """Tier bytes of one slot in one layer (every head, every array)."""
         return self.tier.slot_bytes(1)
 
+    def _count_reads(self, layer: int, meta: OffloadAttentionMetadata, i: int, begin: int, end: int) -> None:
+        """Scored rows begin..end-1 of sequence i read every row before them that the pool holds, or their window's."""
+        if end <= begin:
+            return
+        before = torch.arange(begin, end)  # rows before each
+        reads = before.clamp(max=self._capacity(meta, i))
+        window = self._window(layer)
+        if window:
+            reads = reads.clamp(max=window - 1)
+        self._count(layer, int(reads.sum()), int(before.sum()))
+
+    def _window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
     def _count(self, layer: int, fetched: int, cached: int) -> None:
         self.stats.fetched_rows[layer] += fetched
         self.stats.cached_rows[layer] += cached
@@ -590,12 +654,18 @@ def _row_specs(policy: KVPolicy, num_kv_heads: int, head_dim: int, dtype: torch.
 
 
 def _attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, held: int, allowed: torch.Tensor | None
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    held: int,
+    allowed: torch.Tensor | None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q (m, H, D) at positions held.. over keys/values (held + m, Hkv, D); ``allowed`` (m, Hkv, held + m)
-    restricts each row further (InfiniGen's selection). -> (m, H, D)."""
+    """q (m, H, D) at positions held.. over keys/values (held + m, Hkv, D), each row over the last ``window`` of
+    them (None: all); ``allowed`` (m, Hkv, held + m) restricts each row further (InfiniGen's selection, global
+    layers only). -> (m, H, D)."""
     if allowed is None:
-        return attend_prefill(q, keys, values, held)
+        return attend_prefill(q, keys, values, held, window)
     m, num_heads, head_dim = q.shape
     hkv = keys.shape[1]
     qg = q.transpose(0, 1).reshape(hkv, num_heads // hkv, m, head_dim)  # (Hkv, G, m, D)
