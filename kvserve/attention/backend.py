@@ -105,7 +105,9 @@ class AttentionBackend(ABC):
     def observe_input(
         self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata
     ) -> None:
-        """Sees ``layer``'s attention input x (N, hidden) and the step's rotary tables before the layer runs.
+        """Sees ``layer``'s attention input x (N, hidden) and the step's rotary tables before the layer runs:
+        those of layer + 1 (the layer InfiniGen's rehearsal predicts), the layer's own except where layers
+        rotate differently (Gemma 3's window and global layers).
 
         A no-op by default; an offloading cache uses it to start fetching the next layer's KV (InfiniGen
         predicts what that layer will read from this input)."""

@@ -83,6 +83,9 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         eps = config.rms_norm_eps
         self.sliding = config.layer_windows[layer] is not None
+        # The next layer's kind: its rotary tables go to the backend with this layer's input (InfiniGen's rehearsal).
+        following = config.layer_windows[layer + 1 : layer + 2]
+        self.next_sliding = following[0] is not None if following else self.sliding
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.self_attn = Gemma3Attention(config, layer)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
@@ -97,7 +100,7 @@ class Gemma3DecoderLayer(nn.Module):
         backend: AttentionBackend,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), ropes[self.sliding], backend, metadata)
+        attn = self.self_attn(self.input_layernorm(x), ropes[self.sliding], backend, metadata, ropes[self.next_sliding])
         x = x + self.post_attention_layernorm(attn)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 

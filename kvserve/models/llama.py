@@ -36,9 +36,11 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
         metadata: AttentionMetadata,
+        next_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """``next_rope``: the next layer's rotary tables where they differ from this one's (Gemma 3)."""
         n = x.shape[0]
-        backend.observe_input(self.layer, x, rope, metadata)
+        backend.observe_input(self.layer, x, rope if next_rope is None else next_rope, metadata)
         q, k, v = self.project(x, rope)
         out = backend.forward(self.layer, q, k, v, metadata)  # (N, H, D)
         return self.o_proj(out.reshape(n, -1))

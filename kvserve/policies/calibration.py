@@ -86,13 +86,13 @@ class SampleRows:
     inputs: list[torch.Tensor]  # per layer, (R, hidden): the attention input at those rows
     queries: list[torch.Tensor]  # per layer, (R, H, D): rotated queries at those rows
     keys: list[torch.Tensor]  # per layer, (n, Hkv, D): rotated keys of every token
-    rope: tuple[torch.Tensor, torch.Tensor]  # rotary tables at the rows
+    rope: list[tuple[torch.Tensor, torch.Tensor]]  # per layer i: rotary tables at the rows, as layer i + 1 uses
 
 
 def layer_logits(sample: SampleRows, rehearsal: Rehearsal, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer ``layer`` (>= 1) at the calibration rows: speculated and exact logits, both (R, Hkv, G, n) float32."""
     keys = sample.keys[layer].to(rehearsal.skew.dtype)  # (n, Hkv, D)
-    partial_q = rehearsal.partial_query(layer, sample.inputs[layer - 1], sample.rope)  # (R, Hkv, G, r)
+    partial_q = rehearsal.partial_query(layer, sample.inputs[layer - 1], sample.rope[layer - 1])  # (R, Hkv, G, r)
     partial_k = rehearsal.partial_key(layer, keys).transpose(0, 1)  # (Hkv, n, r)
     speculated = partial_logits(partial_q.transpose(0, 1), partial_k[:, None], rehearsal.head_dim)  # (Hkv, R, G, n)
     r, hkv, group = partial_q.shape[:3]
@@ -108,10 +108,14 @@ def candidates(sample: SampleRows, n: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def calibrate_alphas(sample: SampleRows, rehearsal: Rehearsal, target: ThresholdCalibration) -> tuple[float, ...]:
-    """Each layer's calibrated alpha (layer 0: 0, unused) for the rehearsal's partial dimensions."""
+    """Each layer's calibrated alpha (layer 0 and sliding-window layers: 0, unused) for the rehearsal's partial
+    dimensions."""
     valid = candidates(sample, sample.keys[0].shape[0])
     alphas = [0.0]
     for layer in range(1, len(sample.keys)):
+        if rehearsal.layer_windows and rehearsal.layer_windows[layer] is not None:  # reads its window, unspeculated
+            alphas.append(0.0)
+            continue
         speculated, exact = layer_logits(sample, rehearsal, layer)
         alphas.append(target.layer_alpha(target.row_alphas(speculated, exact, valid)))
     return tuple(alphas)

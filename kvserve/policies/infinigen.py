@@ -235,8 +235,8 @@ class Rehearsal:
     """Layer i's partial query from layer i-1's attention input, and the partial keys, for a model.
 
     Holds each layer's query projection as a dense matrix (read back from whatever form the model runs
-    it in, quantised or not, by applying it to the identity) and the skewing restricted to the kept
-    dimensions.
+    it in, quantised or not, by applying it to the identity), the query's per-head norm and scale where the
+    model has them (Gemma 3), and the skewing restricted to the kept dimensions.
     """
 
     def __init__(self, model: torch.nn.Module, skew_partial: torch.Tensor) -> None:
@@ -248,6 +248,10 @@ class Rehearsal:
         eye = torch.eye(cfg.hidden_size, dtype=dtype, device=weight.device)
         zero = torch.zeros(1, cfg.hidden_size, dtype=dtype, device=weight.device)
         self.weights, self.packed, self.biases = [], [], []
+        # Gemma 3: queries are RMS-normalised per head before RoPE and scaled after it.
+        self.q_norms = [getattr(layer.self_attn, "q_norm", None) for layer in model.layers]
+        self.q_scales = [getattr(layer.self_attn, "q_scale", 1.0) for layer in model.layers]
+        self.layer_windows = tuple(cfg.layer_windows)  # a window layer reads its window: nothing to predict
         with torch.inference_mode():
             for layer in model.layers:
                 proj = layer.self_attn.qkv_proj
@@ -265,7 +269,12 @@ class Rehearsal:
     def partial_query(self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x (N, hidden), the attention input of layer - 1 -> (N, Hkv, G, r) skewed partial queries of ``layer``."""
         q = dense_linear(x, self.weights[layer], self.packed[layer], self.biases[layer])  # (N, H * D)
-        q = RotaryEmbedding.apply(q.view(x.shape[0], -1, self.head_dim), rope)  # (N, H, D)
+        q = q.view(x.shape[0], -1, self.head_dim)  # (N, H, D)
+        if self.q_norms[layer] is not None:
+            q = self.q_norms[layer](q)
+        q = RotaryEmbedding.apply(q, rope)
+        if self.q_scales[layer] != 1.0:
+            q = q * self.q_scales[layer]
         q = q.view(x.shape[0], self.num_kv_heads, self.group, self.head_dim)
         return torch.matmul(q, self.skew[layer])  # (N, Hkv, G, D) @ (Hkv, D, r)
 

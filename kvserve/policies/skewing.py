@@ -35,7 +35,7 @@ from kvserve.policies.infinigen import InfiniGen, Rehearsal
 SKEWING_DIR_ENV = "KVSERVE_INFINIGEN_DIR"
 SAMPLE_TOKENS = 2048
 CALIBRATION_ROWS = 128  # query rows of the sample's second half that calibrate the threshold
-_FORMAT = 2  # bump when the cached file's meaning changes (2: per-layer calibrated alphas)
+_FORMAT = 3  # bump when the cached file's meaning changes (2: per-layer calibrated alphas; 3: sliding windows)
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class _Recorder(ContiguousKVCache):
         self.keys: dict[int, torch.Tensor] = {}
         self.rows = rows
         self.inputs: dict[int, torch.Tensor] = {}
-        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.ropes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> the tables it saw (layer + 1's)
 
     def observe_input(
         self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata
@@ -71,7 +71,7 @@ class _Recorder(ContiguousKVCache):
         if self.rows is not None:
             rows = self.rows.to(x.device)
             self.inputs[layer] = x.index_select(0, rows).cpu()  # (R, hidden), in the model's dtype
-            self.rope = (rope[0].index_select(0, rows).cpu(), rope[1].index_select(0, rows).cpu())
+            self.ropes[layer] = (rope[0].index_select(0, rows).cpu(), rope[1].index_select(0, rows).cpu())
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
@@ -84,7 +84,8 @@ class _Recorder(ContiguousKVCache):
         layers = range(len(self.keys))
         queries = [self.queries[layer][self.rows] for layer in layers]  # (R, H, D) each
         inputs = [self.inputs[layer] for layer in layers]
-        return SampleRows(self.rows, inputs, queries, [self.keys[layer] for layer in layers], self.rope)
+        ropes = [self.ropes[layer] for layer in layers]
+        return SampleRows(self.rows, inputs, queries, [self.keys[layer] for layer in layers], ropes)
 
 
 def skew_head(queries: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +105,7 @@ def record_sample(model: LlamaForCausalLM, token_ids: list[int], rows: torch.Ten
     n = len(token_ids)
     dtype = model.embed_tokens.weight.dtype if model.embed_tokens.weight.is_floating_point() else torch.float32
     recorder = _Recorder(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, n, dtype, device, rows=rows)
-    metadata = AttentionMetadata(seq_ids=(0,), query_lens=(n,), context_lens=(0,))
+    metadata = AttentionMetadata(seq_ids=(0,), query_lens=(n,), context_lens=(0,), layer_windows=cfg.layer_windows)
     model(torch.tensor(token_ids, device=device), torch.arange(n, device=device), recorder, metadata)
     return recorder
 

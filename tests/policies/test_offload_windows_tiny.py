@@ -2,7 +2,7 @@
 fetch-everything and InfiniGen selecting everything give the paged engine's tokens and logprobs (window groups),
 through chunked prefill, scored chunks and decoding past several windows; a window layer fetches only the
 blocks that cover its window; InfiniGen's default alpha speculates on the global layers only; INT4 reads the
-same rows as the full offload."""
+same rows as the full offload; the rehearsal rotates and normalises queries as the layer it predicts."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.attention.offloaded import OffloadedKVCache
 from kvserve.models import load_model
-from kvserve.policies.skewing import SKEWING_DIR_ENV
+from kvserve.policies.infinigen import Rehearsal
+from kvserve.policies.skewing import SKEWING_DIR_ENV, record_sample, skew_recorded
 from tests.test_sliding_window_tiny import SPECS
 from tests.tiny_models import torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
 
@@ -161,3 +162,21 @@ def test_a_pool_limit_is_refused_on_a_windowed_model(tiny) -> None:
     folder, _ = tiny
     with pytest.raises(ValueError, match="kv_pool_limit=0.5 overwrites slots in place"):
         LLM(str(folder), dtype="float32", kv_offload="host", kv_policy="infinigen", kv_pool_limit=0.5)
+
+
+def test_the_rehearsal_rotates_and_normalises_as_the_layer_it_predicts(tiny) -> None:
+    """With every skewed dimension, the rehearsal of a layer from that layer's own input gives its exact skewed
+    queries: Gemma 3's per-head query norm and scale, and the rotary tables of the layer predicted (a global
+    layer after a window layer rotates with another base), which reach ``observe_input`` of the layer before."""
+    _, loaded = tiny
+    cfg = loaded.config
+    ids = prompts(loaded)[0]
+    rows = torch.arange(len(ids))
+    recorder = record_sample(loaded.model, ids, rows)
+    skewing = skew_recorded(loaded.model, recorder)
+    rehearsal = Rehearsal(loaded.model, skewing.partial(cfg.head_dim))
+    for layer in range(1, cfg.num_layers):
+        ours = rehearsal.partial_query(layer, recorder.inputs[layer], recorder.ropes[layer - 1])  # (R, Hkv, G, D)
+        q = recorder.queries[layer].view(len(ids), cfg.num_kv_heads, -1, cfg.head_dim)
+        exact = torch.einsum("rhgd,hde->rhge", q, rehearsal.skew[layer])
+        assert (ours - exact).abs().max() < 1e-4
