@@ -92,6 +92,7 @@ def h2o_read_fraction(engine: LLMEngine, num_tokens: int) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="a model name or path (default: kvserve's default model)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--limit-tokens", type=int, default=8192, help="WikiText-2 tokens scored")
@@ -115,7 +116,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = resolve_dtype_name(args.dtype, "cpu")
-    loaded = load_model(dtype=DTYPES[dtype])
+    loaded = load_model(args.model, dtype=DTYPES[dtype])
     all_tokens = loaded.tokenizer.encode(WIKITEXT2.read_text(encoding="utf-8"), add_special_tokens=False)
     tasks = {task: load_questions(task, args.mc_limit) for task in args.tasks.split(",")}
     chosen = points(args)
