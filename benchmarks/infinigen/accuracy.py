@@ -223,7 +223,7 @@ def plot(report: dict, path: Path) -> None:
             (("alpha", "infinigen_alpha", "alpha"), ("ratio", "infinigen_partial_ratio", "partial ratio"))
         ):
             ax = axes[m][col]
-            points = sorted((r[key], r[metric]) for r in rows if metric in r and not isinstance(r[key], str) and (
+            points = sorted((r[key], r[metric]) for r in rows if metric in r and not isinstance(r.get(key), str) and (
                 r.get("sweep") == sweep or (sweep == "ratio" and r.get("sweep") == "alpha" and r[key] == 0.3
                                             and r["infinigen_alpha"] == 4.0)))  # fmt: skip
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label="infinigen")
