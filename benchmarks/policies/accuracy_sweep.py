@@ -43,7 +43,17 @@ def main() -> int:
     parser.add_argument("--limit-tokens", type=int, default=16384, help="WikiText-2 tokens scored")
     parser.add_argument("--tasks", default="arc_easy,piqa")
     parser.add_argument("--mc-limit", type=int, default=500, help="questions per multiple-choice task")
-    parser.add_argument("--mc-budgets", default=None, help="budgets the multiple-choice tasks run at (default: all)")
+    parser.add_argument(
+        "--mc-points",
+        default=None,
+        help="POLICY:BUDGET,... the multiple-choice tasks run at besides full (default: every point)",
+    )
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        help="a log of this script's earlier rows (its stderr): points found there are not rerun",
+    )
     parser.add_argument("--output", type=Path, default=HERE / "accuracy.json")
     args = parser.parse_args()
     if args.threads:
@@ -57,8 +67,15 @@ def main() -> int:
     points = [("full", 1.0)] + [
         (policy, float(b)) for policy in args.policies.split(",") for b in args.budgets.split(",")
     ]
+    mc_points = None if args.mc_points is None else {_point(p) for p in args.mc_points.split(",")}
+    done = _earlier_rows(args.resume) if args.resume else {}
     results = []
     for policy, budget in points:
+        wants_mc = mc_points is None or policy == "full" or (policy, budget) in mc_points
+        earlier = done.get((policy, budget))
+        if earlier is not None and (not wants_mc or all(task in earlier for task in tasks)):
+            results.append(earlier)
+            continue
         config = EngineConfig(
             dtype=dtype, kv_policy=policy, kv_budget=None if policy == "full" else budget,
             kv_cache_memory="2GiB", max_num_seqs=64, enable_prefix_caching=False, model=str(loaded.path),
@@ -68,8 +85,7 @@ def main() -> int:
         start = time.perf_counter()
         ppl = evaluate_perplexity(scorer, tokens, text, 2048, 512)
         row = {"policy": policy, "budget": budget, "perplexity": ppl.perplexity}
-        mc_budgets = None if args.mc_budgets is None else {float(b) for b in args.mc_budgets.split(",")}
-        for task, questions in tasks.items() if mc_budgets is None or policy == "full" or budget in mc_budgets else ():
+        for task, questions in tasks.items() if wants_mc else ():
             mc = evaluate_multiple_choice(scorer, loaded.tokenizer, task, questions)
             row[task] = mc["acc"]
             row[f"{task}_norm"] = mc["acc_norm"]
@@ -89,6 +105,16 @@ def main() -> int:
     plot(report, args.output.with_suffix(".png"))
     print(f"wrote {args.output} and {args.output.with_suffix('.png')}", file=sys.stderr)
     return 0
+
+
+def _point(text: str) -> tuple[str, float]:
+    policy, budget = text.split(":")
+    return policy, float(budget)
+
+
+def _earlier_rows(log: Path) -> dict[tuple[str, float], dict]:
+    rows = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    return {(r["policy"], r["budget"]): r for r in rows}
 
 
 def plot(report: dict, path: Path) -> None:
