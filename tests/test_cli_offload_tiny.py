@@ -214,6 +214,19 @@ def test_infinigen_setup_caches_reuses_and_refreshes_its_file(model, tmp_path, s
     assert default == skewing_dir / file.name and list(skewing_dir.iterdir()) == [default]
 
 
+def test_infinigen_setup_calibrates_alpha_auto_as_asked(model, tmp_path, capsys) -> None:
+    output = tmp_path / "skewing"
+    capsys.readouterr()
+    flags = ["--output", str(output), "--partial-ratio", "1", "--calibration-mass", "0.8"]
+    file = run_setup(model, capsys, *flags, "--calibration-quantile", "0.5")
+    calibration = torch.load(file, weights_only=True)["calibration"]
+    assert (calibration["mass"], calibration["quantile"]) == (0.8, 0.5)
+    assert set(calibration["alphas"]) == {20, SPEC.head_dim}  # the default ratio's and the one asked for
+    assert len(calibration["alphas"][SPEC.head_dim]) == SPEC.num_layers
+    assert main(["infinigen-setup", "--model", model, *COMMON, "--calibration-mass", "0"]) == 2
+    assert "infinigen calibration mass must be in (0, 1], got 0.0" in capsys.readouterr().err
+
+
 def test_bench_offload_writes_a_consistent_report(model, tmp_path, capsys) -> None:
     out, disk = tmp_path / "x", tmp_path / "disk"
     disk.mkdir()
