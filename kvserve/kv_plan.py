@@ -30,6 +30,7 @@ class KVPlan:
     offload: str = "none"  # the tier the pool lives in: none (the device), host or disk
     num_host_blocks: int = 0  # host tier for preemption by swapping
     prefix_caching: bool = True  # full blocks findable by their tokens' hash
+    windowed: bool = False  # the model has sliding-window layers
 
     @property
     def per_layer_groups(self) -> bool:
@@ -56,8 +57,16 @@ class KVPlan:
     def prompt_cache_refusal(self, config: EngineConfig) -> str | None:
         """Why this engine cannot take Prompt Cache schemas, or None."""
         refusal = config.prompt_cache_refusal()
-        if refusal or len(self.layout.groups) == 1:
+        if refusal:
             return refusal
+        if self.windowed and (self.per_layer_groups or self.offload != "none"):
+            return (
+                "this model's sliding-window layers count a window in cache slots under a compressing policy or an "
+                "offloaded cache, and imported modules leave gaps in positions (and may not be evicted from a "
+                "window): use kv_policy='full' without kv_offload for Prompt Cache"
+            )
+        if len(self.layout.groups) == 1:
+            return None
         return (
             "Prompt Cache shares a module's blocks as the first blocks of one block table; this model's "
             f"sliding-window layers keep their KV in {len(self.layout.groups)} groups that release blocks as "
@@ -104,8 +113,17 @@ def plan_kv(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> KVP
     # Slots no longer match token blocks once a policy compacts them, or a pool limit overwrites victims in place.
     in_place = offloaded and config.kv_pool_limit < 1
     prefix_caching = config.enable_prefix_caching and not policy.per_layer_groups and not in_place
+    windowed = any(w is not None for w in model.layer_windows)
     return KVPlan(
-        policy, layout, block_layers, block_bytes, num_blocks, config.kv_offload, num_host_blocks, prefix_caching
+        policy,
+        layout,
+        block_layers,
+        block_bytes,
+        num_blocks,
+        config.kv_offload,
+        num_host_blocks,
+        prefix_caching,
+        windowed,
     )
 
 

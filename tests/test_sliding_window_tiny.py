@@ -135,3 +135,18 @@ def test_compressing_policies_keep_the_window_in_window_layers(tiny, policy):
                 assert held <= limit + 4
                 if window is not None and seq.num_computed_tokens > window + 4:
                     assert held >= window  # never less than the window sees
+
+
+@pytest.mark.parametrize(
+    "options", [{"kv_policy": "snapkv", "kv_window_groups": False}, {"kv_offload": "host", "kv_policy": "full"}]
+)
+def test_prompt_cache_is_refused_where_windows_count_slots(tiny, options):
+    """Under a compressing policy or an offloaded cache a window layer's window is counted in slots, which module
+    gaps would shift: registering a schema is refused with the reason, and the engine still generates."""
+    folder, _, _ = tiny
+    llm = LLM(str(folder), dtype="float32", block_size=4, **options)
+    schema = '<schema name="s"><module name="doc">the cat sat on the mat</module></schema>'
+    with pytest.raises(ValueError, match="sliding-window layers count a window in cache slots"):
+        llm.engine.register_schema(schema)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    assert len(llm.generate([[1, 2, 3, 4, 5]], params, use_tqdm=False)[0].outputs[0].token_ids) == 3
