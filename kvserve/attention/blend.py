@@ -40,6 +40,12 @@ class BlendMetadata(AttentionMetadata):
     write: bool  # store the queries' fresh keys/values before attending (the recompute pass)
     stop_at: int | None = None  # the selection pass: layer whose fresh keys/values end the forward
     bias: torch.Tensor | None = None  # (N, C) float: 0 where a query sees a key (by position), -inf elsewhere
+    # (first query, end query, keys it may see): queries in chunks over the key prefix they reach (keys in
+    # position order), so the step does about half of the (N, C) rectangle; one chunk over every key otherwise.
+    chunks: tuple[tuple[int, int, int], ...] = ()
+
+
+QUERY_CHUNK = 128  # queries per attention call: each call reads only the keys its last query may see
 
 
 class _LayerKV(Exception):  # noqa: N818 - not an error: the selection pass ends here with what it came for
@@ -78,7 +84,12 @@ class BlendAttention(AttentionBackend):
         values = v_cache.index_select(0, md.context_slots).transpose(0, 1).unsqueeze(0)
         qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, N, D)
         bias = md.bias.to(q.dtype)  # made once per pass, not per layer
-        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=bias, enable_gqa=True)  # (1, H, N, D)
+        out = torch.empty_like(qh)
+        for begin, end, seen in md.chunks:
+            out[:, :, begin:end] = F.scaled_dot_product_attention(
+                qh[:, :, begin:end], keys[:, :, :seen], values[:, :, :seen], attn_mask=bias[begin:end, :seen],
+                enable_gqa=True,
+            )  # fmt: skip
         return out.squeeze(0).transpose(0, 1)  # (N, H, D)
 
 
@@ -129,9 +140,24 @@ def _metadata(
     seq_id: int, positions: torch.Tensor, slots: torch.Tensor, chosen: torch.Tensor, write: bool,
     stop_at: int | None = None,
 ) -> BlendMetadata:  # fmt: skip
-    visible = positions.unsqueeze(0) <= positions[chosen].unsqueeze(1)  # (N, C): causal by position
+    query_positions = positions[chosen]
+    visible = positions.unsqueeze(0) <= query_positions.unsqueeze(1)  # (N, C): causal by position
     bias = torch.zeros(visible.shape, dtype=torch.float32, device=positions.device).masked_fill_(~visible, -math.inf)
     return BlendMetadata(
         (seq_id,), (len(chosen),), (len(slots),), context_slots=slots, context_positions=positions,
-        query_slots=slots[chosen], query_positions=positions[chosen], write=write, stop_at=stop_at, bias=bias,
+        query_slots=slots[chosen], query_positions=query_positions, write=write, stop_at=stop_at, bias=bias,
+        chunks=_query_chunks(positions, query_positions),
     )  # fmt: skip
+
+
+def _query_chunks(positions: torch.Tensor, query_positions: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
+    """Chunks of ``QUERY_CHUNK`` queries with how many keys each reaches, when keys and queries are in position
+    order (a prompt's modules in schema order); else one chunk over every key."""
+    n, c = len(query_positions), len(positions)
+    if not (
+        bool((positions[1:] >= positions[:-1]).all()) and bool((query_positions[1:] >= query_positions[:-1]).all())
+    ):
+        return ((0, n, c),)
+    ends = range(QUERY_CHUNK, n + QUERY_CHUNK, QUERY_CHUNK)
+    reach = torch.searchsorted(positions, query_positions[[min(e, n) - 1 for e in ends]], right=True).tolist()
+    return tuple((e - QUERY_CHUNK, min(e, n), seen) for e, seen in zip(ends, reach, strict=True))

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvserve.attention import blend
 from kvserve.attention.blend import kv_deviation, select_deviating
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine
@@ -68,7 +69,9 @@ def distance(logprobs: dict[int, float], reference: torch.Tensor) -> float:
     return max(abs(lp - float(reference[token])) for token, lp in logprobs.items())
 
 
-def test_recomputing_every_imported_token_equals_a_plain_prefill(loaded, folder):
+@pytest.mark.parametrize("query_chunk", [128, 3])
+def test_recomputing_every_imported_token_equals_a_plain_prefill(loaded, folder, query_chunk, monkeypatch):
+    monkeypatch.setattr(blend, "QUERY_CHUNK", query_chunk)  # 3: queries in chunks over the keys they reach
     hf = load_hf_model(folder)
     engine = make_engine(loaded, 1.0)
     reference = plain_reference(engine, hf, PROMPT)
@@ -161,3 +164,11 @@ def test_recompute_with_a_cache_it_cannot_rewrite_is_refused(loaded, option):
     (name,) = option
     with pytest.raises(ValueError, match=f"prompt_cache_recompute=0.2 needs {name}="):
         EngineConfig(model=str(loaded.path), prompt_cache_recompute=0.2, **option)
+
+
+def test_query_chunks_read_only_the_keys_their_last_query_reaches(monkeypatch):
+    monkeypatch.setattr(blend, "QUERY_CHUNK", 2)
+    positions = torch.tensor([0, 1, 2, 5, 6, 7, 9])  # gaps between modules
+    assert blend._query_chunks(positions, torch.tensor([2, 6, 9])) == ((0, 2, 5), (2, 3, 7))
+    unordered = torch.tensor([0, 5, 1, 6])  # modules out of schema order: one chunk over every key
+    assert blend._query_chunks(unordered, torch.tensor([5, 6])) == ((0, 2, 4),)
