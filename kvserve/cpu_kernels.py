@@ -16,6 +16,7 @@ import functools
 import hashlib
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -27,6 +28,8 @@ SOURCES = (CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp")
 HEADERS = (CSRC / "cpu_vec.h",)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17")
+# A build takes ~20 s; a build lock older than this was left by a killed process, and torch waits on it forever.
+STALE_LOCK_S = 600.0
 
 
 def _cpu_flags() -> str:
@@ -65,6 +68,7 @@ def cpu_kernels_available() -> bool:
     directory = _cache_dir() / name
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(directory)
         if not any(directory.glob("*.so")):
             get_logger().info("building kvserve's CPU kernels for this CPU (once, ~20 s) in %s", directory)
         cpp_extension.load(
@@ -81,6 +85,21 @@ def cpu_kernels_available() -> bool:
         get_logger().warning("kvserve's CPU kernels did not build (%s); using the torch implementations", error)
         return False
     return all(hasattr(torch.ops.kvserve, op) for op in ("paged_decode", "rms_norm", "rope_", "silu_mul"))
+
+
+def clear_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove ``directory``'s build lock if it is older than ``max_age_s`` (a build killed mid-way, e.g. by the
+    out-of-memory killer, leaves it, and every later start would hang on it); whether it was removed."""
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= max_age_s:
+        return False
+    get_logger().warning("removing %s: a kernel build that did not finish left it %.0f s ago", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def use_cpu_kernel(*tensors: torch.Tensor) -> bool:
