@@ -51,8 +51,7 @@ class KVPlan:
 
     def group_windows(self, layer_windows: Sequence[int | None]) -> tuple[int | None, ...]:
         """With per-layer groups on a model with sliding-window layers, each layer's window; else ()."""
-        windowed = self.per_layer_groups and any(w is not None for w in layer_windows)
-        return tuple(layer_windows) if windowed else ()
+        return tuple(layer_windows) if self.per_layer_groups and self.windowed else ()
 
     def prompt_cache_refusal(self, config: EngineConfig) -> str | None:
         """Why this engine cannot take Prompt Cache schemas, or None."""
