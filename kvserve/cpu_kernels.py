@@ -1,7 +1,8 @@
 """kvserve's compiled CPU kernels (``csrc/``), built once per machine and loaded as ``torch.ops.kvserve``.
 
 ``paged_decode.cpp``: decode attention over paged KV (``attention/decode.py``); ``fused_ops.cpp``: RMSNorm,
-rotary embedding and SwiGLU's product, one op each (``models/fused.py``).
+rotary embedding and SwiGLU's product, one op each (``models/fused.py``); ``speculate.cpp``: InfiniGen's
+speculation for a decode batch (``policies/infinigen.py``).
 
 The build uses ``torch.utils.cpp_extension`` (g++ and ninja) with ``-march=native``, so it is keyed by a hash
 of the sources, the torch version and the CPU's flags: a cached build made on another CPU is never loaded.
@@ -24,8 +25,9 @@ import torch
 from kvserve.log import get_logger
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp")
+SOURCES = (CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp", CSRC / "speculate.cpp")
 HEADERS = (CSRC / "cpu_vec.h",)
+OPS = ("paged_decode", "rms_norm", "rope_", "silu_mul", "speculate_rows")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17")
 # A build takes ~20 s; a build lock older than this was left by a killed process, and torch waits on it forever.
@@ -84,7 +86,7 @@ def cpu_kernels_available() -> bool:
     except (OSError, RuntimeError, ImportError) as error:  # no compiler or ninja, or the build failed
         get_logger().warning("kvserve's CPU kernels did not build (%s); using the torch implementations", error)
         return False
-    return all(hasattr(torch.ops.kvserve, op) for op in ("paged_decode", "rms_norm", "rope_", "silu_mul"))
+    return all(hasattr(torch.ops.kvserve, op) for op in OPS)
 
 
 def clear_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_S) -> bool:

@@ -39,11 +39,12 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata, UnsupportedKVOperation
+from kvserve.attention.decode import paged_decode
 from kvserve.attention.paged import attend_prefill
-from kvserve.attention.step_layout import gqa_attend, pad_tables, row_starts, slot_ids
+from kvserve.attention.step_layout import pad_tables, row_starts, slot_ids
 from kvserve.kv.tiers import KVTier, RowSpec, StagingBuffers, Transfer, TransferQueue, gather_rows, scatter_rows
 from kvserve.policies.base import KVPolicy
-from kvserve.policies.infinigen import InfiniGen, Rehearsal, choose_victims
+from kvserve.policies.infinigen import InfiniGen, PagedCandidates, Rehearsal, choose_victims
 from kvserve.policies.quant import Int4KV, dequantize_int4, quantize_int4
 
 if TYPE_CHECKING:
@@ -54,25 +55,26 @@ _SELECT_ROWS = 256  # rows of a chunk speculated at once
 
 @dataclass
 class _Fetch:
-    """Rows of one layer on their way to the device, for the step's decode sequences."""
+    """Rows of one layer on their way to the device, for the step's decode sequences: (B, T, Hkv, D) keys and
+    values, sequence b's in its own T rows (whole blocks, or the rows InfiniGen selects, each KV head its own).
+    Sequence b attends to its rows ``starts[b] .. own[b]``, its new row going in at ``own[b]``."""
 
     transfer: Transfer
-    # "blocks": (B, T, Hkv, D) whole blocks, ``valid`` (B, T); "rows": (B, Hkv, K, D) selected rows,
-    # ``valid`` (B, K) (the first counts[b] of each row's K are chosen).
-    layout: str
-    valid: torch.Tensor
     buffers: dict[str, torch.Tensor]  # the staging buffers it lands in
-    shape: tuple[int, ...]  # of the keys/values they hold
-    own: torch.Tensor | None = None  # "blocks": (B,) long, where each sequence's new row goes among the T
+    shape: tuple[int, ...]  # (B, T, Hkv, D): of the keys/values they hold
+    starts: torch.Tensor  # (B,) int32
+    own: torch.Tensor  # (B,) long
 
 
 @dataclass(frozen=True)
 class _DecodeBlocks:
-    """The blocks a decode batch reads in layers of one window size (None: the whole context)."""
+    """The blocks a decode batch reads in layers of one window size (None: the whole context): sequence b sees
+    rows ``starts[b] .. own[b] - 1`` of its W * block_size, and its new row goes in at ``own[b]``."""
 
     block_index: torch.Tensor  # (Bd, W) long block ids covering each sequence's visible rows and the next one
-    own: torch.Tensor  # (Bd,) long: where each sequence's new row goes among its W * block_size rows
-    candidate_valid: torch.Tensor  # (Bd, W * block_size) bool: the cached rows of block_index it sees
+    candidates: PagedCandidates  # the same blocks as an int32 table, and the cached rows each sequence sees
+    own: torch.Tensor  # (Bd,) long
+    visible: int  # cached rows the sequences see, together
 
 
 @dataclass
@@ -174,8 +176,9 @@ class OffloadedKVCache(AttentionBackend):
         self.stats = OffloadStats([0] * num_layers, [0] * num_layers)
         self.partial_keys = self.pool = None
         if rehearsal is not None:
-            # Head-major, so one KV head's candidates are a contiguous (n, r) operand of the rehearsal's matmul.
-            shape = (num_layers, num_kv_heads, self.num_slots, rehearsal.partial_dims)
+            # Per KV head, each block's (r, block_size) transposed: speculation's dot products run across a
+            # block's keys, contiguous (``csrc/speculate.cpp``). ``_partial_rows`` views it by slot.
+            shape = (num_layers, num_kv_heads, num_blocks, rehearsal.partial_dims, block_size)
             self.partial_keys = torch.zeros(shape, dtype=dtype, device=self.device)  # device tier
         if isinstance(policy, InfiniGen) and policy.pool_limit < 1:
             # Per (layer, slot, KV head): times selected, last row that selected it, row that inserted it.
@@ -198,10 +201,11 @@ class OffloadedKVCache(AttentionBackend):
         self.tier.copy_blocks(list(pairs), self.block_size)
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
-        for array, dim in ((self.partial_keys, 2), (self.pool, 2)):
-            if array is not None:
-                blocks = array.unflatten(dim, (self.num_blocks, self.block_size))
-                blocks.index_copy_(dim, dst, blocks.index_select(dim, src))
+        if self.partial_keys is not None:  # blocks on dim 2
+            self.partial_keys.index_copy_(2, dst, self.partial_keys.index_select(2, src))
+        if self.pool is not None:
+            blocks = self.pool.unflatten(2, (self.num_blocks, self.block_size))
+            blocks.index_copy_(2, dst, blocks.index_select(2, src))
 
     def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Single token slots (src, dst) in every layer: a Prompt Cache module's partial last block copied into a
@@ -212,9 +216,12 @@ class OffloadedKVCache(AttentionBackend):
         self.tier.copy_slots(list(pairs))
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
-        for array in (self.partial_keys, self.pool):  # slots on dim 2 of both
-            if array is not None:
-                array.index_copy_(2, dst, array.index_select(2, src))
+        if self.partial_keys is not None:
+            rows = self._partial_rows()  # (L, Hkv, blocks, bs, r)
+            bs = self.block_size
+            rows[:, :, dst // bs, dst % bs] = rows[:, :, src // bs, src % bs]
+        if self.pool is not None:  # slots on dim 2
+            self.pool.index_copy_(2, dst, self.pool.index_select(2, src))
 
     def swap_out(self, pairs: Sequence[tuple[int, int]], host_cache: object = None) -> None:
         raise UnsupportedKVOperation("an offloading engine preempts by recompute (its KV is already off the device)")
@@ -283,9 +290,13 @@ class OffloadedKVCache(AttentionBackend):
         blocks = pad_tables(tables, width)  # (Bd, W)
         base = torch.tensor(lows, dtype=torch.long) * bs  # (Bd,) row of the first block read
         own = torch.tensor(held, dtype=torch.long) - base
-        position = torch.arange(width * bs)[None, :] + base[:, None]  # (Bd, W * bs)
-        valid = (position < own[:, None] + base[:, None]) & (position >= torch.tensor(firsts)[:, None])
-        return _DecodeBlocks(blocks.long().to(self.device), own.to(self.device), valid.to(self.device))
+        starts = torch.tensor(firsts, dtype=torch.long) - base
+        blocks = blocks.to(self.device)
+        candidates = PagedCandidates(
+            blocks, bs, starts.to(torch.int32).to(self.device), own.to(torch.int32).to(self.device)
+        )
+        visible = sum(h - f for h, f in zip(held, firsts, strict=True))
+        return _DecodeBlocks(blocks.long(), candidates, own.to(self.device), visible)
 
     def store_layer(
         self,
@@ -352,20 +363,13 @@ class OffloadedKVCache(AttentionBackend):
         batch = q.shape[0]
         fetch = step.pending.pop(layer)
         fetch.transfer.wait()
-        keys, values = self._dequantized(fetch.buffers, fetch.shape)
+        keys, values = self._dequantized(fetch.buffers, fetch.shape)  # (B, T, Hkv, D)
         # The step's own key/value is on the device already: it takes the spare row each fetch left.
-        if fetch.layout == "blocks":  # (B, T, Hkv, D) -> (B, Hkv, T, D)
-            batch_rows = torch.arange(batch, device=q.device)
-            keys[batch_rows, fetch.own], values[batch_rows, fetch.own] = k, v
-            keys, values = keys.transpose(1, 2), values.transpose(1, 2)
-        else:  # (B, Hkv, K + 1, D)
-            keys[:, :, -1], values[:, :, -1] = k, v
-        mask = fetch.valid[:, None, None, :]  # (B, 1, 1, T)
-        if batch == 1:  # its valid rows are a range: cut the rest off instead of masking (SDPA is faster unmasked)
-            seen = fetch.valid[0].nonzero()
-            first, last = int(seen[0]), int(seen[-1]) + 1
-            keys, values, mask = keys[:, :, first:last], values[:, :, first:last], None
-        out = gqa_attend(q, keys, values, mask)  # (B, H, D)
+        batch_rows = torch.arange(batch, device=q.device)
+        keys[batch_rows, fetch.own], values[batch_rows, fetch.own] = k, v
+        # Each sequence's T rows are one block of the paged kernel: no copy, only its range is read.
+        tables = batch_rows.to(torch.int32)[:, None]
+        out, _ = paged_decode(q, keys, values, tables, fetch.starts, (fetch.own + 1).to(torch.int32))
         self._store_decodes(layer, k, v, meta)
         return out
 
@@ -376,9 +380,7 @@ class OffloadedKVCache(AttentionBackend):
         blocks = view.block_index.view(-1)
         num_rows = blocks.numel() * self.block_size
         batch = view.block_index.shape[0]
-        valid = view.candidate_valid.clone()
-        valid[torch.arange(batch, device=self.device), view.own] = True  # the step's own row
-        self._count(layer, int(view.candidate_valid.sum()), step.cached)
+        self._count(layer, view.visible, step.cached)
         out = {name: self.staging.get(name, layer, num_rows) for name in self.rows}
 
         def copy() -> None:
@@ -388,28 +390,23 @@ class OffloadedKVCache(AttentionBackend):
                 gather_rows(by_block, blocks, buffer.view(blocks.numel(), -1))
 
         shape = (batch, num_rows // batch, self.num_kv_heads, self.head_dim)
-        return _Fetch(self.queue.fetch(copy, num_rows * self._row_bytes()), "blocks", valid, out, shape, view.own)
+        transfer = self.queue.fetch(copy, num_rows * self._row_bytes())
+        return _Fetch(transfer, out, shape, view.candidates.starts, view.own)
 
     def _fetch_selected(self, layer: int, step: _Step, meta: OffloadAttentionMetadata) -> _Fetch:
         """The rows layer ``layer``'s rehearsal selects for each decode sequence (InfiniGen)."""
-        partial_q = step.partial_queries[layer].index_select(0, step.rows).transpose(0, 1)  # (Hkv, B, G, r)
+        partial_q = step.partial_queries[layer].index_select(0, step.rows)  # (B, Hkv, G, r)
         view = step.views[None]  # speculation runs in global layers only
-        blocks = view.block_index  # (B, W)
-        batch, width = blocks.shape
-        bs = self.block_size
-        # Whole blocks of partial keys (a block's rows are contiguous per head): (Hkv, B, W * bs, r).
-        by_block = self.partial_keys[layer].view(self.num_kv_heads, self.num_blocks, -1)
-        partial_k = by_block.index_select(1, blocks.view(-1)).view(self.num_kv_heads, batch, width * bs, -1)
-        valid = view.candidate_valid
-        if batch == 1:  # its candidates are a prefix: cut the rest off instead of masking them
-            partial_k, valid = partial_k[:, :, : int(view.own[0])], None
-        selection = self.policy.select_decode_rows(layer, partial_q, partial_k, valid, self.head_dim, self.rank_mean)
-        index = selection.index.flatten(1)  # (B, Hkv * K) rows of the blocks
-        slots = (blocks.gather(1, index // bs) * bs + index % bs).view_as(selection.index)  # (B, Hkv, K)
+        batch = partial_q.shape[0]
+        selection, slots = self.policy.select_decode_rows(
+            layer, partial_q, self.partial_keys[layer], view.candidates, self.head_dim, self.rank_mean
+        )  # slots (B, Hkv, K)
         # One more row per (sequence, head), any row: the step's own key/value goes there once fetched.
         slots = F.pad(slots, (0, 1))
         heads = torch.arange(self.num_kv_heads, device=slots.device)[None, :, None]
-        flat = (slots * self.num_kv_heads + heads).view(-1)  # rows of the tier's (slots * Hkv, D) view
+        # Rows of the tier's (slots * Hkv, D) view, ordered (B, K + 1, Hkv): row j of sequence b holds each KV
+        # head's j-th pick, so the fetched buffer is a (B, K + 1, Hkv, D) cache like a whole-blocks fetch.
+        flat = (slots * self.num_kv_heads + heads).transpose(1, 2).reshape(-1)
         top = slots.shape[-1]
         self._count(layer, int(selection.counts.sum()), step.cached)
         if self.pool is not None:
@@ -423,10 +420,10 @@ class OffloadedKVCache(AttentionBackend):
                 array = self.tier.arrays[name][layer]  # (slots, Hkv, *row)
                 gather_rows(array.view(self.num_slots * self.num_kv_heads, -1), flat, buffer.view(flat.numel(), -1))
 
-        valid = F.pad(selection.chosen, (0, 1), value=True)
         nbytes = flat.numel() * self._row_bytes() // self.num_kv_heads
-        shape = (batch, self.num_kv_heads, top, self.head_dim)
-        return _Fetch(self.queue.fetch(copy, nbytes), "rows", valid, out, shape)
+        shape = (batch, top, self.num_kv_heads, self.head_dim)
+        starts = torch.zeros(batch, dtype=torch.int32, device=self.device)
+        return _Fetch(self.queue.fetch(copy, nbytes), out, shape, starts, selection.counts.to(self.device))
 
     def _store_decodes(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: OffloadAttentionMetadata) -> None:
         """The decode rows' keys/values (B, Hkv, D) to the tier: at their own slot, or over a victim's."""
@@ -498,7 +495,7 @@ class OffloadedKVCache(AttentionBackend):
         """Which of the h cached rows and m new rows each of the m rows may read: (m, Hkv, h + m) bool."""
         held = slots.numel()
         partial_q = meta.state.partial_queries[layer][first_row : first_row + m]  # (m, Hkv, G, r)
-        cached = self.partial_keys[layer].index_select(1, slots)  # (Hkv, h, r)
+        cached = self._partial_rows(layer)[:, slots // self.block_size, slots % self.block_size]  # (Hkv, h, r)
         partial_k = torch.cat((cached, self.rehearsal.partial_key(layer, k).transpose(0, 1)), dim=1)  # (Hkv, h + m, r)
         allowed = self.policy.rows_allowed(layer, partial_q, partial_k, held, self.head_dim, self.rank_mean)
         # allowed: (m, Hkv, h + m)
@@ -562,10 +559,9 @@ class OffloadedKVCache(AttentionBackend):
         flat = (slots * self.num_kv_heads + heads).view(-1)  # (R * Hkv,)
         if self.partial_keys is not None:
             partial = self.rehearsal.partial_key(layer, k).transpose(0, 1)  # (Hkv, R, r)
-            by_head = (heads.t() * self.num_slots + slots.t()).reshape(-1)  # rows of the (Hkv * slots, r) view
-            self.partial_keys[layer].view(-1, partial.shape[-1]).index_copy_(
-                0, by_head, partial.reshape(-1, partial.shape[-1])
-            )
+            by_head = slots.t()  # (Hkv, R)
+            rows = self._partial_rows(layer)  # (Hkv, blocks, bs, r)
+            rows[heads.t().expand_as(by_head), by_head // self.block_size, by_head % self.block_size] = partial
         if self.pool is not None:
             stamps = tokens[:, None].expand_as(slots).reshape(-1)
             self.pool[0, layer].view(-1).index_fill_(0, flat, 0)
@@ -579,6 +575,11 @@ class OffloadedKVCache(AttentionBackend):
                 scatter_rows(array.view(self.num_slots * self.num_kv_heads, -1), flat, rows)
 
         self.queue.store(copy, flat.numel() * self._row_bytes() // self.num_kv_heads)
+
+    def _partial_rows(self, layer: int | None = None) -> torch.Tensor:
+        """The partial keys by slot: (Hkv, blocks, block_size, r) of ``layer``, or (L, ...) of every layer (a view)."""
+        keys = self.partial_keys if layer is None else self.partial_keys[layer]
+        return keys.transpose(-1, -2)
 
     def _fetch_rows(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every head of ``slots`` (h,) in ``layer``, fetched and waited for: (h, Hkv, D) keys and values."""

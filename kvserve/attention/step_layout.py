@@ -10,7 +10,6 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 
 def row_starts(query_lens: Sequence[int]) -> list[int]:
@@ -57,18 +56,3 @@ def slot_ids(
     blocks = torch.tensor(table[first:last], dtype=torch.long, device=device)
     ids = (blocks[:, None] * block_size + torch.arange(block_size, device=device)).view(-1)
     return ids[begin - first * block_size : end - first * block_size]
-
-
-def gqa_attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """One query row per sequence over its keys: q (B, H, D), keys/values (B, Hkv, T, D), mask (B, 1, 1, T)
-    bool (True = attend) or None -> (B, H, D).
-
-    Query head h reads KV head h // G: the G heads of a group are folded into query rows, so each KV head is
-    read once (measured 1.3-1.5x faster than ``enable_gqa=True``)."""
-    batch, num_heads, head_dim = q.shape
-    hkv = keys.shape[1]
-    qg = q.reshape(batch, hkv, num_heads // hkv, head_dim)  # (B, Hkv, G, D)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)  # (B, Hkv, G, D)
-    return out.reshape(batch, num_heads, head_dim)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.cpu_kernels import use_cpu_kernel
 from kvserve.models.layers import RotaryEmbedding
 from kvserve.models.packed_linear import dense_linear, prepack
 from kvserve.policies.base import KVPolicy
@@ -100,15 +101,28 @@ class InfiniGen(KVPolicy):
         self,
         layer: int,
         partial_q: torch.Tensor,
-        partial_k: torch.Tensor,
-        valid: torch.Tensor | None,
+        partial_keys: torch.Tensor,
+        candidates: PagedCandidates,
         head_dim: int,
         rank_mean: RankMean | None = None,
-    ) -> Selection:
-        """The rows each decode sequence's layer ``layer`` reads: partial queries (Hkv, B, G, r) against the partial
-        keys of its candidates (Hkv, B, T, r); ``valid`` (B, T) marks the real candidates (None: all)."""
-        logits = partial_logits(partial_q, partial_k, head_dim).transpose(0, 1)  # (B, Hkv, G, T)
-        return speculate(logits, valid, self.layer_alpha(layer), rank_mean)
+    ) -> tuple[Selection, torch.Tensor]:
+        """The rows each decode sequence's layer ``layer`` reads: partial queries (B, Hkv, G, r) against the
+        partial keys of their candidates, read in place from the layer's partial key cache (Hkv, blocks, r,
+        block_size): each block's keys transposed, so the op's dot products run across a block's keys.
+        Returns the selection (positions in each sequence's table) and the tier slots it picks (B, Hkv, K).
+
+        One compiled op on the CPU (``csrc/speculate.cpp``); under tensor parallelism (the count is a mean
+        over every rank's heads) and off the CPU, the torch reference ``speculate_paged``."""
+        alpha = self.layer_alpha(layer)
+        if rank_mean is None and use_cpu_kernel(partial_q, partial_keys):
+            c = candidates
+            index, counts, slots = torch.ops.kvserve.speculate_rows(
+                partial_q.contiguous(), partial_keys, c.block_tables, c.block_size, c.starts, c.ends,
+                1.0 / math.sqrt(head_dim), alpha,
+            )  # fmt: skip
+            chosen = torch.arange(index.shape[-1])[None, :] < counts[:, None]
+            return Selection(index, chosen, counts), slots
+        return speculate_paged(partial_q, partial_keys, candidates, head_dim, alpha, rank_mean)
 
     def rows_allowed(
         self,
@@ -167,6 +181,46 @@ class Selection:
     index: torch.Tensor
     chosen: torch.Tensor
     counts: torch.Tensor  # (R,) long
+
+
+@dataclass(frozen=True)
+class PagedCandidates:
+    """The cached rows each of B decode sequences may fetch: positions ``starts[b] .. ends[b] - 1`` of its block
+    table ((B, W) int32; position p is slot ``table[p // block_size] * block_size + p % block_size``)."""
+
+    block_tables: torch.Tensor
+    block_size: int
+    starts: torch.Tensor  # (B,) int32
+    ends: torch.Tensor  # (B,) int32
+
+    def slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """Tier slots of ``positions`` (B, ...) long, each row's in its own table."""
+        flat = positions.flatten(1)
+        blocks = self.block_tables.long().gather(1, flat // self.block_size)
+        return (blocks * self.block_size + flat % self.block_size).view_as(positions)
+
+
+def speculate_paged(
+    partial_q: torch.Tensor,
+    partial_keys: torch.Tensor,
+    candidates: PagedCandidates,
+    head_dim: int,
+    alpha: float,
+    rank_mean: RankMean | None = None,
+) -> tuple[Selection, torch.Tensor]:
+    """``InfiniGen.select_decode_rows`` from torch ops (the compiled op's oracle): gather each sequence's whole
+    blocks of partial keys, mask the positions outside its candidates, ``speculate``."""
+    batch, hkv = partial_q.shape[:2]
+    c = candidates
+    width = c.block_tables.shape[1]
+    # Whole blocks of partial keys, each (r, bs) -> (Hkv, B, W * bs, r).
+    blocks = partial_keys.index_select(1, c.block_tables.long().view(-1)).transpose(-1, -2)
+    partial_k = blocks.reshape(hkv, batch, width * c.block_size, -1)
+    position = torch.arange(width * c.block_size, device=partial_q.device)[None, :]
+    valid = (position >= c.starts.long()[:, None]) & (position < c.ends.long()[:, None])  # (B, W * bs)
+    logits = partial_logits(partial_q.transpose(0, 1), partial_k, head_dim).transpose(0, 1)  # (B, Hkv, G, T)
+    selection = speculate(logits, valid, alpha, rank_mean)
+    return selection, c.slots(selection.index)
 
 
 def speculate(

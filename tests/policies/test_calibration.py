@@ -25,7 +25,7 @@ from kvserve.policies.calibration import (
     kept_mass,
     layer_logits,
 )
-from kvserve.policies.infinigen import InfiniGen, Rehearsal, speculate
+from kvserve.policies.infinigen import InfiniGen, PagedCandidates, Rehearsal, speculate
 from kvserve.policies.skewing import (
     CALIBRATION_ROWS,
     SKEWING_DIR_ENV,
@@ -211,8 +211,11 @@ def test_auto_resolves_to_the_calibrated_alphas_and_a_number_overrides(loaded) -
 def test_per_layer_alphas_decide_each_layers_fetch(loaded) -> None:
     g = torch.Generator().manual_seed(8)
     policy = InfiniGen(alpha=(0.0, 0.0, 1.0, 1e9))
-    partial_q, partial_k = torch.randn(2, 3, 2, 5, generator=g), torch.randn(2, 3, 40, 5, generator=g)
-    counts = [policy.select_decode_rows(layer, partial_q, partial_k, None, 32).counts for layer in range(4)]
+    # 3 sequences, 2 KV heads of 2 query heads, r = 5; 40 candidates each: 5 blocks of 8 (keys transposed).
+    partial_q, partial_keys = torch.randn(3, 2, 2, 5, generator=g), torch.randn(2, 15, 5, 8, generator=g)
+    tables = torch.arange(15, dtype=torch.int32).view(3, 5)
+    candidates = PagedCandidates(tables, 8, torch.zeros(3, dtype=torch.int32), torch.full((3,), 40, dtype=torch.int32))
+    counts = [policy.select_decode_rows(layer, partial_q, partial_keys, candidates, 32)[0].counts for layer in range(4)]
     assert torch.all(counts[1] <= counts[2]) and torch.all(counts[2] <= counts[3]) and counts[3].tolist() == [40] * 3
     # Through an engine: layer 1 fetches its best row, layer 2 everything.
     fractions = fetched(offload_engine(loaded, infinigen_alpha=(0.0, 0.0, 1e9)))
