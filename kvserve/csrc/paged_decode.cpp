@@ -37,6 +37,10 @@ using kvserve_cpu::to_float;
 #if defined(__AVX512F__)
 using kvserve_cpu::load16;
 #endif
+#if defined(KVSERVE_AVX2)
+using kvserve_cpu::hsum8;
+using kvserve_cpu::load8;
+#endif
 
 // scores[j * stride] = q_j . k for the G query rows q (G, D) float32 and one key row k (D,).
 template <typename T>
@@ -141,6 +145,46 @@ void value_pass_fixed(const Geometry& g, const T* v_cache, const int32_t* table,
 }
 #endif
 
+#if defined(KVSERVE_AVX2)
+// AVX2 (16 vector registers): the G sums of a key stay in registers, the queries come from L1; the value
+// pass runs over 32 of D's columns at a time so its G x 4 accumulators stay in registers.
+template <int G, typename T>
+void key_pass8(const Geometry& g, const float* q, const T* k_cache, const int32_t* table, int64_t h, int64_t first,
+               int64_t last, float* scores, int64_t stride) {
+  const int64_t D = g.dim;
+  for_each_key(g, table, h, first, last, [&](int64_t t, int64_t slot) {
+    __m256 sums[G];
+    for (int j = 0; j < G; ++j) sums[j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D; c += 8) {
+      const __m256 kc = load8(k_cache + slot + c);
+      for (int j = 0; j < G; ++j) sums[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * D + c), kc, sums[j]);
+    }
+    for (int j = 0; j < G; ++j) scores[j * stride + t] = hsum8(sums[j]);
+  });
+}
+
+template <int G, typename T>
+void value_pass8(const Geometry& g, const T* v_cache, const int32_t* table, int64_t h, int64_t first, int64_t last,
+                 const float* probs, int64_t stride, float* acc) {
+  const int64_t D = g.dim;
+  for (int64_t c0 = 0; c0 < D; c0 += 32) {
+    __m256 av[G][4];
+    for (int j = 0; j < G; ++j)
+      for (int c = 0; c < 4; ++c) av[j][c] = _mm256_loadu_ps(acc + j * D + c0 + c * 8);
+    for_each_key(g, table, h, first, last, [&](int64_t t, int64_t slot) {
+      __m256 p[G];
+      for (int j = 0; j < G; ++j) p[j] = _mm256_set1_ps(probs[j * stride + t]);
+      for (int c = 0; c < 4; ++c) {
+        const __m256 vc = load8(v_cache + slot + c0 + c * 8);
+        for (int j = 0; j < G; ++j) av[j][c] = _mm256_fmadd_ps(p[j], vc, av[j][c]);
+      }
+    });
+    for (int j = 0; j < G; ++j)
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + j * D + c0 + c * 8, av[j][c]);
+  }
+}
+#endif
+
 // scores[j * stride + t] = q_j . key(first + t) for the G query rows of KV head h.
 template <typename T>
 void key_pass(const Geometry& g, const float* q, const T* k_cache, const int32_t* table, int64_t h, int64_t first,
@@ -148,6 +192,16 @@ void key_pass(const Geometry& g, const float* q, const T* k_cache, const int32_t
 #if defined(__AVX512F__)
   if (g.group == 3 && g.dim == 64) return key_pass_fixed<3, 64>(g, q, k_cache, table, h, first, last, scores, stride);
   if (g.group == 4 && g.dim == 64) return key_pass_fixed<4, 64>(g, q, k_cache, table, h, first, last, scores, stride);
+#elif defined(KVSERVE_AVX2)
+  if (g.dim % 32 == 0) {
+    switch (g.group) {
+      case 1: return key_pass8<1>(g, q, k_cache, table, h, first, last, scores, stride);
+      case 2: return key_pass8<2>(g, q, k_cache, table, h, first, last, scores, stride);
+      case 3: return key_pass8<3>(g, q, k_cache, table, h, first, last, scores, stride);
+      case 4: return key_pass8<4>(g, q, k_cache, table, h, first, last, scores, stride);
+      default: break;
+    }
+  }
 #endif
   for_each_key(g, table, h, first, last,
                [&](int64_t t, int64_t slot) { dots(q, k_cache + slot, g.group, g.dim, scores + t, stride); });
@@ -162,6 +216,16 @@ void value_pass(const Geometry& g, const T* v_cache, const int32_t* table, int64
     return value_pass_fixed<3, 64>(g, v_cache, table, h, first, last, probs, stride, acc);
   if (g.group == 4 && g.dim == 64)
     return value_pass_fixed<4, 64>(g, v_cache, table, h, first, last, probs, stride, acc);
+#elif defined(KVSERVE_AVX2)
+  if (g.dim % 32 == 0) {
+    switch (g.group) {
+      case 1: return value_pass8<1>(g, v_cache, table, h, first, last, probs, stride, acc);
+      case 2: return value_pass8<2>(g, v_cache, table, h, first, last, probs, stride, acc);
+      case 3: return value_pass8<3>(g, v_cache, table, h, first, last, probs, stride, acc);
+      case 4: return value_pass8<4>(g, v_cache, table, h, first, last, probs, stride, acc);
+      default: break;
+    }
+  }
 #endif
   for_each_key(g, table, h, first, last, [&](int64_t t, int64_t slot) {
     accumulate(acc, v_cache + slot, probs + t, stride, g.group, g.dim);
