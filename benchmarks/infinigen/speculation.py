@@ -38,14 +38,16 @@ HERE = Path(__file__).parent
 
 
 class _Recorder(ContiguousKVCache):
-    """Keeps every layer's attention input, rotated queries and keys."""
+    """Keeps every layer's attention input, rotated queries and keys, and each layer's rotary tables (which
+    differ per layer on Gemma 3: local and global layers have their own bases)."""
 
     def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - ContiguousKVCache's
         super().__init__(*args, **kwargs)
-        self.inputs, self.queries, self.keys, self.rope = {}, {}, {}, None
+        self.inputs, self.queries, self.keys, self.ropes = {}, {}, {}, {}
 
     def observe_input(self, layer, x, rope, metadata) -> None:  # noqa: ANN001 - AttentionBackend's
-        self.inputs[layer], self.rope = x.clone(), rope
+        # The model passes layer + 1's tables here: what the rehearsal of layer + 1 rotates with.
+        self.inputs[layer], self.ropes[layer + 1] = x.clone(), rope
 
     def forward(self, layer, q, k, v, metadata):  # noqa: ANN001, ANN201 - AttentionBackend's
         self.queries[layer], self.keys[layer] = q.clone(), k.clone()
@@ -83,7 +85,6 @@ def main() -> int:
     partial = Rehearsal(loaded.model, skewing.partial(max(1, round(args.ratio * cfg.head_dim))))
     everything = Rehearsal(loaded.model, skewing.partial(cfg.head_dim))
     rows = torch.arange(n - args.rows, n)
-    rope = (recorder.rope[0][rows], recorder.rope[1][rows])
     valid = torch.arange(n)[None, :] < rows[:, None]  # earlier tokens only
     results = {}
     with torch.inference_mode():
@@ -93,6 +94,7 @@ def main() -> int:
             for layer in range(1, cfg.num_layers):
                 q = recorder.queries[layer][rows].view(args.rows, cfg.num_kv_heads, group, cfg.head_dim)
                 k = recorder.keys[layer].transpose(0, 1)  # (Hkv, n, D)
+                rope = (recorder.ropes[layer][0][rows], recorder.ropes[layer][1][rows])  # this layer's rotation
                 true = partial_logits(q.transpose(0, 1), k[:, None], cfg.head_dim).transpose(0, 1)  # (R, Hkv, G, n)
                 weights = torch.softmax(true.masked_fill(~valid[:, None, None, :], float("-inf")), -1).mean(2)
                 variants = {

@@ -14,6 +14,12 @@ from functools import lru_cache
 LAYER_SCHEDULES = ("uniform", "pyramidinfer", "pyramidkv")
 
 
+def check_layer_schedule(name: object) -> None:
+    """A ValueError naming ``name`` unless it is one of ``LAYER_SCHEDULES``."""
+    if name not in LAYER_SCHEDULES:
+        raise ValueError(f"layer_schedule must be one of {list(LAYER_SCHEDULES)}, got {name!r}")
+
+
 @lru_cache(maxsize=64)
 def pyramidkv_schedule(num_layers: int, budget: float, beta: float = 20.0) -> tuple[float, ...]:
     """Per-layer fractions min(1, top - (top - budget / beta) l / (L - 1)), non-increasing, with ``top`` chosen

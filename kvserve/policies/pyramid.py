@@ -32,7 +32,7 @@ from functools import lru_cache
 import torch
 
 from kvserve.policies.base import SCORES_RECENT, KVPolicy
-from kvserve.policies.layer_schedule import LAYER_SCHEDULES, pyramidkv_schedule
+from kvserve.policies.layer_schedule import check_layer_schedule, pyramidkv_schedule
 
 MAX_RECENT_SHARE_OF_BUDGET = 0.8
 
@@ -62,8 +62,7 @@ class PyramidInfer(KVPolicy):
             raise ValueError(f"distance_weight must be >= 1, got {self.distance_weight!r}")
         if not 0 <= self.decode_decay < 1:
             raise ValueError(f"decode_decay must be in [0, 1), got {self.decode_decay!r}")
-        if self.layer_schedule not in LAYER_SCHEDULES:
-            raise ValueError(f"layer_schedule must be one of {list(LAYER_SCHEDULES)}, got {self.layer_schedule!r}")
+        check_layer_schedule(self.layer_schedule)
         if self.layer_retention is not None:
             object.__setattr__(self, "layer_retention", tuple(float(r) for r in self.layer_retention))
             bad = [r for r in self.layer_retention if not 0 < r <= 1]

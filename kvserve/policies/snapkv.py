@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.policies.base import SCORES_RECENT, KVPolicy, recent_and_top
-from kvserve.policies.layer_schedule import LAYER_SCHEDULES, pyramidkv_schedule
+from kvserve.policies.layer_schedule import check_layer_schedule, pyramidkv_schedule
 from kvserve.policies.pyramid import pyramid_schedule
 
 MAX_WINDOW_SHARE_OF_KEEP = 0.5
@@ -49,8 +49,7 @@ class SnapKV(KVPolicy):
             raise ValueError(f"snapkv window must be an integer >= 1, got {self.window!r}")
         if not isinstance(self.kernel_size, int) or self.kernel_size < 1 or self.kernel_size % 2 == 0:
             raise ValueError(f"snapkv kernel_size must be an odd integer >= 1, got {self.kernel_size!r}")
-        if self.layer_schedule not in LAYER_SCHEDULES:
-            raise ValueError(f"layer_schedule must be one of {list(LAYER_SCHEDULES)}, got {self.layer_schedule!r}")
+        check_layer_schedule(self.layer_schedule)
         if not self.pyramid_beta >= 1:
             raise ValueError(f"pyramid_beta must be >= 1, got {self.pyramid_beta!r}")
         if not 0 <= self.decode_decay < 1:
