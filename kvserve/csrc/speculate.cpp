@@ -1,5 +1,5 @@
-// InfiniGen's speculation for a decode batch in one pass (policies/infinigen.py: ``speculate`` is the torch
-// reference and the tests' oracle): which cached rows each sequence's KV heads fetch at the next layer.
+// InfiniGen's speculation for a decode batch in one pass (policies/infinigen.py: ``speculate_paged`` is the
+// torch reference and the tests' oracle): which cached rows each sequence's KV heads fetch at the next layer.
 //
 // partial_q (B, Hkv, G, r): each decode row's skewed partial queries; partial_keys (Hkv, blocks, r, bs):
 // the layer's partial key cache, each block's keys transposed so a dot product runs across the block's
@@ -20,7 +20,6 @@
 
 #include <algorithm>
 #include <functional>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -190,7 +189,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run(const Shape& s, const at::Ten
     cp[b] = std::min<int64_t>(std::max<int64_t>(mean, 1), ep[b] - sp[b]);
     top = std::max(top, cp[b]);
   }
-  auto index = at::zeros({B, Hkv, top}, at::kLong);
+  auto index = at::empty({B, Hkv, top}, at::kLong);  // every entry written below
   auto slots = at::empty({B, Hkv, top}, at::kLong);
   int64_t* ip = index.data_ptr<int64_t>();
   int64_t* op = slots.data_ptr<int64_t>();
