@@ -25,7 +25,7 @@ from kvserve.models.batch_invariant import make_batch_invariant
 from kvserve.models.layers import Linear
 from kvserve.models.loader import load_model
 from kvserve.models.packed_linear import ROW_TILE
-from kvserve.models.quant_linear import Int4Weight, Int8PlanesLinear, QuantLinear
+from kvserve.models.quant_linear import Int4Weight, Int8Weight, Q8Linear, QuantLinear, max_rows
 from kvserve.sampler import SampleRow, sample_each
 from kvserve.sampling_params import SamplingParams
 from tests.test_gguf_loader import checkpoint, write_gguf
@@ -64,11 +64,11 @@ def test_dense_projection_in_row_tiles_gives_each_row_its_own_result(dtype, shap
     assert linear(x[:5].view(5, 1, in_features)).shape == (5, 1, out_features)
 
 
-def int4_linear(dense: bool) -> QuantLinear:
+def int4_linear(dense: bool, dtype: torch.dtype = torch.bfloat16) -> QuantLinear:
     blocks, w = blocks_of((48, 64), GGMLQuantizationType.Q4_1)
     weight = Int4Weight.from_ggml_blocks(blocks, GGMLQuantizationType.Q4_1)
     bias = torch.randn(48, generator=torch.Generator().manual_seed(4))
-    return QuantLinear(weight, torch.bfloat16, bias, dense=w if dense else None).requires_grad_(False)
+    return QuantLinear(weight, dtype, bias, dense=w if dense else None).requires_grad_(False)
 
 
 class _Holder(torch.nn.Module):
@@ -80,21 +80,22 @@ class _Holder(torch.nn.Module):
         self.head_row_tile = 0
 
 
-def test_int4_projections_take_one_kernel_for_every_row_count() -> None:
-    planes_blocks, _ = blocks_of((40, 64), GGMLQuantizationType.Q8_0)
-    planes = Int4Weight.planes_from_q8_0(planes_blocks)
-    head = Int8PlanesLinear(planes, torch.bfloat16, dense=torch.randn(40, 64).bfloat16())
-    quant = int4_linear(dense=True)
-    x = torch.randn(max(ROW_COUNTS), 64, generator=torch.Generator().manual_seed(2)).bfloat16()
-    # The default: int4 for up to INT4_MAX_ROWS rows, the dense copy above, so a row changes with its batch.
-    assert not torch.equal(quant(x[:4])[:1], quant(x[:1]))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)  # torch's int4 kernel, kvserve's
+def test_int4_projections_take_one_kernel_for_every_row_count(dtype) -> None:
+    head_blocks, _ = blocks_of((40, 64), GGMLQuantizationType.Q8_0)
+    head = Q8Linear(Int8Weight.from_q8_0_blocks(head_blocks), dtype, dense=torch.randn(40, 64).to(dtype))
+    quant = int4_linear(dense=True, dtype=dtype)
+    x = torch.randn(max(ROW_COUNTS), 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    # The default: the codes for up to max_rows rows, the dense copy above, so a row changes with its batch.
+    above = max_rows(dtype) + 1
+    assert not torch.equal(quant(x[:above])[:1], quant(x[:1]))
     holder = _Holder(quant, head)
     make_batch_invariant(holder)
     assert quant.dense is None and quant.dense_packed is None and head.dense is None
     assert holder.head_row_tile == ROW_TILE
     assert_row_invariant(quant, x)
     assert_row_invariant(head, x)
-    assert torch.equal(quant(x), int4_linear(dense=False)(x))  # exactly the int4 kernel
+    assert torch.equal(quant(x), int4_linear(dense=False, dtype=dtype)(x))  # exactly the int4 kernel
 
 
 # ----- attention -----

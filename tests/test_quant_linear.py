@@ -1,8 +1,8 @@
 """Native int4 execution of GGUF Q4_0 / Q4_1 weights, and the ``auto`` dtype.
 
-The conversion keeps every 4-bit code and rewrites only the group constants, so with float32
-activations the int4 kernel must reproduce the dequantised float32 weights to float32 rounding; with
-bfloat16 activations (the mode the engine runs) to bfloat16 rounding.
+The conversion keeps every 4-bit code and its group constants, so with float32 activations (kvserve's
+kernel) the product must reproduce the dequantised float32 weights to float32 rounding; with bfloat16
+activations (torch's int4 kernel) to bfloat16 rounding.
 """
 
 from __future__ import annotations
@@ -23,7 +23,15 @@ from kvserve.models.catalog import default_model_path
 from kvserve.models.dtype import resolve_dtype
 from kvserve.models.loader import load_model
 from kvserve.models.packed_linear import can_prepack
-from kvserve.models.quant_linear import INT4_MAX_ROWS, Int4Weight, Int8PlanesLinear, QuantEmbedding, QuantLinear
+from kvserve.models.quant_linear import (
+    INT4_MAX_ROWS,
+    Int4Weight,
+    Int8Weight,
+    Q8Linear,
+    QuantEmbedding,
+    QuantLinear,
+    max_rows,
+)
 from tests.test_gguf_loader import GQA, checkpoint, random_ids, write_gguf
 from tests.tiny_models import TinySpec, torch_single_thread  # noqa: F401 - autouse fixture
 
@@ -102,21 +110,25 @@ def test_fused_and_permuted_rows_keep_codes_and_constants_together() -> None:
 
 
 @pytest.mark.parametrize("shape", [(64, 64), (100, 96), (48, 576)])
-def test_q8_0_planes_sum_to_the_ggml_weight(shape) -> None:
-    """Two int4 planes carry every 8-bit code: their dequantised rows add up to ggml's exactly."""
+def test_q8_0_codes_and_planes_give_the_ggml_weight(shape) -> None:
+    """The 8-bit codes dequantise to ggml's weight exactly; two int4 planes carry every code: their
+    dequantised rows add up to it exactly too."""
     blocks, expected = blocks_of(shape, Q.Q8_0)
-    planes = Int4Weight.planes_from_q8_0(blocks)
+    weight = Int8Weight.from_q8_0_blocks(blocks)
+    assert torch.equal(weight.dequantize(), expected)
+    planes = weight.planes()
     assert planes.shape == (2 * shape[0], shape[1])
     dense = planes.dequantize()
     assert torch.equal(dense[: shape[0]] + dense[shape[0] :], expected)
-    x = torch.randn(3, shape[1])
-    assert rel_err(Int8PlanesLinear(planes, torch.float32)(x), F.linear(x, expected)) < 1e-5
-    got = Int8PlanesLinear(planes, torch.bfloat16)(x.bfloat16())
+    x = torch.randn(3, 2, shape[1])
+    assert rel_err(Q8Linear(weight, torch.float32)(x), F.linear(x, expected)) < 1e-5
+    got = Q8Linear(weight, torch.bfloat16)(x.bfloat16())
     assert rel_err(got, F.linear(x.bfloat16(), expected.bfloat16())) < 0.02
-    # Above INT4_MAX_ROWS rows the dense copy computes, exactly as a plain bfloat16 matmul.
-    many = torch.randn(INT4_MAX_ROWS + 1, shape[1]).bfloat16()
-    with_dense = Int8PlanesLinear(planes, torch.bfloat16, dense=expected.bfloat16())
-    assert torch.equal(with_dense(many), F.linear(many, expected.bfloat16()))
+    # Above max_rows rows the dense copy computes, exactly as a plain matmul.
+    for dtype in (torch.bfloat16, torch.float32):
+        many = torch.randn(max_rows(dtype) + 1, shape[1]).to(dtype)
+        with_dense = Q8Linear(weight, dtype, dense=expected.to(dtype))
+        assert torch.equal(with_dense(many), F.linear(many, expected.to(dtype)))
 
 
 TIED = TinySpec(num_heads=4, num_kv_heads=4, tie_word_embeddings=True, seed=3)
@@ -158,11 +170,14 @@ def test_int4_model_runs_int4_and_matches_the_dequantised_model(tiny_q4, monkeyp
     diff_native = (logits_of(native, ids) - dequant32).abs().max().item()
     diff_bf16 = (dequant16 - dequant32).abs().max().item()
     assert diff_native < max(3 * diff_bf16, 0.1), (diff_native, diff_bf16)
-    # float32 activations through the int4 kernel (not an engine mode): the conversion alone, lossless.
-    monkeypatch.setattr(loader, "NATIVE_INT4_DTYPES", (torch.float32,))
+    # float32 activations through kvserve's kernel: the same weights, only the order of the sums differs.
     native32 = load_model(path, torch.float32, weights="int4")
-    assert native32.weights == "int4"
+    assert native32.weights == "int4" and isinstance(native32.model.layers[0].mlp.down_proj, QuantLinear)
     assert (logits_of(native32, ids) - dequant32).abs().max().item() < 1e-4
+    # Without the compiled kernels float32 is dequantised, and the summary says why.
+    monkeypatch.setattr(loader, "cpu_kernels_available", lambda: False)
+    fallback = load_model(path, torch.float32, weights="int4")
+    assert fallback.weights == "dequant" and "needs kvserve's CPU kernels" in fallback.weights_summary
 
 
 def test_native_model_runs_large_batches_through_the_dequantised_copy(tiny_q4) -> None:
@@ -182,25 +197,29 @@ def test_native_model_runs_large_batches_through_the_dequantised_copy(tiny_q4) -
     assert torch.equal(logits_of(native, one), logits_of(load_model(path, torch.bfloat16, weights="int4"), one))
 
 
-@pytest.mark.parametrize("rows", [1, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 64])
-def test_quant_linear_picks_its_kernel_by_row_count(rows) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows", ["one", "max", "max+1", 64])
+def test_quant_linear_picks_its_kernel_by_row_count(rows, dtype) -> None:
+    limit = max_rows(dtype)
+    rows = {"one": 1, "max": limit, "max+1": limit + 1}.get(rows, rows)
     blocks, w = blocks_of((48, 64), Q.Q4_1)
     weight = Int4Weight.from_ggml_blocks(blocks, Q.Q4_1)
     bias = torch.randn(48)
-    both = QuantLinear(weight, torch.bfloat16, bias, dense=w)
-    x = torch.randn(rows, 64).bfloat16()
-    if rows <= INT4_MAX_ROWS:
-        expected = QuantLinear(weight, torch.bfloat16, bias)(x)
+    both = QuantLinear(weight, dtype, bias, dense=w)
+    x = torch.randn(rows, 64).to(dtype)
+    if rows <= limit:
+        expected = QuantLinear(weight, dtype, bias)(x)
     else:
-        expected = F.linear(x, w.bfloat16(), bias.bfloat16())
+        expected = F.linear(x, w.to(dtype), bias.to(dtype))
     assert torch.equal(both(x), expected)
     with pytest.raises(ValueError, match="dense weight has shape"):
-        QuantLinear(weight, torch.bfloat16, dense=w[:, :32])
+        QuantLinear(weight, dtype, dense=w[:, :32])
 
 
-def test_dequant_mode_and_float32_keep_todays_path(tiny_q4) -> None:
+def test_dequant_mode_dequantises(tiny_q4) -> None:
     _, path = tiny_q4
-    for loaded in (load_model(path, torch.bfloat16, weights="dequant"), load_model(path, torch.float32)):
+    for dtype in (torch.bfloat16, torch.float32):
+        loaded = load_model(path, dtype, weights="dequant")
         assert loaded.weights == "dequant"
         assert not any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in loaded.model.modules())
         assert loaded.model.layers[0].self_attn.qkv_proj.weight.dtype == loaded.dtype
@@ -280,7 +299,7 @@ def test_real_model_int4_matches_dequantised_bfloat16(default_model) -> None:
     assert native.weights == "int4"
     assert native.weights_summary.startswith("210 Q4_1 as int4, 61 F32 + 1 Q8_0 as bfloat16")  # token_embd: Q8_0
     # The tied Q8_0 embedding: lookups read its bfloat16 copy, the head its 8-bit codes as two int4 planes.
-    assert isinstance(native.model.lm_head, Int8PlanesLinear)
+    assert isinstance(native.model.lm_head, Q8Linear) and native.model.lm_head.planes is not None
     assert native.model.lm_head.dense.data_ptr() == native.model.embed_tokens.weight.data_ptr()  # shared, no copy
     bf16 = load_model(dtype=torch.bfloat16, weights="dequant")
     ids = torch.tensor(default_model.tokenizer.encode("The quick brown fox jumps over the lazy dog because"))
@@ -291,3 +310,50 @@ def test_real_model_int4_matches_dequantised_bfloat16(default_model) -> None:
     # Near-ties move: at the last position the top two logits differ by 0.02 in float32 and round to one bfloat16.
     assert (got_native.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.8
     assert (ref.topk(3).indices == got_native.argmax(-1, keepdim=True)).any(-1).all()
+
+
+# ----- kvserve's float32 kernels on the codes (csrc/quant_gemv.cpp) -----
+
+
+@pytest.mark.parametrize("qtype", [*INT4, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("shape", [(7, 32), (100, 96), (576, 1536), (33, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9])
+def test_float32_kernel_matches_the_dequantised_matmul_row_by_row(qtype, shape, rows) -> None:
+    """Odd row and output counts (tiles of 4 rows, outputs split over threads); each row's result does not
+    depend on the rows beside it, and equals the float64 product of the dequantised weight to float32 rounding."""
+    torch.set_num_threads(2)  # the outputs split over threads
+    blocks, w = blocks_of(shape, qtype, seed=rows)
+    if qtype == Q.Q8_0:
+        module = Q8Linear(Int8Weight.from_q8_0_blocks(blocks), torch.float32)
+    else:
+        module = QuantLinear(Int4Weight.from_ggml_blocks(blocks, qtype), torch.float32)
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
+    got = module(x)
+    expected = F.linear(x.double(), w.double())
+    assert rel_err(got, expected) < 1e-5
+    for i in range(rows):
+        assert torch.equal(module(x[i : i + 1])[0], got[i])
+
+
+def test_float32_kernel_without_compiled_kernels_takes_the_reference(monkeypatch) -> None:
+    from kvserve.models import quant_linear
+
+    blocks, w = blocks_of((48, 64), Q.Q4_1)
+    quant = QuantLinear(Int4Weight.from_ggml_blocks(blocks, Q.Q4_1), torch.float32)
+    head_blocks, w8 = blocks_of((40, 64), Q.Q8_0)
+    head = Q8Linear(Int8Weight.from_q8_0_blocks(head_blocks), torch.float32)
+    x = torch.randn(3, 64)
+    monkeypatch.setattr(quant_linear, "cpu_kernels_available", lambda: False)
+    assert torch.equal(quant(x), F.linear(x, w))  # the dequantised weight, exactly
+    assert torch.equal(head(x), F.linear(x, w8))
+
+
+def test_float32_kernel_refuses_what_it_cannot_compute() -> None:
+    blocks, _ = blocks_of((48, 64), Q.Q4_1)
+    quant = QuantLinear(Int4Weight.from_ggml_blocks(blocks, Q.Q4_1), torch.float32)
+    with pytest.raises(RuntimeError, match="x must be .M, K. float32"):
+        torch.ops.kvserve.q4_linear(torch.randn(2, 64).bfloat16(), quant.codes, quant.consts)
+    with pytest.raises(RuntimeError, match="codes must be contiguous int32 .N, 8."):
+        torch.ops.kvserve.q4_linear(torch.randn(2, 64), quant.codes[:, :4], quant.consts)
+    with pytest.raises(RuntimeError, match="not a multiple of 32"):
+        torch.ops.kvserve.q8_linear(torch.randn(2, 48), torch.zeros(4, 48, dtype=torch.int8), torch.zeros(4, 1))

@@ -54,6 +54,9 @@ inline __m256 load8(const at::Half* p) {
   for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
   return _mm256_loadu_ps(f);
 }
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
 // The 8 lanes' sum in a fixed order.
 inline float hsum8(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

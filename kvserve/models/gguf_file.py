@@ -12,7 +12,7 @@ from gguf.quants import dequantize
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.models.config import FULL, SLIDING, ModelConfig, RopeScaling
-from kvserve.models.quant_linear import INT4_TYPES, Int4Weight
+from kvserve.models.quant_linear import INT4_TYPES, Int4Weight, Int8Weight
 
 # Tensor types we read; every one is dequantised by ggml's reference code in the gguf package.
 SUPPORTED_TENSOR_TYPES = frozenset(
@@ -204,12 +204,12 @@ def int4_sources(reader: GGUFReader, config: ModelConfig) -> dict[str, Callable[
     return sources
 
 
-def embedding_int8_planes(reader: GGUFReader) -> Callable[[], Int4Weight] | None:
-    """For a Q8_0 token embedding, a function giving it as two int4 planes (``Int4Weight.planes_from_q8_0``),
-    so a tied LM head can read the 8-bit codes instead of a dequantised copy; else None."""
+def embedding_q8_0(reader: GGUFReader) -> Callable[[], Int8Weight] | None:
+    """For a Q8_0 token embedding, a function giving its codes and scales (``Int8Weight``), so a tied LM head
+    can read the 8-bit codes instead of a dequantised copy; else None."""
     for tensor in reader.tensors:
         if tensor.name == "token_embd.weight" and tensor.tensor_type == GGMLQuantizationType.Q8_0:
-            return lambda: Int4Weight.planes_from_q8_0(tensor.data)
+            return lambda: Int8Weight.from_q8_0_blocks(tensor.data)
     return None
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kvserve.cpu_kernels import cpu_kernels_available
 from kvserve.errors import ModelLoadError
 from kvserve.log import get_logger
 from kvserve.models import gguf_file
@@ -17,7 +18,7 @@ from kvserve.models.batch_invariant import make_batch_invariant
 from kvserve.models.catalog import resolve_model_path
 from kvserve.models.config import ModelConfig
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.quant_linear import INT4_MAX_ROWS, Int8PlanesLinear, QuantEmbedding, QuantLinear
+from kvserve.models.quant_linear import Q8Linear, QuantEmbedding, QuantLinear, max_rows
 from kvserve.models.sharding import TensorShard, check_shardable, shard_config, shard_sources
 from kvserve.models.tokenizer_override import TokenizerOverride
 from kvserve.models.weights import build_model
@@ -27,9 +28,10 @@ Progress = Callable[[int, int], None]
 # native: Q4_0/Q4_1 weights run as int4 for small batches (decode), a dequantised copy for larger ones;
 # int4: int4 only (a quarter of bfloat16's memory, slow prefill); dequant: every tensor dequantised.
 WEIGHT_MODES = ("native", "int4", "dequant")
-# Activation dtypes that run int4 weights natively. torch's CPU int4 kernel also takes float32 (measured
-# on torch 2.13: lossless to float32 rounding), but float32 is the exactness mode: it stays dequantised.
-NATIVE_INT4_DTYPES = (torch.bfloat16,)
+# Activation dtypes that run int4 weights natively: bfloat16 through torch's int4 kernel, float32 through
+# kvserve's (csrc/quant_gemv.cpp; torch's takes float32 too, ~20x slower than a dense float32 matmul).
+# float32 stays exact: the same weights, only the order of a row's sums differs from the dense matmul.
+NATIVE_INT4_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @dataclass
@@ -62,8 +64,9 @@ def load_model(
 
     ``None`` loads the default model; a shipped model's short name (``models/catalog.py``) loads that one.
     ``progress(done, total)`` is called per tensor.
-    ``weights="native"`` runs a GGUF file's Q4_0 / Q4_1 projections as int4 when ``dtype`` is bfloat16
-    on CPU for batches of up to ``INT4_MAX_ROWS`` rows, and a dequantised copy for larger ones;
+    ``weights="native"`` runs a GGUF file's Q4_0 / Q4_1 projections (and a tied Q8_0 head) on their codes
+    when ``dtype`` is bfloat16 or float32 on CPU, for batches of up to ``quant_linear.max_rows(dtype)`` rows,
+    and a dequantised copy for larger ones;
     ``"int4"`` keeps the int4 form only (other types, dtypes and devices are dequantised, and the log
     says so); ``"dequant"`` dequantises every tensor to ``dtype``.
     ``batch_invariant`` switches the matmuls to row-invariant kernels (``models/batch_invariant.py``): int4
@@ -87,7 +90,7 @@ def load_model(
         model, tokenizer, summary = _load_gguf(path, dtype, progress, refusal, int4_dense, shard)
     config = model.config if shard is None else read_model_config(path)
     tokenizer = override.apply(tokenizer, model.config.vocab_size)
-    quantised = any(isinstance(m, (QuantLinear, QuantEmbedding, Int8PlanesLinear)) for m in model.modules())
+    quantised = any(isinstance(m, (QuantLinear, QuantEmbedding, Q8Linear)) for m in model.modules())
     mode = weights if quantised else "dequant"
     if batch_invariant:
         summary += "; batch-invariant: one kernel for every row count"
@@ -108,7 +111,9 @@ def _int4_refusal(weights: str, dtype: torch.dtype, device: torch.device | str) 
     if torch.device(device).type != "cpu":
         return f"native int4 runs on CPU only, not {device}"
     if dtype not in NATIVE_INT4_DTYPES:
-        return f"native int4 needs bfloat16 activations, not {_dtype_name(dtype)}"
+        return f"native int4 needs bfloat16 or float32 activations, not {_dtype_name(dtype)}"
+    if dtype == torch.float32 and not cpu_kernels_available():
+        return "native int4 in float32 needs kvserve's CPU kernels, which are not available"
     return None
 
 
@@ -138,15 +143,15 @@ def _load_gguf(
         config = shard_config(config, shard)
     ran_int4: set[str] = set()  # a Q4 tensor fused with a non-Q4 one is dequantised: record what ran as int4
     int4 = {name: _recorded(source, name, ran_int4) for name, source in int4.items()}
-    head_planes = None if int4_refusal else gguf_file.embedding_int8_planes(reader)
+    head_q8 = None if int4_refusal else gguf_file.embedding_q8_0(reader)
     model = build_model(
-        config, sources, dtype, gguf_file.rope_freq_factors(reader), progress, int4, int4_dense, head_planes
+        config, sources, dtype, gguf_file.rope_freq_factors(reader), progress, int4, int4_dense, head_q8
     )
     summary = _weights_summary(gguf_file.tensor_type_names(reader), ran_int4, dtype)
-    if isinstance(model._modules.get("lm_head"), Int8PlanesLinear):
-        summary += "; tied head reads the Q8_0 codes as two int4 planes"
+    if isinstance(model._modules.get("lm_head"), Q8Linear):
+        summary += "; tied head reads the Q8_0 codes"
     if ran_int4 and int4_dense:
-        summary += f"; int4 for batches of up to {INT4_MAX_ROWS} rows, a {_dtype_name(dtype)} copy above"
+        summary += f"; int4 for batches of up to {max_rows(dtype)} rows, a {_dtype_name(dtype)} copy above"
     return model, tokenizer, summary + refused
 
 

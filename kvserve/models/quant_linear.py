@@ -1,16 +1,21 @@
-"""GGUF Q4_0 / Q4_1 weights run natively as torch's CPU int4 group-wise format (group 32).
+"""GGUF Q4_0 / Q4_1 (and a tied Q8_0 head) run on their codes instead of dequantised matrices.
 
 ggml stores a Q4_0 block of 32 weights as ``w = d * (q - 8)`` and a Q4_1 block as ``w = d * q + m``
-(``q`` in 0..15, ``d`` and ``m`` float16). torch's ``_weight_int4pack_mm_for_cpu`` computes with
-``w = (q - 8) * scale + zero`` per group of 32 along the input dimension, so the conversion keeps
-every ``q`` and only rewrites the group constants: Q4_0 -> (scale d, zero 0), Q4_1 -> (scale d,
-zero m + 8d). Nothing is lost but the rounding of those constants to the activation dtype
-(bfloat16: 8 significant bits instead of float16's 11), the same rounding a bfloat16 copy of the
-dequantised weight has.
+(``q`` in 0..15, ``d`` and ``m`` float16); ``Int4Weight`` keeps every ``q`` with ``w = q * scale + offset``
+(Q4_0: scale d, offset -8d; Q4_1: d, m), values exactly those of ggml's dequantisation. Two kernels:
+
+- **float32 activations**: kvserve's ``q4_linear`` / ``q8_linear`` (``csrc/quant_gemv.cpp``) read the codes
+  (4-bit ones rearranged so that decoding them needs no shuffles: ``Int4Weight.lane_words``) and the
+  constants as float32: results equal the dequantised float32 matmul but for the order of the sums.
+- **bfloat16 / float16**: torch's ``_weight_int4pack_mm_for_cpu``, with ``w = (q - 8) * scale + zero`` per
+  group of 32, so the group constants are rewritten (``zero = offset + 8 * scale``) and rounded to the
+  activation dtype (bfloat16: 8 significant bits instead of float16's 11), the same rounding a bfloat16
+  copy of the dequantised weight has. It is ~20x slower than a dense float32 matmul on float32
+  activations, hence kvserve's kernel there.
 
 Row operations a loader needs (llama.cpp's Q/K row permutation, fusing q/k/v and gate/up) are done
-on ``Int4Weight`` (codes and group constants per row) before packing, since the packed layout is
-the kernel's own.
+on ``Int4Weight`` (codes and group constants per row) before packing, since the packed layouts are
+the kernels' own.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from kvserve.cpu_kernels import cpu_kernels_available
 from kvserve.models.packed_linear import dense_linear, prepack
 
-GROUP_SIZE = 32  # ggml's block size for Q4_0 / Q4_1, and the kernel's group size
+GROUP_SIZE = 32  # ggml's block size for Q4_0 / Q4_1 / Q8_0, and the kernels' group size
 # ggml block layout: bytes of the float16 constants, then 16 bytes of codes (two per byte).
 _BLOCK_HEADER = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}
 INT4_TYPES = frozenset(_BLOCK_HEADER)
@@ -37,18 +43,26 @@ _ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu wants the output size 
 # int4 133 / 169 / 202 / 238 / 437 us for 1 / 2 / 3 / 4 / 6 rows, packed bfloat16 208-218 us.
 # With a dense copy at hand, more rows than this go through it.
 INT4_MAX_ROWS = 3
+# kvserve's float32 kernel decodes a group once for up to 4 rows; against MKL's float32 matmul on the dense
+# weight (4x the bytes) it wins up to this many rows (see FLOAT32_CROSSOVER in benchmarks/decode-kernel).
+FLOAT32_MAX_ROWS = 8
+
+
+def max_rows(dtype: torch.dtype) -> int:
+    """Rows a call runs on the codes when a dense copy is at hand (more go through the copy)."""
+    return FLOAT32_MAX_ROWS if dtype == torch.float32 else INT4_MAX_ROWS
 
 
 @dataclass
 class Int4Weight:
-    """An (out, in) weight as 4-bit codes with a scale and a zero per group of 32 inputs.
+    """An (out, in) weight as 4-bit codes with a scale and an offset per group of 32 inputs.
 
-    Dequantised value: ``(codes - 8) * scale + zero``, with scale and zero repeated over their group.
+    Value: ``codes * scale + offset``, with scale and offset repeated over their group.
     """
 
     codes: torch.Tensor  # (N, K) uint8 in 0..15
     scale: torch.Tensor  # (N, K / 32) float32
-    zero: torch.Tensor  # (N, K / 32) float32
+    offset: torch.Tensor  # (N, K / 32) float32
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -68,56 +82,99 @@ class Int4Weight:
         codes = torch.cat((packed & 0x0F, packed >> 4), dim=-1).reshape(rows, -1)
         scale = torch.from_numpy(d)
         if qtype == GGMLQuantizationType.Q4_0:
-            zero = torch.zeros_like(scale)
+            offset = -8 * scale  # exact: a power of two times a float16
         else:
-            m = torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
-            zero = m + 8 * scale
-        return cls(codes, scale, zero)
+            offset = torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+        return cls(codes, scale, offset)
 
-    @classmethod
-    def planes_from_q8_0(cls, blocks: np.ndarray) -> Int4Weight:
-        """A Q8_0 tensor (``w = d * q``, q in -128..127) as two stacked int4 weights, rows [high; low].
+    def lane_words(self) -> torch.Tensor:
+        """(N, ceil(K / 64) * 8) int32 in the lane order of kvserve's ``q4_linear``: word l of a pair of groups
+        holds the code of input 8j + l of the pair's 64 inputs in nibble j (nibbles 4-7: the second group)."""
+        n, k = self.shape
+        groups = k // GROUP_SIZE
+        codes = self.codes.reshape(n, groups, 4, 8).to(torch.int64)  # (N, group, nibble j, lane l)
+        lanes = (codes << (4 * torch.arange(4)).view(4, 1)).sum(dim=2)  # (N, groups, 8): 16 bits each
+        if groups % 2:
+            lanes = torch.cat((lanes, torch.zeros(n, 1, 8, dtype=torch.int64)), dim=1)
+        pairs = lanes.reshape(n, -1, 2, 8)
+        words = pairs[:, :, 0] | (pairs[:, :, 1] << 16)
+        words = torch.where(words >= 2**31, words - 2**32, words)  # the same 32 bits as a signed int32
+        return words.to(torch.int32).reshape(n, -1).contiguous()
 
-        ``q + 128 = 16 * hi + lo`` with hi, lo in 0..15, so ``w = 16d * (hi - 8) + d * lo``: the high
-        plane has codes hi, scale 16d, zero 0; the low plane codes lo, scale d, zero 8d. The sum of the
-        two planes' rows is the weight, every code kept (see ``Int8PlanesLinear``).
-        """
-        rows = blocks.shape[0]
-        raw = np.ascontiguousarray(blocks).reshape(rows, -1, 2 + GROUP_SIZE)  # (N, groups, f16 d + 32 int8)
-        d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
-        q = torch.from_numpy(raw[..., 2:].copy().view(np.int8)).reshape(rows, -1).to(torch.int16) + 128
-        high = cls((q >> 4).to(torch.uint8), 16 * d, torch.zeros_like(d))
-        low = cls((q & 0x0F).to(torch.uint8), d.clone(), 8 * d)
-        return cls.cat([high, low])
+    @staticmethod
+    def codes_from_lane_words(words: torch.Tensor, k: int) -> torch.Tensor:
+        """The inverse of ``lane_words``: (N, K) uint8 codes."""
+        n = words.shape[0]
+        lanes = words.to(torch.int64).reshape(n, -1, 1, 8) & 0xFFFFFFFF
+        lanes = torch.cat((lanes & 0xFFFF, lanes >> 16), dim=2).reshape(n, -1, 8)[:, : k // GROUP_SIZE]
+        codes = (lanes.unsqueeze(2) >> (4 * torch.arange(4)).view(4, 1)) & 0x0F  # (N, groups, nibble j, lane l)
+        return codes.reshape(n, k).to(torch.uint8)
 
     def dequantize(self) -> torch.Tensor:
         """float32 (N, K)."""
         n, k = self.shape
-        codes = self.codes.reshape(n, k // GROUP_SIZE, GROUP_SIZE).float() - 8
-        return (codes * self.scale.unsqueeze(-1) + self.zero.unsqueeze(-1)).reshape(n, k)
+        codes = self.codes.reshape(n, k // GROUP_SIZE, GROUP_SIZE).float()
+        return (codes * self.scale.unsqueeze(-1) + self.offset.unsqueeze(-1)).reshape(n, k)
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Int4Weight:
         """Apply a row operation (a permutation, a selection) to codes and group constants alike."""
-        return Int4Weight(fn(self.codes), fn(self.scale), fn(self.zero))
+        return Int4Weight(fn(self.codes), fn(self.scale), fn(self.offset))
 
     @staticmethod
     def cat(parts: Sequence[Int4Weight]) -> Int4Weight:
         """Stack the rows of several weights with the same input size (a fused projection)."""
-        return Int4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "zero")))
+        return Int4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "offset")))
+
+
+@dataclass
+class Int8Weight:
+    """A GGUF Q8_0 weight: ``codes * scale`` with int8 codes and a scale per group of 32 inputs."""
+
+    codes: torch.Tensor  # (N, K) int8
+    scale: torch.Tensor  # (N, K / 32) float32
+
+    @classmethod
+    def from_q8_0_blocks(cls, blocks: np.ndarray) -> Int8Weight:
+        rows = blocks.shape[0]
+        raw = np.ascontiguousarray(blocks).reshape(rows, -1, 2 + GROUP_SIZE)  # (N, groups, f16 d + 32 int8)
+        d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+        return cls(torch.from_numpy(raw[..., 2:].copy().view(np.int8)).reshape(rows, -1), d)
+
+    def planes(self) -> Int4Weight:
+        """The weight as two stacked int4 weights, rows [high; low], for torch's int4 kernel.
+
+        ``q + 128 = 16 * hi + lo`` with hi, lo in 0..15, so ``w = 16d * hi - 128d + d * lo``: the high plane
+        has codes hi, scale 16d, offset -128d; the low plane codes lo, scale d, offset 0. The sum of the two
+        planes' rows is the weight, every code kept (see ``Q8Linear``).
+        """
+        q = self.codes.to(torch.int16) + 128
+        d = self.scale
+        high = Int4Weight((q >> 4).to(torch.uint8), 16 * d, -128 * d)
+        low = Int4Weight((q & 0x0F).to(torch.uint8), d.clone(), torch.zeros_like(d))
+        return Int4Weight.cat([high, low])
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        return (self.codes.reshape(n, -1, GROUP_SIZE).float() * self.scale.unsqueeze(-1)).reshape(n, k)
 
 
 def _zero_rows(n: int, k: int) -> Int4Weight:
     groups = k // GROUP_SIZE
-    return Int4Weight(torch.full((n, k), 8, dtype=torch.uint8), torch.zeros(n, groups), torch.zeros(n, groups))
+    return Int4Weight(torch.zeros((n, k), dtype=torch.uint8), torch.zeros(n, groups), torch.zeros(n, groups))
+
+
+def _on_codes(dtype: torch.dtype) -> bool:
+    """Whether kvserve's kernel (float32) rather than torch's int4 kernel computes with the codes."""
+    return dtype == torch.float32 and cpu_kernels_available()
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T (+ b) with W held in torch's packed CPU int4 layout (half a byte per weight).
+    """y = x W^T (+ b) with W held as 4-bit codes (half a byte per weight).
 
-    ``dtype`` is the activation dtype; the group constants are stored in it. The kernel takes
-    bfloat16, float16 or float32 activations (measured on torch 2.13) and a 2-D input.
-    ``dense``, the same weight dequantised to ``dtype``, optionally rides along for batches of more
-    than ``INT4_MAX_ROWS`` rows (prefill, many sequences), where the dense matmul is faster.
+    ``dtype`` is the activation dtype. float32 runs kvserve's ``q4_linear`` on its lane layout (or,
+    without the compiled kernels, a dequantising reference); bfloat16 and float16 run torch's packed int4
+    layout and kernel. ``dense``, the same weight dequantised to ``dtype``, optionally rides along for batches
+    of more than ``max_rows(dtype)`` rows (prefill, many sequences), where the dense matmul is faster.
     """
 
     def __init__(
@@ -133,13 +190,20 @@ class QuantLinear(nn.Module):
             raise ValueError(f"dense weight has shape {tuple(dense.shape)}, the int4 weight {weight.shape}")
         if self.in_features % GROUP_SIZE:
             raise ValueError(f"int4 weights need an input size divisible by {GROUP_SIZE}, got {self.in_features}")
-        pad = -self.out_features % _ROW_MULTIPLE  # the packing needs N divisible by 16: zero rows, sliced off
-        if pad:
-            weight = Int4Weight.cat([weight, _zero_rows(pad, self.in_features)])
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32).contiguous(), 1)
-        self.register_buffer("packed_weight", packed)  # (N, K / 2) uint8, the kernel's layout
-        scales_and_zeros = torch.stack((weight.scale, weight.zero), dim=-1).transpose(0, 1)  # (K / 32, N, 2)
-        self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype).contiguous())
+        self.act_dtype = dtype
+        self.max_rows = max_rows(dtype)
+        if dtype == torch.float32:
+            self.register_buffer("codes", weight.lane_words())  # (N, ceil(K / 64) * 8) int32
+            self.register_buffer("consts", torch.stack((weight.scale, weight.offset), dim=1).float().contiguous())
+        else:
+            pad = -self.out_features % _ROW_MULTIPLE  # the packing needs N divisible by 16: zero rows, sliced off
+            if pad:
+                weight = Int4Weight.cat([weight, _zero_rows(pad, self.in_features)])
+            codes = weight.codes.to(torch.int32).contiguous()
+            self.register_buffer("packed_weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+            zero = weight.offset + 8 * weight.scale
+            scales_and_zeros = torch.stack((weight.scale, zero), dim=-1).transpose(0, 1)  # (K / 32, N, 2)
+            self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype).contiguous())
         self.bias = nn.Parameter(bias.to(dtype)) if bias is not None else None
         self.dense = nn.Parameter(dense.to(dtype)) if dense is not None else None
         self.dense_packed: torch.Tensor | None = None
@@ -153,41 +217,56 @@ class QuantLinear(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.scales_and_zeros.dtype
+        return self.act_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] > INT4_MAX_ROWS and (self.dense is not None or self.dense_packed is not None):
+        if x2.shape[0] > self.max_rows and (self.dense is not None or self.dense_packed is not None):
             return dense_linear(x, self.dense, self.dense_packed, self.bias)
-        x2 = x2.contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed_weight, GROUP_SIZE, self.scales_and_zeros)
-        if y.shape[-1] != self.out_features:
-            y = y[:, : self.out_features]
+        y = self._on_codes(x2.contiguous())
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
 
+    def _on_codes(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.act_dtype != torch.float32:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed_weight, GROUP_SIZE, self.scales_and_zeros)
+            return y[:, : self.out_features] if y.shape[-1] != self.out_features else y
+        if x2.device.type == "cpu" and _on_codes(x2.dtype):
+            return torch.ops.kvserve.q4_linear(x2, self.codes, self.consts)
+        return F.linear(x2, self._dequantized())  # the reference: no compiled kernels
+
+    def _dequantized(self) -> torch.Tensor:
+        codes = Int4Weight.codes_from_lane_words(self.codes, self.in_features)
+        return Int4Weight(codes, self.consts[:, 0], self.consts[:, 1]).dequantize()
+
     def extra_repr(self) -> str:
         has_dense = self.dense is not None or self.dense_packed is not None
-        dense = f", dense copy above {INT4_MAX_ROWS} rows" if has_dense else ""
+        dense = f", dense copy above {self.max_rows} rows" if has_dense else ""
         return f"in={self.in_features}, out={self.out_features}, int4 groups of {GROUP_SIZE}, {self.dtype}{dense}"
 
 
-class Int8PlanesLinear(nn.Module):
-    """y = x W^T for a GGUF Q8_0 weight, read as its 8-bit codes: two int4 planes in one int4 matmul.
+class Q8Linear(nn.Module):
+    """y = x W^T for a GGUF Q8_0 weight (e.g. a tied LM head), read as its 8-bit codes.
 
-    ``planes`` comes from ``Int4Weight.planes_from_q8_0`` (rows [high; low]); the kernel computes both
-    halves of the output in one call and they are added. A byte and a quarter per weight is read
-    instead of bfloat16's two. ``dense`` (the same weight in ``dtype``, e.g. the tied embedding matrix)
-    serves batches of more than ``INT4_MAX_ROWS`` rows.
+    float32 runs kvserve's ``q8_linear`` on the int8 codes; bfloat16 and float16 run the codes as two int4
+    planes (``Int8Weight.planes``) in one call of torch's int4 kernel and add the halves. A byte and a
+    quarter per weight is read instead of bfloat16's two. ``dense`` (the same weight in ``dtype``, e.g.
+    the tied embedding matrix) serves batches of more than ``max_rows(dtype)`` rows.
     """
 
-    def __init__(self, planes: Int4Weight, dtype: torch.dtype, dense: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: Int8Weight, dtype: torch.dtype, dense: torch.Tensor | None = None) -> None:
         super().__init__()
-        rows, self.in_features = planes.shape
-        self.out_features = rows // 2
-        self.planes = QuantLinear(planes, dtype)
+        self.out_features, self.in_features = weight.codes.shape
+        self.max_rows = max_rows(dtype)
+        self.act_dtype = dtype
+        self.planes: QuantLinear | None = None
+        if dtype == torch.float32:
+            self.register_buffer("codes", weight.codes.contiguous())
+            self.register_buffer("scale", weight.scale.float().contiguous())
+        else:
+            self.planes = QuantLinear(weight.planes(), dtype)
         self.dense = dense
         self.dense_packed: torch.Tensor | None = None
 
@@ -195,10 +274,17 @@ class Int8PlanesLinear(nn.Module):
         self.dense_packed = prepack(self.dense) if self.dense is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.reshape(-1, self.in_features).shape[0] > INT4_MAX_ROWS:
+        x2 = x.reshape(-1, self.in_features)
+        if self.dense is not None and x2.shape[0] > self.max_rows:
             return dense_linear(x, self.dense, self.dense_packed)
-        y = self.planes(x)
-        return y[..., : self.out_features] + y[..., self.out_features :]
+        if self.planes is not None:
+            y = self.planes(x)
+            return y[..., : self.out_features] + y[..., self.out_features :]
+        if x2.device.type == "cpu" and _on_codes(x2.dtype):
+            y = torch.ops.kvserve.q8_linear(x2.contiguous(), self.codes, self.scale)
+        else:  # the reference: no compiled kernels
+            y = F.linear(x2, Int8Weight(self.codes, self.scale).dequantize())
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 class QuantEmbedding(nn.Module):
@@ -213,12 +299,12 @@ class QuantEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = weight.shape
         codes = weight.codes.reshape(self.num_embeddings, -1, 2)
         self.register_buffer("nibbles", codes[..., 0] | (codes[..., 1] << 4))  # (V, D / 2) uint8
-        self.register_buffer("scale_zero", torch.stack((weight.scale, weight.zero), dim=-1))  # (V, D / 32, 2) f32
+        self.register_buffer("scale_offset", torch.stack((weight.scale, weight.offset), dim=-1))  # (V, D / 32, 2)
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         nibbles = F.embedding(ids, self.nibbles)  # (N, D / 2)
-        codes = torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).reshape(*ids.shape, -1, GROUP_SIZE).float() - 8
-        sz = self.scale_zero[ids]  # (N, D / 32, 2)
-        rows = codes * sz[..., :1] + sz[..., 1:]
+        codes = torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).reshape(*ids.shape, -1, GROUP_SIZE).float()
+        so = self.scale_offset[ids]  # (N, D / 32, 2)
+        rows = codes * so[..., :1] + so[..., 1:]
         return rows.reshape(*ids.shape, self.embedding_dim).to(self.dtype)

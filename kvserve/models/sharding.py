@@ -133,7 +133,7 @@ def _take(weight: object, part: slice, columns: bool) -> object:
         if not columns:
             return weight.map_rows(lambda t: t[part].contiguous())
         groups = slice(part.start // GROUP_SIZE, part.stop // GROUP_SIZE)
-        parts = (weight.codes[:, part], weight.scale[:, groups], weight.zero[:, groups])
+        parts = (weight.codes[:, part], weight.scale[:, groups], weight.offset[:, groups])
         return Int4Weight(*(t.contiguous() for t in parts))
     tensor = _tensor(weight)
     return (tensor[:, part] if columns else tensor[part]).contiguous()

@@ -15,10 +15,11 @@ from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.models.config import ModelConfig
 from kvserve.models.gemma3 import Gemma3ForCausalLM
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.quant_linear import Int4Weight, Int8PlanesLinear, QuantEmbedding, QuantLinear
+from kvserve.models.quant_linear import Int4Weight, Int8Weight, Q8Linear, QuantEmbedding, QuantLinear
 
 TensorSource = Callable[[str], torch.Tensor]
 Int4Source = Callable[[], Int4Weight]
+Int8Source = Callable[[], Int8Weight]
 
 
 def build_model(
@@ -29,7 +30,7 @@ def build_model(
     progress: Callable[[int, int], None] | None = None,
     int4: Mapping[str, Int4Source] | None = None,
     int4_dense: bool = False,
-    head_planes: Int4Source | None = None,
+    head_q8: Int8Source | None = None,
 ) -> LlamaForCausalLM:
     """Create the model from lazily loaded tensors keyed by their Hugging Face names.
 
@@ -39,13 +40,13 @@ def build_model(
     are all there runs as ``QuantLinear`` in ``dtype`` activations; the others are dequantised.
     ``int4_dense`` gives each ``QuantLinear`` the dequantised weight too (``names[name]()``, the same
     values the dequantised path runs), used for batches too large for the int4 kernel to win.
-    ``head_planes()``, for a tied 8-bit embedding, gives its codes as two int4 planes: the LM head
-    reads those (``Int8PlanesLinear``) and the dequantised embedding only above ``INT4_MAX_ROWS`` rows.
+    ``head_q8()``, for a tied Q8_0 embedding, gives its 8-bit codes: the LM head reads those (``Q8Linear``)
+    and the dequantised embedding only above ``quant_linear.max_rows(dtype)`` rows.
     """
     model_class = model_class_for(config)
     weights = _Weights(names, dtype, int4 or {}, int4_dense, progress)
     weights.state["norm.weight"] = weights.get("model.norm.weight")
-    weights.embeddings(config, head_planes)
+    weights.embeddings(config, head_q8)
     for i in range(config.num_layers):
         weights.layer(config, model_class.layer_class.NORMS, f"model.layers.{i}.", f"layers.{i}.")
     if config.tie_word_embeddings:
@@ -115,7 +116,7 @@ class _Weights:
         if bias_tensor is not None:
             self.state[ours + ".bias"] = bias_tensor
 
-    def embeddings(self, config: ModelConfig, head_planes: Int4Source | None) -> None:
+    def embeddings(self, config: ModelConfig, head_q8: Int8Source | None) -> None:
         """The token embedding, and the LM head (tied to it, or its own)."""
         embed = "model.embed_tokens.weight"
         if embed in self.int4:
@@ -126,9 +127,9 @@ class _Weights:
                 self.modules["lm_head"] = QuantLinear(weight, self.dtype, dense=dense)
         else:
             self.state["embed_tokens.weight"] = self.get(embed)
-            if config.tie_word_embeddings and head_planes is not None:
+            if config.tie_word_embeddings and head_q8 is not None:
                 dense = self.state["embed_tokens.weight"]
-                self.modules["lm_head"] = Int8PlanesLinear(head_planes(), self.dtype, dense=dense)
+                self.modules["lm_head"] = Q8Linear(head_q8(), self.dtype, dense=dense)
         if not config.tie_word_embeddings:
             self.linear("lm_head", ["lm_head.weight"])
 

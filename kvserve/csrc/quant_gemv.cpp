@@ -1,0 +1,240 @@
+// Products with GGUF's 4-bit and 8-bit weights read as their codes, for decode-sized batches in float32
+// (models/quant_linear.py; torch's int4 kernel is the bfloat16 path, and ~20x slower than a dense float32
+// matmul on float32 activations). y (M, N) = x (M, K) W^T, w = q * scale + offset per group of 32 inputs.
+//
+// q4_linear: codes (N, ceil(K/64) * 8) int32 in kvserve's lane order (``QuantLinear._lane_codes``): word l of
+//   a pair of groups holds, in nibble j, the code of input 8j + l of the pair's 64 inputs (nibbles 4-7 are
+//   the second group's; zero past K). consts (N, 2, K/32) float32: a row's scales, then its offsets.
+// q8_linear: codes (N, K) int8, consts (N, K/32) float32: scale (offset 0).
+//
+// The 4-bit decode has no shuffles: nibble j of each word is isolated with a mask (j % 4) after a 16-bit
+// shift (j >= 4) and converted as it sits, i.e. as q * 16^(j % 4); the input rows are scaled by 16^-(j % 4)
+// once per call instead. Both scalings are exact (powers of two), so each product q * x is rounded exactly
+// as without them. Per group, sum_j q_j x_j runs in float32 on the codes (small integers, exact), then is
+// scaled; the offsets meet the group sums of x, taken once per input row. Every output goes through the
+// same instructions whatever M is and however the rows are split over threads, so a row's result never
+// depends on its batch.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_vec.h"
+
+namespace {
+
+constexpr int64_t GROUP = 32;
+constexpr int64_t ROW_TILE = 4;  // input rows that share one decode of the weights
+constexpr int64_t OUT_GRAIN = 16;
+
+// The group sums of x: (M, K / 32), each in a fixed order.
+std::vector<float> group_sums(const float* x, int64_t rows, int64_t k) {
+  const int64_t groups = k / GROUP;
+  std::vector<float> sums(rows * groups);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t g = 0; g < groups; ++g)
+      sums[m * groups + g] = kvserve_cpu::sequential_sum(x + m * k + g * GROUP, GROUP, false);
+  return sums;
+}
+
+// sum_g offsets[g] * sums[g]: a row's offsets against its group sums, 8 lanes then the tail in order. Not
+// inlined, so every tile size runs the same instructions (the result must not depend on the batch).
+__attribute__((noinline, optimize("no-associative-math"))) float offset_dot(const float* offsets, const float* sums,
+                                                                           int64_t groups) {
+  int64_t g = 0;
+  float total = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(offsets + g), _mm256_loadu_ps(sums + g), acc);
+  total = kvserve_cpu::hsum8(acc);
+#endif
+  for (; g < groups; ++g) total += offsets[g] * sums[g];
+  return total;
+}
+
+// Input j of a 4-bit pair sits in nibble (j / 8) of its word: the scale that undoes the nibble's place.
+inline float nibble_unscale(int64_t input) { return 1.f / static_cast<float>(1 << (4 * ((input / 8) % 4))); }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// One group's sum_j q_j x_j as 8 lanes, from its 4 code vectors and 32 (scaled) inputs.
+inline __m256 group_dot(const __m256 w[4], const float* xg) {
+  __m256 a = _mm256_mul_ps(w[0], _mm256_loadu_ps(xg));
+  __m256 b = _mm256_mul_ps(w[1], _mm256_loadu_ps(xg + 8));
+  a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), a);
+  b = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), b);
+  return _mm256_add_ps(a, b);
+}
+
+// The 4 code vectors of a group whose nibbles are the low 16 bits of each word (as q * 16^(j % 4)).
+inline void nibble_codes(__m256i words, __m256 w[4]) {
+  w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(words, _mm256_set1_epi32(0x000F)));
+  w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(words, _mm256_set1_epi32(0x00F0)));
+  w[2] = _mm256_cvtepi32_ps(_mm256_and_si256(words, _mm256_set1_epi32(0x0F00)));
+  w[3] = _mm256_cvtepi32_ps(_mm256_and_si256(words, _mm256_set1_epi32(0xF000)));
+}
+#endif
+
+// One weight row of 4-bit codes against TILE input rows (scaled as the lane order needs): y[t * ldy]. TILE is
+// a compile-time constant so the accumulators stay in registers; a row's operations are the same for every TILE.
+template <int TILE>
+inline void q4_row(const int32_t* codes, const float* consts, int64_t groups, const float* xs, int64_t k,
+                   const float* sums, float* y, int64_t ldy) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[TILE];
+  for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; g += 2) {
+    const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + g / 2 * 8));
+    __m256 w[4];
+    nibble_codes(words, w);
+    const __m256 scale = _mm256_set1_ps(consts[g]);
+    for (int t = 0; t < TILE; ++t) acc[t] = _mm256_fmadd_ps(group_dot(w, xs + t * k + g * GROUP), scale, acc[t]);
+    if (g + 1 == groups) break;
+    nibble_codes(_mm256_srli_epi32(words, 16), w);
+    const __m256 scale2 = _mm256_set1_ps(consts[g + 1]);
+    for (int t = 0; t < TILE; ++t)
+      acc[t] = _mm256_fmadd_ps(group_dot(w, xs + t * k + (g + 1) * GROUP), scale2, acc[t]);
+  }
+  for (int t = 0; t < TILE; ++t)
+    y[t * ldy] = kvserve_cpu::hsum8(acc[t]) + offset_dot(consts + groups, sums + t * groups, groups);
+#else
+  for (int t = 0; t < TILE; ++t) {
+    float acc = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int32_t* words = codes + g / 2 * 8;
+      const int shift = g % 2 ? 16 : 0;
+      float dot = 0.f;
+      for (int64_t j = 0; j < GROUP; ++j) {
+        const uint32_t word = static_cast<uint32_t>(words[j % 8]) >> shift;
+        dot += static_cast<float>(word & (0xFu << (4 * (j / 8)))) * xs[t * k + g * GROUP + j];
+      }
+      acc += dot * consts[g];
+    }
+    y[t * ldy] = acc + offset_dot(consts + groups, sums + t * groups, groups);
+  }
+#endif
+}
+
+// One weight row of 8-bit codes against TILE input rows: y[t * ldy].
+template <int TILE>
+inline void q8_row(const int8_t* codes, const float* scales, int64_t groups, const float* x, int64_t k, float* y,
+                   int64_t ldy) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[TILE];
+  for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* group = codes + g * GROUP;
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 16));
+    const __m256 w[4] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)),
+                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8))),
+                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+    const __m256 scale = _mm256_set1_ps(scales[g]);
+    for (int t = 0; t < TILE; ++t) acc[t] = _mm256_fmadd_ps(group_dot(w, x + t * k + g * GROUP), scale, acc[t]);
+  }
+  for (int t = 0; t < TILE; ++t) y[t * ldy] = kvserve_cpu::hsum8(acc[t]);
+#else
+  for (int t = 0; t < TILE; ++t) {
+    float acc = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      float dot = 0.f;
+      for (int64_t j = 0; j < GROUP; ++j) dot += static_cast<float>(codes[g * GROUP + j]) * x[t * k + g * GROUP + j];
+      acc += dot * scales[g];
+    }
+    y[t * ldy] = acc;
+  }
+#endif
+}
+
+// y[m, o] for every output o and row m: weight rows split over threads, input rows in tiles of ROW_TILE.
+template <typename RowFn>
+void for_rows(int64_t rows, int64_t n, const RowFn& row) {
+  at::parallel_for(0, n, OUT_GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o)
+      for (int64_t m = 0; m < rows; m += ROW_TILE) row(o, m, std::min(ROW_TILE, rows - m));
+  });
+}
+
+void check_input(const char* name, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name, ": x must be (M, K) float32, got ", x.sizes(),
+              " ", x.scalar_type());
+  TORCH_CHECK(x.size(1) % GROUP == 0, name, ": the input size ", x.size(1), " is not a multiple of ", GROUP);
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& consts) {
+  check_input("q4_linear", x);
+  const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0), groups = k / GROUP, words = (groups + 1) / 2 * 8;
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kInt && codes.size(1) == words && codes.is_contiguous(),
+              "q4_linear: codes must be contiguous int32 (N, ", words, "), got ", codes.sizes(), " ",
+              codes.scalar_type());
+  TORCH_CHECK(consts.scalar_type() == at::kFloat && consts.is_contiguous() && consts.numel() == n * groups * 2,
+              "q4_linear: consts must be contiguous float32 (N, 2, ", groups, ") with N = ", n);
+  const at::Tensor xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const std::vector<float> sums = group_sums(xp, rows, k);
+  std::vector<float> scaled(rows * k);  // x in the codes' lane order: input j times 16^-(j / 8 % 4)
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t j = 0; j < k; ++j) scaled[m * k + j] = xp[m * k + j] * nibble_unscale(j);
+  auto y = at::empty({rows, n}, x.options());
+  float* yp = y.data_ptr<float>();
+  const int32_t* cp = codes.data_ptr<int32_t>();
+  const float* kp = consts.data_ptr<float>();
+  for_rows(rows, n, [&](int64_t o, int64_t m, int64_t tile) {
+    const int32_t* c = cp + o * words;
+    const float* cs = kp + o * groups * 2;
+    const float* xs = scaled.data() + m * k;
+    const float* s = sums.data() + m * groups;
+    float* out = yp + m * n + o;
+    switch (tile) {
+      case 1: q4_row<1>(c, cs, groups, xs, k, s, out, n); break;
+      case 2: q4_row<2>(c, cs, groups, xs, k, s, out, n); break;
+      case 3: q4_row<3>(c, cs, groups, xs, k, s, out, n); break;
+      default: q4_row<ROW_TILE>(c, cs, groups, xs, k, s, out, n); break;
+    }
+  });
+  return y;
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  check_input("q8_linear", x);
+  const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0), groups = k / GROUP;
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.size(1) == k && codes.is_contiguous(),
+              "q8_linear: codes must be contiguous int8 (N, ", k, "), got ", codes.sizes(), " ", codes.scalar_type());
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n * groups,
+              "q8_linear: scales must be contiguous float32 (N, ", groups, ") with N = ", n);
+  const at::Tensor xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  auto y = at::empty({rows, n}, x.options());
+  float* yp = y.data_ptr<float>();
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  for_rows(rows, n, [&](int64_t o, int64_t m, int64_t tile) {
+    const int8_t* c = cp + o * k;
+    const float* s = sp + o * groups;
+    const float* xr = xp + m * k;
+    float* out = yp + m * n + o;
+    switch (tile) {
+      case 1: q8_row<1>(c, s, groups, xr, k, out, n); break;
+      case 2: q8_row<2>(c, s, groups, xr, k, out, n); break;
+      case 3: q8_row<3>(c, s, groups, xr, k, out, n); break;
+      default: q8_row<ROW_TILE>(c, s, groups, xr, k, out, n); break;
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("q4_linear(Tensor x, Tensor codes, Tensor consts) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("q4_linear", &q4_linear);
+  m.impl("q8_linear", &q8_linear);
+}
