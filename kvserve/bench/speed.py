@@ -28,7 +28,7 @@ import torch
 from kvserve.extras import extra_imports
 from kvserve.models.config import ModelConfig
 from kvserve.models.layers import Linear, RMSNorm
-from kvserve.models.quant_linear import QuantLinear
+from kvserve.models.quant_linear import Q8Linear, QuantLinear
 
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
 
@@ -281,12 +281,14 @@ def prefill_flops(config: ModelConfig, n: int) -> float:
 
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights a batch-1 decode step reads: int4 projections in their packed form, dense ones
+    """Bytes of weights a batch-1 decode step reads: int4 / Q8_0 projections in their code form, dense ones
     whole, norms, and the LM head (a tied head reads the whole embedding matrix); one embedding row only."""
     total = 0
     for module in model.modules():
         if isinstance(module, QuantLinear):
-            tensors = [module.packed_weight, module.scales_and_zeros, module.bias]
+            tensors = [*module.code_tensors(), module.bias]
+        elif isinstance(module, Q8Linear) and module.planes is None:  # else its planes are a QuantLinear
+            tensors = module.code_tensors()
         elif isinstance(module, (Linear, RMSNorm)):
             tensors = [module.weight, getattr(module, "bias", None)]
         else:

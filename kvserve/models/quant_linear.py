@@ -219,6 +219,12 @@ class QuantLinear(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.act_dtype
 
+    def code_tensors(self) -> list[torch.Tensor]:
+        """What a product on the codes reads (for byte counts)."""
+        if self.act_dtype == torch.float32:
+            return [self.codes, self.consts]
+        return [self.packed_weight, self.scales_and_zeros]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
@@ -272,6 +278,10 @@ class Q8Linear(nn.Module):
 
     def prepack(self) -> None:
         self.dense_packed = prepack(self.dense) if self.dense is not None else None
+
+    def code_tensors(self) -> list[torch.Tensor]:
+        """What a product on the codes reads (for byte counts)."""
+        return self.planes.code_tensors() if self.planes is not None else [self.codes, self.scale]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
