@@ -20,7 +20,6 @@ from kvserve.bench.cli import _speed_table
 from kvserve.bench.plots import plot_speed_ratios
 from kvserve.models.catalog import default_model_path
 from kvserve.models.config import ModelConfig
-from kvserve.models.dtype import resolve_dtype
 from kvserve.models.loader import load_model
 
 
@@ -80,6 +79,9 @@ def test_decode_bytes_native_reads_the_compact_weights(default_model) -> None:
     native_bytes = speed.decode_weight_bytes(native.model)
     # int4 codes (half a byte) + a bfloat16 scale and zero per 32 weights; the Q8_0 head as two such planes.
     assert 0.3 * 2 * params < native_bytes < 0.45 * 2 * params
+    # float32: int4 codes + a float32 scale and offset per 32 weights; the Q8_0 head as its 8-bit codes.
+    native32 = speed.decode_weight_bytes(default_model.model)
+    assert 0.15 * 4 * params < native32 < 0.25 * 4 * params, native32 / (4 * params)
     file_bytes = speed.gguf_decode_bytes(default_model_path())
     assert 0.9 * default_model_path().stat().st_size < file_bytes < default_model_path().stat().st_size
 
@@ -110,7 +112,7 @@ def test_table_and_plot_show_ratios_against_each_peer(tmp_path) -> None:
         "model": "m.gguf", "command": "kvserve bench speed", "date": "2026-11-22", "threads": 2, "dtype": "bfloat16",
         "weights": "native", "machine": {"cpu": "cpu", "nproc": 2, "memory_gib": 1, "torch": "2.13"},
         "peers": {"llama.cpp": {"version": "0.3", "settings": "use_extra_bufts=False, flash attention off"}},
-        "roofline": {"copy_gb_per_s": 20.0, "bf16_gflop_per_s": 2000.0},
+        "roofline": {"copy_gb_per_s": 20.0, "matmul_gflop_per_s": 2000.0, "matmul_dtype": "float32"},
         "prefill_gflop": {512: 100.0, 2048: 500.0},
         "workload": {"decode_tokens": 128, "batch_prompt_tokens": 64, "batch_new_tokens": 128},
         "results": [result("kvserve", 1.0), result("llama.cpp", 4.0)],
@@ -120,6 +122,10 @@ def test_table_and_plot_show_ratios_against_each_peer(tmp_path) -> None:
     assert "| **kvserve / llama.cpp** |  | 4.00x | 4.00x | 4.00x | 4.00x | 4.00x | 4.00x |" in table
     # decode: 100 MB x 50 tok/s / 20 GB/s; prefill 512: 100 GFLOP / 0.2 s / 2 TFLOP/s (2048: 500 / 1.0 / 2)
     assert "| kvserve | 100.0 | 25% | 25% | 25% |" in table
+    assert "float32 matmul 2,000 GFLOP/s" in table and "/ float32 peak" in table
+    # A report from before the roofline followed the run's dtype: its bfloat16 rate, named so.
+    legacy = _speed_table({**report, "roofline": {"copy_gb_per_s": 20.0, "bf16_gflop_per_s": 2000.0}})
+    assert "bfloat16 matmul 2,000 GFLOP/s" in legacy and "| kvserve | 100.0 | 25% | 25% | 25% |" in legacy
     plot_speed_ratios(report, tmp_path / "ratios.png")
     assert (tmp_path / "ratios.png").stat().st_size > 1000
 
@@ -138,14 +144,13 @@ def test_bench_speed_runs_kvserve_end_to_end(tmp_path) -> None:
     assert result.returncode == 0, result.stderr
     report = json.loads(out.with_suffix(".json").read_text())
     (kvserve,) = report["results"]
-    # dtype auto: bfloat16 runs the Q4 weights as int4 ("native"); float32 (a CPU without bfloat16) dequantises.
-    weights = "native" if resolve_dtype("auto") == torch.bfloat16 else "dequant"
-    assert kvserve["engine"] == f"kvserve ({weights})"
+    # dtype auto, bfloat16 or float32: the Q4 weights run on their codes ("native").
+    assert kvserve["engine"] == "kvserve (native)"
     assert set(kvserve["prefill_s"]) == {"32", "64"} and set(kvserve["batch_tokens_per_s"]) == {"2", "3"}
     assert kvserve["decode_tokens_per_s"] > 0 and kvserve["prefill_s"]["64"] > 0
     assert kvserve["long_decode_tokens_per_s"]["80"] > 0
-    assert report["roofline"]["copy_gb_per_s"] > 0 and report["roofline"]["bf16_gflop_per_s"] > 0
-    assert f"| kvserve ({weights}) |" in out.with_suffix(".md").read_text()
+    assert report["roofline"]["copy_gb_per_s"] > 0 and report["roofline"]["matmul_gflop_per_s"] > 0
+    assert "| kvserve (native) |" in out.with_suffix(".md").read_text()
 
 
 def test_bench_speed_rejects_unknown_peers_and_non_gguf_models(tmp_path, capsys) -> None:

@@ -499,10 +499,10 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
     long_contexts = [int(x) for x in args.long_decode_contexts.split(",") if x.strip()]
     prompt_ids = _prompt_ids(tokenizer, Path(AUSTEN), max([*lengths, *long_contexts]))
     batch_prompts = fixed_length_prompts(tokenizer, max(batch_sizes), args.batch_prompt_tokens)
-    roofline = speed.measure_roofline()
+    roofline = speed.measure_roofline(dtype)
     log(
         f"bench speed: {model_path.name}, {threads} threads; roofline: copy {roofline.copy_gb_per_s:.1f} GB/s, "
-        f"bfloat16 matmul {roofline.bf16_gflop_per_s:,.0f} GFLOP/s"
+        f"{roofline.matmul_dtype} matmul {roofline.matmul_gflop_per_s:,.0f} GFLOP/s"
     )
     engines: list[Callable[[], speed.SpeedEngine]] = [
         lambda: speed.KVServeSpeed(str(model_path), args.dtype, args.weights, max(batch_sizes))
@@ -572,6 +572,9 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
 
 def _speed_table(report: dict) -> str:
     m, roof, results = report["machine"], report["roofline"], report["results"]
+    # Reports from before the roofline followed the run's dtype measured bfloat16 whatever the run.
+    peak = roof.get("matmul_gflop_per_s", roof.get("bf16_gflop_per_s"))
+    peak_dtype = roof.get("matmul_dtype", "bfloat16")
     lengths = list(results[0]["prefill_s"])
     sizes = list(results[0]["batch_tokens_per_s"])
     contexts = list(results[0].get("long_decode_tokens_per_s", {}))
@@ -587,8 +590,8 @@ def _speed_table(report: dict) -> str:
         lines.append(f"{name} {info['version']} ({info['settings']}).")
     lines += [
         "",
-        f"Roofline measured in the same run: copy {roof['copy_gb_per_s']:.1f} GB/s (read + write), bfloat16 "
-        f"matmul {roof['bf16_gflop_per_s']:,.0f} GFLOP/s. Batch columns: N prompts of "
+        f"Roofline measured in the same run: copy {roof['copy_gb_per_s']:.1f} GB/s (read + write), {peak_dtype} "
+        f"matmul {peak:,.0f} GFLOP/s. Batch columns: N prompts of "
         f"{w['batch_prompt_tokens']} tokens in at once, {w['batch_new_tokens']} new tokens each, end to end.",
         "",
         "| engine | load (s) | "
@@ -620,13 +623,13 @@ def _speed_table(report: dict) -> str:
             [f"{ours['batch_tokens_per_s'][b] / peer['batch_tokens_per_s'][b]:.2f}x" for b in sizes],
         ))  # fmt: skip
     lines += ["", "Roofline fractions: decode = weight bytes per token x tokens/s / copy bandwidth; prefill = "
-              "matmul FLOPs / time / bfloat16 peak.", "",
+              f"matmul FLOPs / time / {peak_dtype} peak.", "",
               "| engine | weight MB / token | decode | " + " | ".join(f"prefill {n}" for n in lengths) + " |",
               "| --- | ---: | ---: |" + " ---: |" * len(lengths)]  # fmt: skip
     for r in results:
         per_token = r["decode_bytes_per_token"]
         decode = per_token * r["decode_tokens_per_s"] / (roof["copy_gb_per_s"] * 1e9)
-        prefill = [report["prefill_gflop"][n] / r["prefill_s"][n] / roof["bf16_gflop_per_s"] for n in lengths]
+        prefill = [report["prefill_gflop"][n] / r["prefill_s"][n] / peak for n in lengths]
         fractions = " | ".join(f"{f:.0%}" for f in prefill)
         lines.append(f"| {r['engine']} | {per_token / 1e6:.1f} | {decode:.0%} | {fractions} |")
     return "\n".join(lines) + "\n"

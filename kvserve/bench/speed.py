@@ -8,7 +8,7 @@ llama.cpp runs in a worker process (``llamacpp_worker.py``, llama-cpp-python's l
 under whatever interpreter has ``llama_cpp`` installed.
 
 Each figure is also placed against this machine's roofline, measured in the same run: decode against
-copy bandwidth (the bytes of weights one token reads), prefill against bfloat16 matmul FLOP/s.
+copy bandwidth (the bytes of weights one token reads), prefill against the matmul FLOP/s of kvserve's dtype.
 """
 
 from __future__ import annotations
@@ -233,10 +233,11 @@ def measure(
 @dataclass
 class Roofline:
     copy_gb_per_s: float  # read + write bytes per second of a large tensor copy
-    bf16_gflop_per_s: float  # a square bfloat16 matmul (2048, or smaller where bfloat16 is emulated)
+    matmul_gflop_per_s: float  # a square matmul in matmul_dtype (2048, or smaller where the dtype is emulated)
+    matmul_dtype: str  # the activations' dtype of the kvserve run: its prefill is held to this rate
 
 
-def measure_roofline(repeats: int = 10) -> Roofline:
+def measure_roofline(dtype: torch.dtype = torch.bfloat16, repeats: int = 10) -> Roofline:
     src = torch.ones(64 * 2**20)  # 256 MiB, far beyond the caches
     dst = torch.empty_like(src)
 
@@ -251,19 +252,20 @@ def measure_roofline(repeats: int = 10) -> Roofline:
         return min(times)
 
     copy_s = best(lambda: dst.copy_(src))
-    n = _matmul_size()
-    a = torch.randn(n, n).bfloat16()
-    b = torch.randn(n, n).bfloat16()
+    n = _matmul_size(dtype)
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
     mm_s = best(lambda: a @ b)
-    return Roofline(2 * src.numel() * 4 / copy_s / 1e9, 2 * n**3 / mm_s / 1e9)
+    name = str(dtype).removeprefix("torch.")
+    return Roofline(2 * src.numel() * 4 / copy_s / 1e9, 2 * n**3 / mm_s / 1e9, name)
 
 
-def _matmul_size(largest: int = 2048, enough_s: float = 0.05) -> int:
+def _matmul_size(dtype: torch.dtype, largest: int = 2048, enough_s: float = 0.05) -> int:
     """The side of the peak-rate matmul: 2048, or the first power of two from 256 whose matmul takes ``enough_s``
     (a CPU without AMX or avx512_bf16 emulates bfloat16 at ~1 GFLOP/s: 2048 would take half a minute a run)."""
     n = 256
     while n < largest:
-        a = torch.randn(n, n).bfloat16()
+        a = torch.randn(n, n).to(dtype)
         start = time.perf_counter()
         a @ a
         if time.perf_counter() - start >= enough_s:
