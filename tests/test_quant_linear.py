@@ -126,8 +126,9 @@ def test_q8_0_codes_and_planes_give_the_ggml_weight(shape) -> None:
     assert rel_err(got, F.linear(x.bfloat16(), expected.bfloat16())) < 0.02
     # Above max_rows rows the dense copy computes, exactly as a plain matmul.
     for dtype in (torch.bfloat16, torch.float32):
-        many = torch.randn(max_rows(dtype) + 1, shape[1]).to(dtype)
         with_dense = Q8Linear(weight, dtype, dense=expected.to(dtype))
+        assert with_dense.max_rows == max_rows(dtype, head=True)
+        many = torch.randn(with_dense.max_rows + 1, shape[1]).to(dtype)
         assert torch.equal(with_dense(many), F.linear(many, expected.to(dtype)))
 
 

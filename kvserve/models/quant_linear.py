@@ -43,14 +43,20 @@ _ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu wants the output size 
 # int4 133 / 169 / 202 / 238 / 437 us for 1 / 2 / 3 / 4 / 6 rows, packed bfloat16 208-218 us.
 # With a dense copy at hand, more rows than this go through it.
 INT4_MAX_ROWS = 3
-# kvserve's float32 kernel decodes a group once for up to 4 rows; against MKL's float32 matmul on the dense
-# weight (4x the bytes) it wins up to this many rows (see FLOAT32_CROSSOVER in benchmarks/decode-kernel).
-FLOAT32_MAX_ROWS = 8
+# kvserve's float32 kernels decode a weight group once for up to 4 rows. Against MKL's float32 matmul on the
+# dense weight (5-8x the bytes), from DRAM, 2 threads, AMD EPYC (benchmarks/decode-kernel/quant_gemv.py): a
+# layer's projections 3.7x faster at 1 row, 1.25x at 16, 0.78x at 24; the Q8_0 head 4.6x / 2.6x / 1.6x at
+# 1 / 16 / 32 rows. More rows than these go through the dense copy.
+FLOAT32_MAX_ROWS = 16
+FLOAT32_HEAD_MAX_ROWS = 32
 
 
-def max_rows(dtype: torch.dtype) -> int:
-    """Rows a call runs on the codes when a dense copy is at hand (more go through the copy)."""
-    return FLOAT32_MAX_ROWS if dtype == torch.float32 else INT4_MAX_ROWS
+def max_rows(dtype: torch.dtype, head: bool = False) -> int:
+    """Rows a call runs on the codes when a dense copy is at hand (more go through the copy); ``head``: the
+    Q8_0 LM head's limit."""
+    if dtype != torch.float32:
+        return INT4_MAX_ROWS
+    return FLOAT32_HEAD_MAX_ROWS if head else FLOAT32_MAX_ROWS
 
 
 @dataclass
@@ -259,13 +265,13 @@ class Q8Linear(nn.Module):
     float32 runs kvserve's ``q8_linear`` on the int8 codes; bfloat16 and float16 run the codes as two int4
     planes (``Int8Weight.planes``) in one call of torch's int4 kernel and add the halves. A byte and a
     quarter per weight is read instead of bfloat16's two. ``dense`` (the same weight in ``dtype``, e.g.
-    the tied embedding matrix) serves batches of more than ``max_rows(dtype)`` rows.
+    the tied embedding matrix) serves batches of more than ``max_rows(dtype, head=True)`` rows.
     """
 
     def __init__(self, weight: Int8Weight, dtype: torch.dtype, dense: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.codes.shape
-        self.max_rows = max_rows(dtype)
+        self.max_rows = max_rows(dtype, head=True)
         self.act_dtype = dtype
         self.planes: QuantLinear | None = None
         if dtype == torch.float32:

@@ -1,0 +1,73 @@
+"""float32 products on GGUF codes (``q4_linear`` / ``q8_linear``) against the dense float32 matmul (MKL), per row count.
+
+    python benchmarks/decode-kernel/quant_gemv.py [THREADS]
+
+SmolLM2-135M's projections of one layer (qkv 960x576, o 576x576, gate/up 3072x576, down 576x1536) as Q4_1
+codes, and its tied 49,152 x 576 head as Q8_0 codes, against the same weights dequantised. Thirty layers'
+weights are cycled through, as in a decode step, so the weights come from DRAM, not the caches. The row count
+where the dense matmul starts to win is ``quant_linear.FLOAT32_MAX_ROWS``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.cpu_kernels import cpu_kernels_available
+from kvserve.models.quant_linear import Int4Weight, Int8Weight, Q8Linear, QuantLinear
+
+LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+LAYERS = 30
+ROWS = [1, 2, 4, 8, 16, 24, 32]
+
+
+def best_of(fn: Callable[[], object], repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def random_q4(n: int, k: int, gen: torch.Generator) -> Int4Weight:
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    return Int4Weight(codes, torch.rand(n, k // 32, generator=gen) / 8, torch.randn(n, k // 32, generator=gen) / 8)
+
+
+def main() -> None:
+    threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    torch.set_num_threads(threads)
+    if not cpu_kernels_available():
+        raise SystemExit("kvserve's CPU kernels did not build: nothing to measure")
+    gen = torch.Generator().manual_seed(0)
+    weights = [[random_q4(n, k, gen) for n, k in LAYER] for _ in range(LAYERS)]
+    codes = [[QuantLinear(w, torch.float32) for w in layer] for layer in weights]
+    dense = [[w.dequantize() for w in layer] for layer in weights]
+    head_codes8 = torch.randint(-128, 128, (49152, 576), dtype=torch.int8, generator=gen)
+    head = Int8Weight(head_codes8, torch.rand(49152, 18, generator=gen) / 64)
+    head_codes, head_dense = Q8Linear(head, torch.float32), head.dequantize()
+    print(f"{threads} threads; us per layer (4 projections), averaged over {LAYERS} layers' weights; head: one call")
+    print("| rows | layer on codes | layer dense | dense / codes | head on codes | head dense | dense / codes |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for rows in ROWS:
+        xs = [torch.randn(rows, k, generator=gen) for _, k in LAYER]
+        x = torch.randn(rows, 576, generator=gen)
+        on_codes = best_of(lambda xs=xs: [m(a) for layer in codes for m, a in zip(layer, xs, strict=True)])
+        plain = best_of(lambda xs=xs: [F.linear(a, w) for layer in dense for w, a in zip(layer, xs, strict=True)])
+        on_codes, plain = on_codes / LAYERS * 1e6, plain / LAYERS * 1e6
+        head_c = best_of(lambda x=x: head_codes(x)) * 1e6
+        head_d = best_of(lambda x=x: F.linear(x, head_dense)) * 1e6
+        print(
+            f"| {rows} | {on_codes:.0f} | {plain:.0f} | {plain / on_codes:.2f}x | {head_c:.0f} | {head_d:.0f} | "
+            f"{head_d / head_c:.2f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()
