@@ -36,6 +36,9 @@ class FakeEngine:
     def generate(self, ids, new_tokens: int) -> float:
         return self.a + len(ids) * 1e-4 + self.b * new_tokens
 
+    def decode(self, ids, new_tokens: int) -> float:
+        return self.b * (new_tokens - 1)  # the steps after the first token
+
     def batch(self, prompts, new_tokens: int) -> float:
         return self.a + self.b * new_tokens  # all sequences in parallel
 
@@ -48,7 +51,7 @@ def test_measure_derives_rates_from_engine_times() -> None:
     prompts = [ids[:10]] * 8
     result = speed.measure(FakeEngine(0.2, 0.01), ids, [50, 100], 64, prompts, [2, 8], 16, 3, lambda _: None, [80])
     assert result.prefill_s == pytest.approx({50: 0.2 + 0.005 + 0.01, 100: 0.2 + 0.01 + 0.01})
-    assert result.decode_tokens_per_s == pytest.approx(100.0)  # the constant cost and the prompt cancel out
+    assert result.decode_tokens_per_s == pytest.approx(100.0)  # the decode steps alone: no constant, no prompt
     assert result.long_decode_tokens_per_s == pytest.approx({80: 100.0})
     assert result.batch_tokens_per_s == pytest.approx({2: 2 * 16 / 0.36, 8: 8 * 16 / 0.36})
     assert (result.load_s, result.decode_bytes_per_token) == (0.5, 1000)

@@ -13,7 +13,8 @@ Usage::
 Protocol: one JSON line on stdout once loaded, ``{"ready": true, "load_s": ..., "llama_cpp": ..., "system_info": ...}``,
 then one JSON answer line per JSON command line read from stdin:
 
-- ``{"op": "generate", "ids": [...], "new_tokens": N}`` -> ``{"seconds": s, "tokens": [N ids]}``
+- ``{"op": "generate", "ids": [...], "new_tokens": N}`` -> ``{"seconds": s, "first_token_s": f, "tokens": [N ids]}``
+  (``f``: the prefill, which samples the first token)
 - ``{"op": "batch", "prompts": [[...], ...], "new_tokens": N}`` -> ``{"seconds": s, "tokens": [[N ids], ...]}``
 - ``{"op": "quit"}`` -> frees everything and exits 0.
 
@@ -111,8 +112,9 @@ class Worker:
         llama_cpp.llama_model_free(self.model)
         llama_cpp.llama_backend_free()
 
-    def generate(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-        """Prefill every prompt (sequence i = prompt i), then decode all sequences together, greedy, EOS ignored."""
+    def generate(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> tuple[float, float, list[list[int]]]:
+        """Prefill every prompt (sequence i = prompt i), then decode all sequences together, greedy, EOS ignored.
+        Returns the seconds in all, the seconds to the first tokens (the prefill) and the tokens."""
         self._validate(prompts, new_tokens)
         # Metadata-only clear: the cells become free; zeroing the buffers would only cost time.
         llama_cpp.llama_memory_clear(self.memory, False)
@@ -120,6 +122,7 @@ class Worker:
         start = time.perf_counter()
         outputs: list[list[int]] = [[] for _ in prompts]
         self._prefill(prompts, outputs)
+        first_token_s = time.perf_counter() - start
         n_seqs = len(prompts)
         positions = np.array([len(p) for p in prompts], dtype=np.int32)
         self._set_seq_ids(np.arange(n_seqs, dtype=np.int32))
@@ -133,7 +136,7 @@ class Worker:
                 out.append(self._argmax(i))
             positions += 1
         seconds = time.perf_counter() - start
-        return seconds, outputs
+        return seconds, first_token_s, outputs
 
     def _prefill(self, prompts: Sequence[Sequence[int]], outputs: list[list[int]]) -> None:
         """All prompts in as few llama_decode calls as n_batch allows; logits only for each prompt's last token."""
@@ -196,10 +199,10 @@ class Worker:
 def _handle(worker: Worker, command: dict[str, Any]) -> dict[str, Any]:
     op = command.get("op")
     if op == "generate":
-        seconds, tokens = worker.generate([command["ids"]], int(command["new_tokens"]))
-        return {"seconds": seconds, "tokens": tokens[0]}
+        seconds, first_token_s, tokens = worker.generate([command["ids"]], int(command["new_tokens"]))
+        return {"seconds": seconds, "first_token_s": first_token_s, "tokens": tokens[0]}
     if op == "batch":
-        seconds, tokens = worker.generate(command["prompts"], int(command["new_tokens"]))
+        seconds, _, tokens = worker.generate(command["prompts"], int(command["new_tokens"]))
         return {"seconds": seconds, "tokens": tokens}
     raise ValueError(f"unknown op {op!r}")
 

@@ -52,6 +52,9 @@ class SpeedEngine(Protocol):
     def generate(self, ids: Sequence[int], new_tokens: int) -> float:
         """Seconds to prefill ``ids`` and produce ``new_tokens`` greedy tokens."""
 
+    def decode(self, ids: Sequence[int], new_tokens: int) -> float:
+        """The same run, timed from its first token to its last: the ``new_tokens - 1`` decode steps alone."""
+
     def batch(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
         """Seconds to run all ``prompts`` concurrently, ``new_tokens`` greedy tokens each."""
 
@@ -77,7 +80,14 @@ class KVServeSpeed:
     def generate(self, ids: Sequence[int], new_tokens: int) -> float:
         return self.batch([ids], new_tokens)
 
+    def decode(self, ids: Sequence[int], new_tokens: int) -> float:
+        (output,) = self._run([ids], new_tokens)[1]
+        return output.metrics["finish_time"] - output.metrics["first_token_time"]
+
     def batch(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
+        return self._run(prompts, new_tokens)[0]
+
+    def _run(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> tuple[float, list]:
         from kvserve.sampling_params import SamplingParams
 
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
@@ -85,7 +95,7 @@ class KVServeSpeed:
         outputs = self.llm.generate([list(p) for p in prompts], params, use_tqdm=False)
         seconds = time.perf_counter() - start
         _check_lengths(self.name, [o.outputs[0].token_ids for o in outputs], new_tokens)
-        return seconds
+        return seconds, outputs
 
     def close(self) -> None:
         del self.llm
@@ -109,9 +119,16 @@ class LlamaCppSpeed:
         self.decode_bytes_per_token = gguf_decode_bytes(model)
 
     def generate(self, ids: Sequence[int], new_tokens: int) -> float:
+        return self._generate(ids, new_tokens)["seconds"]
+
+    def decode(self, ids: Sequence[int], new_tokens: int) -> float:
+        answer = self._generate(ids, new_tokens)
+        return answer["seconds"] - answer["first_token_s"]
+
+    def _generate(self, ids: Sequence[int], new_tokens: int) -> dict:
         answer = self._ask({"op": "generate", "ids": list(ids), "new_tokens": new_tokens})
         _check_lengths(self.name, [answer["tokens"]], new_tokens)
-        return answer["seconds"]
+        return answer
 
     def batch(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
         answer = self._ask({"op": "batch", "prompts": [list(p) for p in prompts], "new_tokens": new_tokens})
@@ -208,17 +225,16 @@ def measure(
     for n in prefill_lengths:
         result.prefill_s[n] = median(lambda n=n: engine.generate(prompt_ids[:n], 1))
         log(f"  {engine.name}: prefill {n} tokens {result.prefill_s[n] * 1000:.0f} ms")
-    # Decode speed = (time for 1 + N tokens - time for 1 token) / N, after a short prompt.
+    # Decode speed = N / the time from the first token to the (N + 1)-th, after a short prompt. Timed inside one
+    # run: a difference of two runs' times swings with the prefill's noise, which after thousands of tokens
+    # is larger than the decode itself.
     short = prompt_ids[:32]
-    first = median(lambda: engine.generate(short, 1))
-    full = median(lambda: engine.generate(short, decode_tokens + 1))
-    result.decode_tokens_per_s = decode_tokens / (full - first)
+    result.decode_tokens_per_s = decode_tokens / median(lambda: engine.decode(short, decode_tokens + 1))
     log(f"  {engine.name}: batch-1 decode {result.decode_tokens_per_s:.1f} tokens/s")
     for n in long_contexts:  # the same after n tokens of context: attention's share of a step grows with n
         context = prompt_ids[:n]
-        first = median(lambda c=context: engine.generate(c, 1))
-        full = median(lambda c=context: engine.generate(c, decode_tokens + 1))
-        result.long_decode_tokens_per_s[n] = decode_tokens / (full - first)
+        seconds = median(lambda c=context: engine.decode(c, decode_tokens + 1))
+        result.long_decode_tokens_per_s[n] = decode_tokens / seconds
         log(f"  {engine.name}: batch-1 decode after {n} tokens {result.long_decode_tokens_per_s[n]:.1f} tokens/s")
     for b in batch_sizes:
         seconds = median(lambda b=b: engine.batch(batch_prompts[:b], batch_new_tokens), max(1, repeats // 2))
