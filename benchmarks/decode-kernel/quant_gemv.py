@@ -11,12 +11,12 @@ where the dense matmul starts to win is ``quant_linear.FLOAT32_MAX_ROWS``.
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from kvserve.bench.speed import fastest_run
 from kvserve.cpu_kernels import cpu_kernels_available
 from kvserve.models.quant_linear import Int4Weight, Int8Weight, Q8Linear, QuantLinear
 
@@ -25,14 +25,8 @@ LAYERS = 30
 ROWS = [1, 2, 4, 8, 16, 24, 32]
 
 
-def best_of(fn: Callable[[], object], repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def best_of(fn: Callable[[], object]) -> float:
+    return fastest_run(fn, repeats=5)
 
 
 def random_q4(n: int, k: int, gen: torch.Generator) -> Int4Weight:

@@ -258,14 +258,7 @@ def measure_roofline(dtype: torch.dtype = torch.bfloat16, repeats: int = 10) -> 
     dst = torch.empty_like(src)
 
     def best(fn: Callable[[], object]) -> float:
-        """The fastest of ``repeats`` runs: a peak, robust to a busy moment on a shared host."""
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
+        return fastest_run(fn, repeats)
 
     copy_s = best(lambda: dst.copy_(src))
     n = _matmul_size(dtype)
@@ -274,6 +267,18 @@ def measure_roofline(dtype: torch.dtype = torch.bfloat16, repeats: int = 10) -> 
     mm_s = best(lambda: a @ b)
     name = str(dtype).removeprefix("torch.")
     return Roofline(2 * src.numel() * 4 / copy_s / 1e9, 2 * n**3 / mm_s / 1e9, name)
+
+
+def fastest_run(fn: Callable[[], object], repeats: int) -> float:
+    """Seconds of the fastest of ``repeats`` runs (after one warm-up): a peak, robust to a busy moment on a
+    shared host."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def _matmul_size(dtype: torch.dtype, largest: int = 2048, enough_s: float = 0.05) -> int:

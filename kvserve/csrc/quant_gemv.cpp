@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -151,12 +152,20 @@ inline void q8_row(const int8_t* codes, const float* scales, int64_t groups, con
 #endif
 }
 
-// y[m, o] for every output o and row m: weight rows split over threads, input rows in tiles of ROW_TILE.
+// y[m, o] for every output o and row m: weight rows split over threads, input rows in tiles of up to
+// ROW_TILE; row(o, m, tile) gets the tile's size as a compile-time constant (std::integral_constant).
 template <typename RowFn>
 void for_rows(int64_t rows, int64_t n, const RowFn& row) {
   at::parallel_for(0, n, OUT_GRAIN, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o)
-      for (int64_t m = 0; m < rows; m += ROW_TILE) row(o, m, std::min(ROW_TILE, rows - m));
+      for (int64_t m = 0; m < rows; m += ROW_TILE) {
+        switch (std::min(ROW_TILE, rows - m)) {
+          case 1: row(o, m, std::integral_constant<int, 1>{}); break;
+          case 2: row(o, m, std::integral_constant<int, 2>{}); break;
+          case 3: row(o, m, std::integral_constant<int, 3>{}); break;
+          default: row(o, m, std::integral_constant<int, ROW_TILE>{}); break;
+        }
+      }
   });
 }
 
@@ -184,18 +193,9 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   float* yp = y.data_ptr<float>();
   const int32_t* cp = codes.data_ptr<int32_t>();
   const float* kp = consts.data_ptr<float>();
-  for_rows(rows, n, [&](int64_t o, int64_t m, int64_t tile) {
-    const int32_t* c = cp + o * words;
-    const float* cs = kp + o * groups * 2;
-    const float* xs = scaled.data() + m * k;
-    const float* s = sums.data() + m * groups;
-    float* out = yp + m * n + o;
-    switch (tile) {
-      case 1: q4_row<1>(c, cs, groups, xs, k, s, out, n); break;
-      case 2: q4_row<2>(c, cs, groups, xs, k, s, out, n); break;
-      case 3: q4_row<3>(c, cs, groups, xs, k, s, out, n); break;
-      default: q4_row<ROW_TILE>(c, cs, groups, xs, k, s, out, n); break;
-    }
+  for_rows(rows, n, [&](int64_t o, int64_t m, auto tile) {
+    q4_row<decltype(tile)::value>(cp + o * words, kp + o * groups * 2, groups, scaled.data() + m * k, k,
+                                  sums.data() + m * groups, yp + m * n + o, n);
   });
   return y;
 }
@@ -213,17 +213,8 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   float* yp = y.data_ptr<float>();
   const int8_t* cp = codes.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
-  for_rows(rows, n, [&](int64_t o, int64_t m, int64_t tile) {
-    const int8_t* c = cp + o * k;
-    const float* s = sp + o * groups;
-    const float* xr = xp + m * k;
-    float* out = yp + m * n + o;
-    switch (tile) {
-      case 1: q8_row<1>(c, s, groups, xr, k, out, n); break;
-      case 2: q8_row<2>(c, s, groups, xr, k, out, n); break;
-      case 3: q8_row<3>(c, s, groups, xr, k, out, n); break;
-      default: q8_row<ROW_TILE>(c, s, groups, xr, k, out, n); break;
-    }
+  for_rows(rows, n, [&](int64_t o, int64_t m, auto tile) {
+    q8_row<decltype(tile)::value>(cp + o * k, sp + o * groups, groups, xp + m * k, k, yp + m * n + o, n);
   });
   return y;
 }
