@@ -169,8 +169,8 @@ def _zero_rows(n: int, k: int) -> Int4Weight:
     return Int4Weight(torch.zeros((n, k), dtype=torch.uint8), torch.zeros(n, groups), torch.zeros(n, groups))
 
 
-def _on_codes(dtype: torch.dtype) -> bool:
-    """Whether kvserve's kernel (float32) rather than torch's int4 kernel computes with the codes."""
+def _float32_kernels_run(dtype: torch.dtype) -> bool:
+    """Whether kvserve's float32 kernels take activations of ``dtype`` here (else the dequantising reference)."""
     return dtype == torch.float32 and cpu_kernels_available()
 
 
@@ -245,7 +245,7 @@ class QuantLinear(nn.Module):
         if self.act_dtype != torch.float32:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed_weight, GROUP_SIZE, self.scales_and_zeros)
             return y[:, : self.out_features] if y.shape[-1] != self.out_features else y
-        if x2.device.type == "cpu" and _on_codes(x2.dtype):
+        if x2.device.type == "cpu" and _float32_kernels_run(x2.dtype):
             return torch.ops.kvserve.q4_linear(x2, self.codes, self.consts)
         return F.linear(x2, self._dequantized())  # the reference: no compiled kernels
 
@@ -296,7 +296,7 @@ class Q8Linear(nn.Module):
         if self.planes is not None:
             y = self.planes(x)
             return y[..., : self.out_features] + y[..., self.out_features :]
-        if x2.device.type == "cpu" and _on_codes(x2.dtype):
+        if x2.device.type == "cpu" and _float32_kernels_run(x2.dtype):
             y = torch.ops.kvserve.q8_linear(x2.contiguous(), self.codes, self.scale)
         else:  # the reference: no compiled kernels
             y = F.linear(x2, Int8Weight(self.codes, self.scale).dequantize())
