@@ -2,10 +2,10 @@
 // (models/quant_linear.py; torch's int4 kernel is the bfloat16 path, and ~20x slower than a dense float32
 // matmul on float32 activations). y (M, N) = x (M, K) W^T, w = q * scale + offset per group of 32 inputs.
 //
-// q4_linear: codes (N, ceil(K/64) * 8) int32 in kvserve's lane order (``QuantLinear._lane_codes``): word l of
+// q4_linear: codes (N, ceil(K/64) * 8) int32 in kvserve's lane order (``Int4Weight.lane_words``): word l of
 //   a pair of groups holds, in nibble j, the code of input 8j + l of the pair's 64 inputs (nibbles 4-7 are
 //   the second group's; zero past K). consts (N, 2, K/32) float32: a row's scales, then its offsets.
-// q8_linear: codes (N, K) int8, consts (N, K/32) float32: scale (offset 0).
+// q8_linear: codes (N, K) int8, scales (N, K/32) float32 (no offset).
 //
 // The 4-bit decode has no shuffles: nibble j of each word is isolated with a mask (j % 4) after a 16-bit
 // shift (j >= 4) and converted as it sits, i.e. as q * 16^(j % 4); the input rows are scaled by 16^-(j % 4)
