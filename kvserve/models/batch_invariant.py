@@ -27,5 +27,5 @@ def make_batch_invariant(model: LlamaForCausalLM) -> None:
         if isinstance(module, Linear):
             module.row_tile = ROW_TILE
         elif isinstance(module, (QuantLinear, Q8Linear)):
-            module.dense, module.dense_packed = None, None  # the int4 kernel for every row count
+            module.dense, module.dense_packed = None, None  # the codes for every row count
     model.head_row_tile = ROW_TILE
