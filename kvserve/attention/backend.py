@@ -76,6 +76,21 @@ class StepReport:
     output_rows: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class InPlaceDecode:
+    """A decode-only step over one block table, for a caller that writes and attends each layer's KV itself
+    (``models/decode_chain.py``): the cache's storage, where each layer's new keys go, what each row reads.
+    Valid for the one step it was made for."""
+
+    k_cache: torch.Tensor  # (rows, blocks, block_size, Hkv, D)
+    v_cache: torch.Tensor
+    layer_rows: tuple[int, ...]  # per layer, its row of the cache
+    slots: torch.Tensor  # (B,) long: each sequence's new token's slot in a row
+    tables: torch.Tensor  # (B, W) int32, starts and ends (B,) int32: as ``attention.decode.paged_decode`` reads
+    starts: torch.Tensor
+    ends: torch.Tensor
+
+
 class AttentionBackend(ABC):
     """Stores a layer's new keys/values and attends the step's queries over the sequence's cache.
 
@@ -117,6 +132,12 @@ class AttentionBackend(ABC):
         """Rows of ``layer``'s input that go on to the next layer, (N',) long ascending, after its
         ``forward``; None (the default) means every row. A cache that drops tokens during prefill
         (PyramidInfer) drops them from the hidden states too, so deeper layers compute fewer rows."""
+        return None
+
+    def in_place_decode(self, metadata: AttentionMetadata) -> InPlaceDecode | None:
+        """Where a step that only decodes reads and writes KV, when every layer does that the same plain way
+        (no policy, no window, one block table): the model may then run its layers as one call. None (the
+        default) for any other step or cache: each layer goes through ``forward``."""
         return None
 
     def store_layer(

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata, InPlaceDecode
 from kvserve.attention.decode import paged_decode
 from kvserve.attention.masks import causal_mask, window_binds
 from kvserve.attention.row_invariant import RowPlan, attend_row_calls, plan_row_calls
@@ -394,6 +394,16 @@ class PagedKVCache(AttentionBackend):
         """Keys/values (N, Hkv, D) into ``slots`` of block row ``row``."""
         self.k[row].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)  # (slots, Hkv, D)
         self.v[row].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
+
+    def in_place_decode(self, metadata: AttentionMetadata) -> InPlaceDecode | None:
+        metadata = self._check_metadata(metadata)
+        if not metadata.plan.decode_only or self.batch_invariant or self.layer_windows:
+            return None
+        if len(metadata.block_tables) != 1:
+            return None
+        view = self._decode_view(metadata, 0, None)
+        slots = metadata.slot_mappings[0]
+        return InPlaceDecode(self.k, self.v, self.layer_rows, slots, view.tables, view.starts, view.ends)
 
     def _check_metadata(self, metadata: AttentionMetadata) -> PagedAttentionMetadata:
         if not isinstance(metadata, PagedAttentionMetadata):

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cpu_vec.h"
+#include "ops.h"
 
 namespace {
 
@@ -43,22 +44,6 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at
   });
 }
 
-// weight * rms_norm(x): x (N, hidden) with unit stride along hidden, weight (hidden,) in x's dtype.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be (N, hidden) with unit stride along hidden");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
-              "rms_norm: weight must be contiguous (hidden,)");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight and x must share a dtype");
-  auto out = at::empty({x.size(0), x.size(1)}, x.options());
-  switch (x.scalar_type()) {
-    case at::kFloat: rms_norm_rows<float>(x, weight, eps, out); break;
-    case at::kBFloat16: rms_norm_rows<at::BFloat16>(x, weight, eps, out); break;
-    case at::kHalf: rms_norm_rows<at::Half>(x, weight, eps, out); break;
-    default: TORCH_CHECK(false, "rms_norm: unsupported dtype ", x.scalar_type());
-  }
-  return out;
-}
-
 template <typename T>
 void rope_rows(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
@@ -84,24 +69,6 @@ void rope_rows(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
-// Rotates x (N, heads, D) in place by its rows of the rotary tables cos and sin (N, 1, D) (sin's first half
-// negated, as RotaryEmbedding stores it); x may be a strided view (heads of a fused qkv projection).
-void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
-              "rope_: x must be (N, heads, D) with unit stride along an even D");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2) &&
-                  sin.numel() == cos.numel(),
-              "rope_: cos and sin must be contiguous (N, 1, D)");
-  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
-              "rope_: the tables and x must share a dtype");
-  switch (x.scalar_type()) {
-    case at::kFloat: rope_rows<float>(x, cos, sin); break;
-    case at::kBFloat16: rope_rows<at::BFloat16>(x, cos, sin); break;
-    case at::kHalf: rope_rows<at::Half>(x, cos, sin); break;
-    default: TORCH_CHECK(false, "rope_: unsupported dtype ", x.scalar_type());
-  }
-}
-
 template <typename T>
 void silu_mul_rows(const at::Tensor& gate_up, int64_t n, at::Tensor& out) {
   const int64_t rows = gate_up.size(0), stride = gate_up.stride(0);
@@ -125,6 +92,44 @@ void silu_mul_rows(const at::Tensor& gate_up, int64_t n, at::Tensor& out) {
   });
 }
 
+}  // namespace
+
+namespace kvserve_ops {
+
+// weight * rms_norm(x): x (N, hidden) with unit stride along hidden, weight (hidden,) in x's dtype.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be (N, hidden) with unit stride along hidden");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
+              "rms_norm: weight must be contiguous (hidden,)");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight and x must share a dtype");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat: rms_norm_rows<float>(x, weight, eps, out); break;
+    case at::kBFloat16: rms_norm_rows<at::BFloat16>(x, weight, eps, out); break;
+    case at::kHalf: rms_norm_rows<at::Half>(x, weight, eps, out); break;
+    default: TORCH_CHECK(false, "rms_norm: unsupported dtype ", x.scalar_type());
+  }
+  return out;
+}
+
+// Rotates x (N, heads, D) in place by its rows of the rotary tables cos and sin (N, 1, D) (sin's first half
+// negated, as RotaryEmbedding stores it); x may be a strided view (heads of a fused qkv projection).
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "rope_: x must be (N, heads, D) with unit stride along an even D");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2) &&
+                  sin.numel() == cos.numel(),
+              "rope_: cos and sin must be contiguous (N, 1, D)");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "rope_: the tables and x must share a dtype");
+  switch (x.scalar_type()) {
+    case at::kFloat: rope_rows<float>(x, cos, sin); break;
+    case at::kBFloat16: rope_rows<at::BFloat16>(x, cos, sin); break;
+    case at::kHalf: rope_rows<at::Half>(x, cos, sin); break;
+    default: TORCH_CHECK(false, "rope_: unsupported dtype ", x.scalar_type());
+  }
+}
+
 // silu(gate) * up for gate_up (N, 2n) = [gate | up] (one fused projection) -> (N, n).
 at::Tensor silu_mul(const at::Tensor& gate_up, int64_t n) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) == 2 * n && gate_up.stride(1) == 1,
@@ -139,7 +144,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t n) {
   return out;
 }
 
-}  // namespace
+}  // namespace kvserve_ops
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -148,7 +153,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rope_", &rope_);
-  m.impl("silu_mul", &silu_mul);
+  m.impl("rms_norm", &kvserve_ops::rms_norm);
+  m.impl("rope_", &kvserve_ops::rope_);
+  m.impl("silu_mul", &kvserve_ops::silu_mul);
 }

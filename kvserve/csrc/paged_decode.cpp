@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cpu_vec.h"
+#include "ops.h"
 
 namespace {
 
@@ -345,6 +346,10 @@ void decode(const Geometry& g, const at::Tensor& q, const at::Tensor& k_cache, c
   });
 }
 
+}  // namespace
+
+namespace kvserve_ops {
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                                                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                                                             const at::Tensor& starts, const at::Tensor& ends,
@@ -393,7 +398,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode(const at::Tensor& q,
   return {out, lse, weights};
 }
 
-}  // namespace
+}  // namespace kvserve_ops
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def(
@@ -401,4 +406,4 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
       "float scale, bool want_weights) -> (Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("paged_decode", &kvserve_ops::paged_decode); }

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "cpu_vec.h"
+#include "ops.h"
 
 namespace {
 
@@ -175,6 +176,10 @@ void check_input(const char* name, const at::Tensor& x) {
   TORCH_CHECK(x.size(1) % GROUP == 0, name, ": the input size ", x.size(1), " is not a multiple of ", GROUP);
 }
 
+}  // namespace
+
+namespace kvserve_ops {
+
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& consts) {
   check_input("q4_linear", x);
   const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0), groups = k / GROUP, words = (groups + 1) / 2 * 8;
@@ -219,7 +224,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return y;
 }
 
-}  // namespace
+}  // namespace kvserve_ops
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("q4_linear(Tensor x, Tensor codes, Tensor consts) -> Tensor");
@@ -227,6 +232,6 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
-  m.impl("q4_linear", &q4_linear);
-  m.impl("q8_linear", &q8_linear);
+  m.impl("q4_linear", &kvserve_ops::q4_linear);
+  m.impl("q8_linear", &kvserve_ops::q8_linear);
 }

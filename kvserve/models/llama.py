@@ -7,12 +7,15 @@ blocks, policies or scheduling.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.models import fused
 from kvserve.models.config import ModelConfig
+from kvserve.models.decode_chain import DecodeChain
 from kvserve.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, rope_inverse_frequencies
 from kvserve.models.packed_linear import dense_linear, prepack
 
@@ -102,6 +105,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tied_head_packed: torch.Tensor | None = None  # see prepack()
         self.head_row_tile = 0  # the tied head's rows per call in the batch-invariant mode; 0: all at once
+        # The layers as one call for plain decode steps (decode_chain.py): made at the first forward, once the
+        # loader is done replacing modules (quantised weights, tensor-parallel wrappers); False until then.
+        self.decode_chain: DecodeChain | None | bool = False
 
     def forward(
         self,
@@ -114,12 +120,22 @@ class LlamaForCausalLM(nn.Module):
         drops rows (``AttentionBackend.surviving_rows``)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.table(positions, x.dtype)  # (cos, sin) of this step's tokens, for every layer
+        if self.decode_chain is False:
+            self.decode_chain = DecodeChain.of(self.layers, DecoderLayer)
+        if self.decode_chain is not None and self.decode_chain.runs(x):
+            decode = backend.in_place_decode(metadata)
+            if decode is not None:
+                return self.norm(self.decode_chain(x, rope, decode))
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, backend, metadata)
             if x.shape[0] != rope[0].shape[0]:
                 rows = backend.surviving_rows(i, metadata)
                 rope = (rope[0].index_select(0, rows), rope[1].index_select(0, rows))
         return self.norm(x)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> LlamaForCausalLM:
+        self.decode_chain = False  # .to(), .float(), ...: the chain's tensors would be the old ones
+        return super()._apply(fn, recurse)
 
     def prepack(self) -> None:
         """Reorder dense bfloat16 weights once for oneDNN on CPU (``packed_linear``); call after loading."""
