@@ -49,8 +49,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--weights", choices=WEIGHT_MODES, default="native",
-        help="GGUF weights: native runs Q4_0/Q4_1 as int4 for batches of up to 3 rows and a dequantised copy "
-        "above (bfloat16 on CPU only), int4 keeps only the int4 form, dequant dequantises all",
+        help="GGUF weights: native runs Q4_0/Q4_1 on their 4-bit codes for decode-sized batches (CPU: bfloat16 up "
+        "to 3 rows, float32 up to 16) and a dequantised copy above, int4 keeps only the codes, dequant dequantises "
+        "all",
     )  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

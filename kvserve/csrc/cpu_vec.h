@@ -63,6 +63,12 @@ inline float hsum8(__m256 v) {
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
 }
+
+// Lane i = the sum of v[i]'s 8 lanes, as ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)) for every i.
+inline __m128 hsum8x4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+  const __m256 all = _mm256_hadd_ps(_mm256_hadd_ps(v0, v1), _mm256_hadd_ps(v2, v3));  // per v: low half, high half
+  return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
+}
 #endif
 
 // Sequential sums for the tails and for CPUs without AVX-512 (no reassociation, so no vectoriser reorders them).
@@ -73,8 +79,8 @@ __attribute__((optimize("no-associative-math"))) inline float sequential_sum(con
   return total;
 }
 
-// sum_i x[i] (or x[i]^2) in a fixed order: 16 lanes over whole chunks, the lanes added in a fixed tree, then
-// the tail in order.
+// sum_i x[i] (or x[i]^2) in a fixed order: 16 lanes (AVX-512) or 8 (AVX2) over whole chunks, the lanes added
+// in a fixed tree, then the tail in order.
 template <typename T>
 inline float ordered_sum(const T* x, int64_t n, bool squares = false) {
   int64_t i = 0;
@@ -86,6 +92,13 @@ inline float ordered_sum(const T* x, int64_t n, bool squares = false) {
     acc = squares ? _mm512_fmadd_ps(v, v, acc) : _mm512_add_ps(acc, v);
   }
   total = _mm512_reduce_add_ps(acc);
+#elif defined(KVSERVE_AVX2)
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = load8(x + i);
+    acc = squares ? _mm256_fmadd_ps(v, v, acc) : _mm256_add_ps(acc, v);
+  }
+  total = hsum8(acc);
 #endif
   return total + sequential_sum(x + i, n - i, squares);
 }

@@ -39,7 +39,7 @@ using kvserve_cpu::to_float;
 using kvserve_cpu::load16;
 #endif
 #if defined(KVSERVE_AVX2)
-using kvserve_cpu::hsum8;
+using kvserve_cpu::hsum8x4;
 using kvserve_cpu::load8;
 #endif
 
@@ -147,39 +147,76 @@ void value_pass_fixed(const Geometry& g, const T* v_cache, const int32_t* table,
 #endif
 
 #if defined(KVSERVE_AVX2)
-// AVX2 (16 vector registers): the G sums of a key stay in registers, the queries come from L1; the value
-// pass runs over 32 of D's columns at a time so its G x 4 accumulators stay in registers.
-template <int G, typename T>
+// AVX2 (16 vector registers): keys 4 at a time against the G query rows, G x 4 independent FMA chains (one
+// chain per key waited on the FMA latency: several times slower), each key's sum by hsum8x4. A run's last
+// chunk repeats its last key, so every key's score comes from the same instructions wherever it sits.
+// The value pass runs over 32 of D's columns at a time so its G x 4 accumulators stay in registers.
+// DIM: D as a compile-time constant (64, 128: the accumulators then stay in registers), or 0 for g.dim.
+template <int G, int DIM, typename T>
 void key_pass8(const Geometry& g, const float* q, const T* k_cache, const int32_t* table, int64_t h, int64_t first,
                int64_t last, float* scores, int64_t stride) {
-  const int64_t D = g.dim;
-  for_each_key(g, table, h, first, last, [&](int64_t t, int64_t slot) {
-    __m256 sums[G];
-    for (int j = 0; j < G; ++j) sums[j] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < D; c += 8) {
-      const __m256 kc = load8(k_cache + slot + c);
-      for (int j = 0; j < G; ++j) sums[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * D + c), kc, sums[j]);
+  const int64_t D = DIM ? DIM : g.dim;
+  int64_t block = first / g.block_size, offset = first % g.block_size;  // of the next key
+  for (int64_t pos = first; pos < last; pos += 4) {
+    const int64_t count = std::min<int64_t>(4, last - pos);
+    const T* keys[4];
+    for (int i = 0; i < 4; ++i) {
+      if (i >= count) {
+        keys[i] = keys[count - 1];
+        continue;
+      }
+      keys[i] = k_cache + table[block] * g.block_stride + offset * g.token_stride + h * D;
+      if (++offset == g.block_size) offset = 0, ++block;
     }
-    for (int j = 0; j < G; ++j) scores[j * stride + t] = hsum8(sums[j]);
-  });
+    __m256 sums[G][4];
+    for (int j = 0; j < G; ++j)
+      for (int i = 0; i < 4; ++i) sums[j][i] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < D; c += 8) {
+      for (int i = 0; i < 4; ++i) {
+        const __m256 kc = load8(keys[i] + c);  // the queries are memory operands: 16 registers hold the rest
+        for (int j = 0; j < G; ++j) sums[j][i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * D + c), kc, sums[j][i]);
+      }
+    }
+    for (int j = 0; j < G; ++j) {
+      const __m128 s4 = hsum8x4(sums[j][0], sums[j][1], sums[j][2], sums[j][3]);
+      float* out = scores + j * stride + (pos - first);
+      if (count == 4) {
+        _mm_storeu_ps(out, s4);
+      } else {
+        float tmp[4];
+        _mm_storeu_ps(tmp, s4);
+        for (int64_t i = 0; i < count; ++i) out[i] = tmp[i];
+      }
+    }
+  }
 }
 
 template <int G, typename T>
 void value_pass8(const Geometry& g, const T* v_cache, const int32_t* table, int64_t h, int64_t first, int64_t last,
                  const float* probs, int64_t stride, float* acc) {
-  const int64_t D = g.dim;
+  const int64_t D = g.dim, n = last - first;
   for (int64_t c0 = 0; c0 < D; c0 += 32) {
     __m256 av[G][4];
     for (int j = 0; j < G; ++j)
       for (int c = 0; c < 4; ++c) av[j][c] = _mm256_loadu_ps(acc + j * D + c0 + c * 8);
-    for_each_key(g, table, h, first, last, [&](int64_t t, int64_t slot) {
+    // A plain loop, not for_each_key: through the lambda the accumulators went to the stack every key.
+    int64_t block = first / g.block_size, offset = first % g.block_size;
+    const T* row = v_cache + table[block] * g.block_stride + offset * g.token_stride + h * D + c0;
+    for (int64_t t = 0; t < n; ++t) {
       __m256 p[G];
       for (int j = 0; j < G; ++j) p[j] = _mm256_set1_ps(probs[j * stride + t]);
       for (int c = 0; c < 4; ++c) {
-        const __m256 vc = load8(v_cache + slot + c0 + c * 8);
+        const __m256 vc = load8(row + c * 8);
         for (int j = 0; j < G; ++j) av[j][c] = _mm256_fmadd_ps(p[j], vc, av[j][c]);
       }
-    });
+      if (++offset < g.block_size) {
+        row += g.token_stride;
+      } else if (t + 1 < n) {
+        offset = 0;
+        row = v_cache + table[++block] * g.block_stride + h * D + c0;
+      }
+    }
     for (int j = 0; j < G; ++j)
       for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + j * D + c0 + c * 8, av[j][c]);
   }
@@ -195,11 +232,19 @@ void key_pass(const Geometry& g, const float* q, const T* k_cache, const int32_t
   if (g.group == 4 && g.dim == 64) return key_pass_fixed<4, 64>(g, q, k_cache, table, h, first, last, scores, stride);
 #elif defined(KVSERVE_AVX2)
   if (g.dim % 32 == 0) {
-    switch (g.group) {
-      case 1: return key_pass8<1>(g, q, k_cache, table, h, first, last, scores, stride);
-      case 2: return key_pass8<2>(g, q, k_cache, table, h, first, last, scores, stride);
-      case 3: return key_pass8<3>(g, q, k_cache, table, h, first, last, scores, stride);
-      case 4: return key_pass8<4>(g, q, k_cache, table, h, first, last, scores, stride);
+    switch (g.group * 1000 + (g.dim == 64 || g.dim == 128 ? g.dim : 0)) {
+      case 1064: return key_pass8<1, 64>(g, q, k_cache, table, h, first, last, scores, stride);
+      case 2064: return key_pass8<2, 64>(g, q, k_cache, table, h, first, last, scores, stride);
+      case 3064: return key_pass8<3, 64>(g, q, k_cache, table, h, first, last, scores, stride);
+      case 4064: return key_pass8<4, 64>(g, q, k_cache, table, h, first, last, scores, stride);
+      case 1128: return key_pass8<1, 128>(g, q, k_cache, table, h, first, last, scores, stride);
+      case 2128: return key_pass8<2, 128>(g, q, k_cache, table, h, first, last, scores, stride);
+      case 3128: return key_pass8<3, 128>(g, q, k_cache, table, h, first, last, scores, stride);
+      case 4128: return key_pass8<4, 128>(g, q, k_cache, table, h, first, last, scores, stride);
+      case 1000: return key_pass8<1, 0>(g, q, k_cache, table, h, first, last, scores, stride);
+      case 2000: return key_pass8<2, 0>(g, q, k_cache, table, h, first, last, scores, stride);
+      case 3000: return key_pass8<3, 0>(g, q, k_cache, table, h, first, last, scores, stride);
+      case 4000: return key_pass8<4, 0>(g, q, k_cache, table, h, first, last, scores, stride);
       default: break;
     }
   }
@@ -233,6 +278,23 @@ void value_pass(const Geometry& g, const T* v_cache, const int32_t* table, int64
   });
 }
 
+// The largest of x[0 .. n-1] (n >= 1); any order gives the same value, so 8 lanes where there are.
+inline float max_of(const float* x, int64_t n) {
+  int64_t t = 0;
+  float mx = x[0];
+#if defined(KVSERVE_AVX2)
+  if (n >= 8) {
+    __m256 m8 = _mm256_loadu_ps(x);
+    for (t = 8; t + 8 <= n; t += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(x + t));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m8);
+    for (float lane : lanes) mx = std::max(mx, lane);
+  }
+#endif
+  for (; t < n; ++t) mx = std::max(mx, x[t]);
+  return mx;
+}
+
 // Calls f(block_first, block_last) for the runs of [first, last) that lie in one block.
 template <typename F>
 inline void for_each_block(int64_t block_size, int64_t first, int64_t last, F&& f) {
@@ -258,8 +320,7 @@ void attend_span(const Geometry& g, const float* q, const T* k_cache, const T* v
   for (int64_t j = 0; j < H; ++j) {
     float* s = scores.data() + j * n;
     if (logits != nullptr) std::memcpy(logits + j * stride, s, sizeof(float) * n);
-    float mx = s[0];
-    for (int64_t t = 1; t < n; ++t) mx = std::max(mx, s[t]);
+    const float mx = max_of(s, n);
 #pragma omp simd
     for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - mx);
     m[j] = mx;
