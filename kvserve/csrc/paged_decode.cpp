@@ -223,6 +223,17 @@ void value_pass8(const Geometry& g, const T* v_cache, const int32_t* table, int6
 }
 #endif
 
+#if defined(KVSERVE_AVX2)
+// key_pass8 with the common head dims as compile-time constants.
+template <int G, typename T>
+void key_pass_dim(const Geometry& g, const float* q, const T* k_cache, const int32_t* table, int64_t h, int64_t first,
+                  int64_t last, float* scores, int64_t stride) {
+  if (g.dim == 64) return key_pass8<G, 64>(g, q, k_cache, table, h, first, last, scores, stride);
+  if (g.dim == 128) return key_pass8<G, 128>(g, q, k_cache, table, h, first, last, scores, stride);
+  key_pass8<G, 0>(g, q, k_cache, table, h, first, last, scores, stride);
+}
+#endif
+
 // scores[j * stride + t] = q_j . key(first + t) for the G query rows of KV head h.
 template <typename T>
 void key_pass(const Geometry& g, const float* q, const T* k_cache, const int32_t* table, int64_t h, int64_t first,
@@ -232,19 +243,11 @@ void key_pass(const Geometry& g, const float* q, const T* k_cache, const int32_t
   if (g.group == 4 && g.dim == 64) return key_pass_fixed<4, 64>(g, q, k_cache, table, h, first, last, scores, stride);
 #elif defined(KVSERVE_AVX2)
   if (g.dim % 32 == 0) {
-    switch (g.group * 1000 + (g.dim == 64 || g.dim == 128 ? g.dim : 0)) {
-      case 1064: return key_pass8<1, 64>(g, q, k_cache, table, h, first, last, scores, stride);
-      case 2064: return key_pass8<2, 64>(g, q, k_cache, table, h, first, last, scores, stride);
-      case 3064: return key_pass8<3, 64>(g, q, k_cache, table, h, first, last, scores, stride);
-      case 4064: return key_pass8<4, 64>(g, q, k_cache, table, h, first, last, scores, stride);
-      case 1128: return key_pass8<1, 128>(g, q, k_cache, table, h, first, last, scores, stride);
-      case 2128: return key_pass8<2, 128>(g, q, k_cache, table, h, first, last, scores, stride);
-      case 3128: return key_pass8<3, 128>(g, q, k_cache, table, h, first, last, scores, stride);
-      case 4128: return key_pass8<4, 128>(g, q, k_cache, table, h, first, last, scores, stride);
-      case 1000: return key_pass8<1, 0>(g, q, k_cache, table, h, first, last, scores, stride);
-      case 2000: return key_pass8<2, 0>(g, q, k_cache, table, h, first, last, scores, stride);
-      case 3000: return key_pass8<3, 0>(g, q, k_cache, table, h, first, last, scores, stride);
-      case 4000: return key_pass8<4, 0>(g, q, k_cache, table, h, first, last, scores, stride);
+    switch (g.group) {
+      case 1: return key_pass_dim<1>(g, q, k_cache, table, h, first, last, scores, stride);
+      case 2: return key_pass_dim<2>(g, q, k_cache, table, h, first, last, scores, stride);
+      case 3: return key_pass_dim<3>(g, q, k_cache, table, h, first, last, scores, stride);
+      case 4: return key_pass_dim<4>(g, q, k_cache, table, h, first, last, scores, stride);
       default: break;
     }
   }
