@@ -397,9 +397,8 @@ class PagedKVCache(AttentionBackend):
 
     def in_place_decode(self, metadata: AttentionMetadata) -> InPlaceDecode | None:
         metadata = self._check_metadata(metadata)
-        if not metadata.plan.decode_only or self.batch_invariant or self.layer_windows:
-            return None
-        if len(metadata.block_tables) != 1:
+        plain = metadata.plan.decode_only and len(metadata.block_tables) == 1
+        if not plain or self.batch_invariant or self.layer_windows:
             return None
         view = self._decode_view(metadata, 0, None)
         slots = metadata.slot_mappings[0]

@@ -23,12 +23,11 @@ _ANY_ROWS = 1 << 62  # a dense projection's row limit: none
 
 def _projection(module: nn.Module) -> tuple[list[torch.Tensor], int] | None:
     """(weight, consts, bias) as the op takes them and the most rows it may run at once; None if it can't."""
+    bias = module.bias if getattr(module, "bias", None) is not None else _NONE
     if type(module) is QuantLinear and module.act_dtype == torch.float32:
-        bias = module.bias if module.bias is not None else _NONE
         return [module.codes, module.consts, bias], module.max_rows
     plain = type(module) is Linear and module.packed is None and module.row_tile == 0
     if plain and module.weight.dtype == torch.float32:
-        bias = module.bias if module.bias is not None else _NONE
         return [module.weight, _NONE, bias], _ANY_ROWS
     return None
 
