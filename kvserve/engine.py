@@ -339,7 +339,7 @@ class LLMEngine:
             seq_id=next(self._seq_ids),
             token_ids=list(ids),
             num_prompt_tokens=num_prompt,
-            generator=make_generator(child, self.config.device),
+            generator=make_generator(child),  # sampling runs on the logits' CPU copy (runner.py), on any device
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
         )
 

@@ -129,4 +129,4 @@ def recent_and_top(scores: torch.Tensor, num_candidates: int, keep: int, recent:
     recent = min(recent, keep)
     older = num_candidates - recent
     top = torch.topk(scores[:older], keep - recent).indices if keep > recent else scores.new_empty(0, dtype=torch.long)
-    return torch.cat((top.sort().values, torch.arange(older, num_candidates)))
+    return torch.cat((top.sort().values, torch.arange(older, num_candidates, device=scores.device)))

@@ -104,7 +104,8 @@ class PyramidInfer(KVPolicy):
         recent = min(self.recent_count(num_tokens), keep - sinks)
         middle = num_candidates - sinks - recent  # the older tokens competing for the PvC places
         top = torch.topk(scores[sinks : sinks + middle], keep - sinks - recent).indices.sort().values + sinks
-        return torch.cat((torch.arange(sinks), top, torch.arange(num_candidates - recent, num_candidates)))
+        newest = torch.arange(num_candidates - recent, num_candidates, device=scores.device)
+        return torch.cat((torch.arange(sinks, device=scores.device), top, newest))
 
     def votes(self, num_queries: int, num_tokens: int) -> tuple[int, torch.Tensor]:
         """S_r's ensemble: the chunk's last |S_r| queries, weighted towards the most recent (the cached slots'

@@ -87,7 +87,7 @@ class SnapKV(KVPolicy):
             return recent_and_top(scores, num_candidates, keep, recent)
         older = num_candidates - recent
         top = torch.topk(self.pool(scores)[:older], keep - recent, dim=0).indices.sort(dim=0).values  # (k, Hkv)
-        window = torch.arange(older, num_candidates)[:, None].expand(recent, scores.shape[1])
+        window = torch.arange(older, num_candidates, device=scores.device)[:, None].expand(recent, scores.shape[1])
         return torch.cat((top, window))
 
     def update(self, scores: torch.Tensor, step_weights: torch.Tensor) -> torch.Tensor:
