@@ -134,11 +134,11 @@ def test_table_and_plot_show_ratios_against_each_peer(tmp_path) -> None:
 
 
 @pytest.mark.real_model
-def test_bench_speed_runs_kvserve_end_to_end(tmp_path) -> None:
+def test_bench_speed_runs_kvserve_and_transformers_end_to_end(tmp_path) -> None:
     out = tmp_path / "speed"
     result = subprocess.run(
         [
-            sys.executable, "-m", "kvserve.cli", "bench", "speed", "--peers", "", "--threads", "2",
+            sys.executable, "-m", "kvserve.cli", "bench", "speed", "--peers", "transformers", "--threads", "2",
             "--prefill-lengths", "32,64", "--decode-tokens", "4", "--batch-sizes", "2,3", "--batch-prompt-tokens", "16",
             "--batch-new-tokens", "4", "--long-decode-contexts", "80", "--repeats", "1", "--output", str(out),
         ],
@@ -146,14 +146,18 @@ def test_bench_speed_runs_kvserve_end_to_end(tmp_path) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     report = json.loads(out.with_suffix(".json").read_text())
-    (kvserve,) = report["results"]
+    kvserve, transformers = report["results"]
+    assert transformers["engine"] == "transformers" and report["device"] == "cpu"
+    # Every row on both engines; decode timed from the first token (the transformers streamer's clock).
+    assert transformers["decode_tokens_per_s"] > 0 and transformers["long_decode_tokens_per_s"]["80"] > 0
     # dtype auto, bfloat16 or float32: the Q4 weights run on their codes ("native").
     assert kvserve["engine"] == "kvserve (native)"
     assert set(kvserve["prefill_s"]) == {"32", "64"} and set(kvserve["batch_tokens_per_s"]) == {"2", "3"}
     assert kvserve["decode_tokens_per_s"] > 0 and kvserve["prefill_s"]["64"] > 0
     assert kvserve["long_decode_tokens_per_s"]["80"] > 0
     assert report["roofline"]["copy_gb_per_s"] > 0 and report["roofline"]["matmul_gflop_per_s"] > 0
-    assert "| kvserve (native) |" in out.with_suffix(".md").read_text()
+    table = out.with_suffix(".md").read_text()
+    assert table.startswith("# CPU speed") and "| kvserve (native) |" in table and "| transformers |" in table
 
 
 def test_bench_speed_rejects_unknown_peers_and_non_gguf_models(tmp_path, capsys) -> None:

@@ -499,16 +499,18 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
     long_contexts = [int(x) for x in args.long_decode_contexts.split(",") if x.strip()]
     prompt_ids = _prompt_ids(tokenizer, Path(AUSTEN), max([*lengths, *long_contexts]))
     batch_prompts = fixed_length_prompts(tokenizer, max(batch_sizes), args.batch_prompt_tokens)
-    roofline = speed.measure_roofline(dtype)
+    roofline = speed.measure_roofline(dtype, device=args.device)
     log(
         f"bench speed: {model_path.name}, {threads} threads; roofline: copy {roofline.copy_gb_per_s:.1f} GB/s, "
         f"{roofline.matmul_dtype} matmul {roofline.matmul_gflop_per_s:,.0f} GFLOP/s"
     )
     engines: list[Callable[[], speed.SpeedEngine]] = [
-        lambda: speed.KVServeSpeed(str(model_path), args.dtype, args.weights, max(batch_sizes))
+        lambda: speed.KVServeSpeed(str(model_path), args.dtype, args.weights, max(batch_sizes), device=args.device)
     ]
     if args.batch_invariant:
-        engines.append(lambda: speed.KVServeSpeed(str(model_path), args.dtype, args.weights, max(batch_sizes), True))
+        engines.append(
+            lambda: speed.KVServeSpeed(str(model_path), args.dtype, args.weights, max(batch_sizes), True, args.device)
+        )
     seq_len = (
         max(
             [
@@ -523,7 +525,7 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
     if llamacpp_python:
         engines.append(lambda: speed.LlamaCppSpeed(llamacpp_python, model_path, threads, seq_len, max(batch_sizes)))
     if "transformers" in peers:
-        engines.append(lambda: speed.TransformersSpeed(model_path, dtype))
+        engines.append(lambda: speed.TransformersSpeed(model_path, dtype, args.device))
     results = []
     for make in engines:
         engine = make()
@@ -552,6 +554,7 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
         model=model_path.name,
         dtype=str(dtype).removeprefix("torch."),
         weights=args.weights,
+        device=args.device,
         threads=threads,
         roofline=asdict(roofline),
         prefill_gflop={n: speed.prefill_flops(config, n) / 1e9 for n in lengths},
@@ -579,10 +582,12 @@ def _speed_table(report: dict) -> str:
     sizes = list(results[0]["batch_tokens_per_s"])
     contexts = list(results[0].get("long_decode_tokens_per_s", {}))
     w = report["workload"]
+    on_gpu = report.get("device", "cpu").startswith("cuda")  # the roofline is the GPU's; llama.cpp stays on the CPU
     lines = [
-        f"# CPU speed: {report['model']}",
+        f"# {'GPU' if on_gpu else 'CPU'} speed: {report['model']}",
         "",
-        f"`{report['command']}` on {report['date']}: {m['cpu']}, {m['nproc']} CPUs, {m['memory_gib']} GiB, "
+        f"`{report['command']}` on {report['date']}: {m['gpu'] + ' (kvserve, transformers), ' if on_gpu else ''}"
+        f"{m['cpu']}, {m['nproc']} CPUs, {m['memory_gib']} GiB, "
         f"torch {m['torch']}, {report['threads']} threads; kvserve {report['dtype']} activations, weights "
         f"`{report['weights']}`.",
     ]

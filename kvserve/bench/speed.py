@@ -64,13 +64,15 @@ class SpeedEngine(Protocol):
 class KVServeSpeed:
     name = "kvserve"
 
-    def __init__(self, model: str, dtype: str, weights: str, max_seqs: int, batch_invariant: bool = False) -> None:
+    def __init__(
+        self, model: str, dtype: str, weights: str, max_seqs: int, batch_invariant: bool = False, device: str = "cpu"
+    ) -> None:
         from kvserve.llm import LLM
 
         start = time.perf_counter()
         self.llm = LLM(
             model=model, dtype=dtype, weights=weights, enable_prefix_caching=False, max_num_seqs=max_seqs,
-            batch_invariant=batch_invariant,
+            batch_invariant=batch_invariant, device=device,
         )  # fmt: skip
         self.load_s = time.perf_counter() - start
         self.decode_bytes_per_token = decode_weight_bytes(self.llm.engine.loaded.model)
@@ -164,12 +166,14 @@ class TransformersSpeed:
 
     name = "transformers"
 
-    def __init__(self, model: Path, dtype: torch.dtype) -> None:
+    def __init__(self, model: Path, dtype: torch.dtype, device: str = "cpu") -> None:
         with extra_imports("bench", "the transformers peer (--peers without it skips it)"):
             from transformers import AutoModelForCausalLM
 
         start = time.perf_counter()
-        self.model = AutoModelForCausalLM.from_pretrained(model.parent, gguf_file=model.name, dtype=dtype).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model.parent, gguf_file=model.name, dtype=dtype)
+        self.model = self.model.to(device).eval()
+        self.device = torch.device(device)
         self.load_s = time.perf_counter() - start
         embed = self.model.get_input_embeddings().weight
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -179,21 +183,62 @@ class TransformersSpeed:
     def generate(self, ids: Sequence[int], new_tokens: int) -> float:
         return self.batch([ids], new_tokens)
 
-    @torch.inference_mode()
+    def decode(self, ids: Sequence[int], new_tokens: int) -> float:
+        clock = FirstTokenClock()
+        seconds = self._generate([ids], new_tokens, clock)
+        return seconds - clock.first_token_s
+
     def batch(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
+        return self._generate(prompts, new_tokens)
+
+    @torch.inference_mode()
+    def _generate(
+        self, prompts: Sequence[Sequence[int]], new_tokens: int, clock: FirstTokenClock | None = None
+    ) -> float:
         if len({len(p) for p in prompts}) != 1:
             raise ValueError("transformers is measured on equal-length prompts (no padding)")
-        ids = torch.tensor([list(p) for p in prompts])
+        ids = torch.tensor([list(p) for p in prompts], device=self.device)
+        sync = synchronizer(self.device)
+        sync()
         start = time.perf_counter()
+        if clock is not None:
+            clock.start = start
         out = self.model.generate(
-            input_ids=ids, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0
-        )
+            input_ids=ids, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+            streamer=clock,
+        )  # fmt: skip
+        sync()
         seconds = time.perf_counter() - start
         _check_lengths(self.name, out[:, ids.shape[1] :].tolist(), new_tokens)
         return seconds
 
     def close(self) -> None:
         del self.model
+
+
+class FirstTokenClock:
+    """A transformers streamer that notes when the first new token arrives: ``generate`` puts the prompt first,
+    then each step's token (after its step, so the time includes it)."""
+
+    def __init__(self) -> None:
+        self.start = 0.0
+        self.first_token_s = 0.0
+        self._puts = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self._puts += 1
+        if self._puts == 2:
+            self.first_token_s = time.perf_counter() - self.start
+
+    def end(self) -> None:
+        if self._puts < 2:
+            raise RuntimeError("transformers streamed no new token")
+
+
+def synchronizer(device: torch.device | str) -> Callable[[], None]:
+    """What waits for the device's queued work before a clock is read (nothing on the CPU)."""
+    device = torch.device(device)
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
 def _check_lengths(engine: str, outputs: Sequence[Sequence[int]], expected: int) -> None:
@@ -253,14 +298,16 @@ class Roofline:
     matmul_dtype: str  # the activations' dtype of the kvserve run: its prefill is held to this rate
 
 
-def measure_roofline(dtype: torch.dtype = torch.bfloat16, repeats: int = 10) -> Roofline:
-    src = torch.ones(64 * 2**20)  # 256 MiB, far beyond the caches
+def measure_roofline(dtype: torch.dtype = torch.bfloat16, repeats: int = 10, device: str = "cpu") -> Roofline:
+    """The copy bandwidth and matmul rate of the device the engines run on."""
+    sync = synchronizer(device)
+    src = torch.ones(64 * 2**20, device=device)  # 256 MiB, far beyond the caches
     dst = torch.empty_like(src)
-    copy_s = fastest_run(lambda: dst.copy_(src), repeats)
-    n = _matmul_size(dtype)
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    mm_s = fastest_run(lambda: a @ b, repeats)
+    copy_s = fastest_run(lambda: (dst.copy_(src), sync()), repeats)
+    n = 8192 if torch.device(device).type == "cuda" else _matmul_size(dtype)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    mm_s = fastest_run(lambda: (a @ b, sync()), repeats)
     name = str(dtype).removeprefix("torch.")
     return Roofline(2 * src.numel() * 4 / copy_s / 1e9, 2 * n**3 / mm_s / 1e9, name)
 
