@@ -17,6 +17,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine
+from kvserve.kv.tiers import TransferQueue, scatter_rows
 from kvserve.outputs import RequestOutput
 from kvserve.policies.skewing import SKEWING_DIR_ENV
 from kvserve.sampling_params import SamplingParams
@@ -141,6 +142,19 @@ def test_swap_preemption_on_cuda_moves_blocks_through_the_host_tier(folder) -> N
     assert engine.runner.cache.host_cache.k.is_pinned()
     run(engine, PROMPTS, greedy())
     assert engine.scheduler.num_preemptions > 0
+
+
+def test_a_store_to_the_host_tier_holds_the_rows_the_gpu_just_computed() -> None:
+    """The rows come from a long matmul still running when the store is queued on the transfer stream."""
+    queue = TransferQueue("cuda")
+    host = torch.zeros(4096, 256, pin_memory=True)
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(3):
+        rows = (a @ a)[:, :256]
+        index = torch.randperm(4096)
+        queue.store(lambda rows=rows, index=index: scatter_rows(host, index, rows), rows.numel() * 4).wait()
+        torch.cuda.synchronize()
+        assert torch.equal(host[index], rows.cpu())
 
 
 def test_sliding_window_layers_on_cuda(gemma_folder) -> None:

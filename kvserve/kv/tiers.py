@@ -118,13 +118,15 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> No
     """out[i] = src[index[i]] for 2-D src/out (rows of equal width) and a 1-D long index."""
     if src.device == out.device:
         torch.index_select(src, 0, index.to(src.device), out=out)
-    else:  # host tier -> CUDA: gather on the host, then one asynchronous copy (src is pinned)
+    else:  # host tier -> CUDA: gather on the host, then one copy (it returns once the gathered rows are staged)
         out.copy_(src.index_select(0, index.to(src.device)), non_blocking=True)
 
 
 def scatter_rows(dst: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
-    """dst[index[i]] = rows[i] for 2-D dst/rows and a 1-D long index without repeats."""
-    dst.index_copy_(0, index.to(dst.device), rows.to(dst.device, non_blocking=True))
+    """dst[index[i]] = rows[i] for 2-D dst/rows and a 1-D long index without repeats. ``dst`` is a host or disk
+    tier: CUDA rows come down with a blocking copy, since the CPU's index_copy_ reads them at once (after an
+    asynchronous one it would read the buffer before the rows land)."""
+    dst.index_copy_(0, index.to(dst.device), rows.to(dst.device))
 
 
 class Transfer:
