@@ -9,17 +9,20 @@ a plain decode step's decoder layers as one call of the above (``models/decode_c
 The build uses ``torch.utils.cpp_extension`` (g++ and ninja) with ``-march=native``, so it is keyed by a hash
 of the sources, the torch version and the CPU's flags: a cached build made on another CPU is never loaded.
 It lands in ``$KVSERVE_KERNEL_CACHE`` (default ``~/.cache/kvserve/kernels``) and later starts load it in
-well under a second. When the build fails (no compiler), or ``KVSERVE_KERNELS=torch`` is set, every caller
-falls back to the torch reference beside the kernel, with one warning saying why.
+well under a second. Processes building at once take turns on a lock the system drops when its holder dies.
+When the build fails (no compiler), or ``KVSERVE_KERNELS=torch`` is set, every caller falls back to the torch
+reference beside the kernel, with one warning saying why.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
 import platform
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -35,8 +38,6 @@ HEADERS = (CSRC / "cpu_vec.h", CSRC / "ops.h")
 OPS = ("paged_decode", "rms_norm", "rope_", "silu_mul", "speculate_rows", "q4_linear", "q8_linear", "decode_layers")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17")
-# A build takes ~20 s; a build lock older than this was left by a killed process, and torch waits on it forever.
-STALE_LOCK_S = 600.0
 
 
 def _cpu_flags() -> str:
@@ -75,38 +76,42 @@ def cpu_kernels_available() -> bool:
     directory = _cache_dir() / name
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        clear_stale_lock(directory)
-        if not any(directory.glob("*.so")):
-            get_logger().info("building kvserve's CPU kernels for this CPU (once, ~20 s) in %s", directory)
-        cpp_extension.load(
-            name=name,
-            sources=[str(s) for s in SOURCES],
-            extra_include_paths=[str(CSRC)],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=False,
-        )
+        with build_lock(directory):
+            if not any(directory.glob("*.so")):
+                log = get_logger().info
+                log("building kvserve's CPU kernels for this CPU (once; minutes on 2 cores) in %s", directory)
+            cpp_extension.load(
+                name=name,
+                sources=[str(s) for s in SOURCES],
+                extra_include_paths=[str(CSRC)],
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
     except (OSError, RuntimeError, ImportError) as error:  # no compiler or ninja, or the build failed
         get_logger().warning("kvserve's CPU kernels did not build (%s); using the torch implementations", error)
         return False
     return all(hasattr(torch.ops.kvserve, op) for op in OPS)
 
 
-def clear_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_S) -> bool:
-    """Remove ``directory``'s build lock if it is older than ``max_age_s`` (a build killed mid-way, e.g. by the
-    out-of-memory killer, leaves it, and every later start would hang on it); whether it was removed."""
-    lock = directory / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age <= max_age_s:
-        return False
-    get_logger().warning("removing %s: a kernel build that did not finish left it %.0f s ago", lock, age)
-    lock.unlink(missing_ok=True)
-    return True
+@contextlib.contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """Hold ``directory``'s build lock: an ``flock`` on ``build.flock``, which the system releases when its holder
+    exits, however it dies. Its holder is the only process building there, so torch's own lock file (``lock``),
+    found while holding it, was left by a build killed mid-way (torch would wait on it forever): it goes."""
+    with open(directory / "build.flock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            get_logger().info("waiting for another process's kernel build in %s", directory)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = directory / "lock"
+        if stale.exists():
+            get_logger().warning("removing %s: a kernel build that did not finish left it", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def use_cpu_kernel(*tensors: torch.Tensor) -> bool:

@@ -1,18 +1,45 @@
-"""The compiled CPU kernels' build cache: a lock left by a killed build does not hang every later start."""
+"""The compiled CPU kernels' build cache: a lock left by a killed build does not hang later starts, and a
+build running in another process is waited for, its lock left alone."""
 
 from __future__ import annotations
 
-import os
+import subprocess
+import sys
 import time
 
-from kvserve.cpu_kernels import clear_stale_lock
+from kvserve.cpu_kernels import build_lock
+
+# Another process building: it holds the build lock, makes torch's lock file, builds for a while, and fails if
+# that file was taken from under it.
+BUILDER = """
+import fcntl, pathlib, sys, time
+folder = pathlib.Path(sys.argv[1])
+with open(folder / "build.flock", "a") as handle:
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    (folder / "lock").touch()
+    (folder / "building").touch()
+    time.sleep(1.5)
+    if not (folder / "lock").exists():
+        sys.exit(1)
+    (folder / "lock").unlink()
+"""
 
 
-def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path) -> None:
-    lock = tmp_path / "lock"
-    lock.touch()
-    assert not clear_stale_lock(tmp_path) and lock.exists()  # a build may be running right now
-    old = time.time() - 3600
-    os.utime(lock, (old, old))
-    assert clear_stale_lock(tmp_path) and not lock.exists()
-    assert not clear_stale_lock(tmp_path)  # nothing left to remove
+def test_a_lock_left_by_a_killed_build_is_removed(tmp_path) -> None:
+    (tmp_path / "lock").touch()  # just now: no age tells it apart from a running build's
+    start = time.monotonic()
+    with build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    assert time.monotonic() - start < 1.0
+
+
+def test_a_build_in_another_process_is_waited_for(tmp_path) -> None:
+    builder = subprocess.Popen([sys.executable, "-c", BUILDER, str(tmp_path)])
+    while not (tmp_path / "building").exists():
+        assert builder.poll() is None, "the builder exited early"
+        time.sleep(0.01)
+    start = time.monotonic()
+    with build_lock(tmp_path):
+        waited = time.monotonic() - start
+    assert builder.wait(timeout=30) == 0  # its lock file was still there when it finished
+    assert waited > 0.5
