@@ -19,9 +19,8 @@ from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine
 from kvserve.kv.tiers import TransferQueue, scatter_rows
 from kvserve.outputs import RequestOutput
-from kvserve.policies.skewing import SKEWING_DIR_ENV
 from kvserve.sampling_params import SamplingParams
-from tests.tiny_models import TinySpec, write_tiny_model
+from tests.tiny_models import TinySpec, skewing_in_tmp, write_tiny_model  # noqa: F401 - autouse fixture
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -50,14 +49,6 @@ def float32_matmuls():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
-
-
-@pytest.fixture(scope="module", autouse=True)
-def skewing_dir(tmp_path_factory):
-    """InfiniGen's skewing is computed into a temporary folder, never the user's cache."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(SKEWING_DIR_ENV, str(tmp_path_factory.mktemp("skewing")))
-        yield
 
 
 @pytest.fixture(scope="module")

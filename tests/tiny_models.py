@@ -37,6 +37,16 @@ def torch_single_thread() -> Iterator[None]:
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def skewing_in_tmp(tmp_path_factory) -> Iterator[None]:
+    """InfiniGen's skewing is computed into a temporary folder, never the user's cache (import to activate)."""
+    from kvserve.policies.skewing import SKEWING_DIR_ENV
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(SKEWING_DIR_ENV, str(tmp_path_factory.mktemp("skewing")))
+        yield
+
+
 # ----- tokenizer -----
 
 NUM_MERGES = 42

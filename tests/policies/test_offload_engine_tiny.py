@@ -27,23 +27,19 @@ from kvserve.models.layers import RotaryEmbedding
 from kvserve.policies import make_policy
 from kvserve.policies.infinigen import Rehearsal, partial_logits, speculate
 from kvserve.policies.quant import dequantize_int4, quantize_int4
-from kvserve.policies.skewing import SKEWING_DIR_ENV
 from kvserve.sampling_params import SamplingParams
-from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
+from tests.tiny_models import (  # noqa: F401 - autouse fixtures
+    TinySpec,
+    skewing_in_tmp,
+    torch_single_thread,
+    write_tiny_model,
+)
 
 # head_dim 64: INT4's default group of 64 values per row.
 SPEC = TinySpec(num_heads=4, num_kv_heads=2, num_layers=4, head_dim=64, max_position_embeddings=512, seed=5)
 BLOCK = 4
 LENGTHS = (30, 57, 9, 2)  # decode batches pad the shorter sequences' candidates
 MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module", autouse=True)
-def skewing_dir(tmp_path_factory):
-    """InfiniGen's skewing is computed into a temporary folder, never the user's cache."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(SKEWING_DIR_ENV, str(tmp_path_factory.mktemp("skewing")))
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -15,22 +15,14 @@ from kvserve import LLM, SamplingParams
 from kvserve.attention.offloaded import OffloadedKVCache
 from kvserve.models import load_model
 from kvserve.policies.infinigen import Rehearsal
-from kvserve.policies.skewing import SKEWING_DIR_ENV, record_sample, skew_recorded
+from kvserve.policies.skewing import record_sample, skew_recorded
 from tests.test_sliding_window_tiny import SPECS
-from tests.tiny_models import torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
+from tests.tiny_models import skewing_in_tmp, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixtures
 
 BLOCK = 4
 LENGTHS = (40, 23, 9)  # the longest is five windows before decoding
 MAX_TOKENS = 30  # decoding past several more windows
 EVERYTHING = {"kv_policy": "infinigen", "infinigen_partial_ratio": 1.0, "infinigen_alpha": 1e9}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def skewing_dir(tmp_path_factory):
-    """InfiniGen's skewing is computed into a temporary folder, never the user's cache."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(SKEWING_DIR_ENV, str(tmp_path_factory.mktemp("skewing")))
-        yield
 
 
 @pytest.fixture(scope="module", params=list(SPECS))
