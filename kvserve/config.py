@@ -22,6 +22,7 @@ __all__ = [
 PREEMPTION_MODES = ("recompute", "swap")
 PREFILL_PARTITIONS = ("even", "searched", "predicted", "tsp")
 PROMPT_CACHE_TIERS = ("device", "host")
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROMPT_CACHE_ENCODES = ("eager", "lazy")
 
 
@@ -36,6 +37,7 @@ class EngineConfig:
     device: str = "cpu"
     weights: str = "native"  # GGUF weights: native, int4 or dequant (see models/loader.py)
     kv_cache_memory: str | int = "1GiB"
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; bfloat16 / float16: a narrower paged cache (float32 model)
     swap_space: str | int = "1GiB"  # host tier for preemption by swapping
     block_size: int = 16
     # Sliding-window layers (Gemma 3, Mistral) in KV groups of their own that keep only the blocks their
@@ -114,12 +116,41 @@ class EngineConfig:
         if self.prompt_cache_tier not in PROMPT_CACHE_TIERS:
             raise ValueError(f"prompt_cache_tier must be one of {PROMPT_CACHE_TIERS}, got {self.prompt_cache_tier!r}")
         self._check_batch_invariant()
+        self._check_kv_cache_dtype()
         if self.prompt_cache_encode not in PROMPT_CACHE_ENCODES:
             raise ValueError(
                 f"prompt_cache_encode must be one of {PROMPT_CACHE_ENCODES}, got {self.prompt_cache_encode!r}"
             )
         self._check_prompt_cache_recompute()
         check_device(self.device)  # last: the rules above name what a device cannot run, wherever it exists
+
+    def _check_kv_cache_dtype(self) -> None:
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            choices = ["auto", *KV_CACHE_DTYPES]
+            raise ValueError(f"kv_cache_dtype must be one of {choices}, got {self.kv_cache_dtype!r}")
+        model, cache = self.torch_dtype, self.kv_dtype(self.torch_dtype)
+        if cache == model:
+            return
+        if model != torch.float32:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} narrows a float32 model's cache; this engine runs "
+                f"{str(model).removeprefix('torch.')}: leave kv_cache_dtype='auto'"
+            )
+        others = {
+            "kv_policy": (self.kv_policy, "full"), "kv_offload": (self.kv_offload, "none"),
+            "batch_invariant": (self.batch_invariant, False), "prefill_parallel": (self.prefill_parallel, 1),
+            "prompt_cache_recompute": (self.prompt_cache_recompute, 0.0),
+        }  # fmt: skip
+        for name, (value, needed) in others.items():
+            if value != needed:
+                raise ValueError(
+                    f"kv_cache_dtype={self.kv_cache_dtype!r} runs on the paged cache: it needs {name}={needed!r}, "
+                    f"got {value!r}"
+                )
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype for a model running in ``model_dtype``."""
+        return model_dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
 
     def prompt_cache_refusal(self) -> str | None:
         """Why this engine cannot take Prompt Cache schemas, or None. (A model's sliding-window groups are refused

@@ -100,7 +100,7 @@ class LLMEngine:
         self.guided_mask_seconds = 0.0  # time spent filling grammar masks, and the steps that filled any
         self.guided_mask_steps = 0
         self._request_ids = itertools.count()
-        self.kv_summary = self.plan.summary(config.block_size, cfg.num_layers, self.loaded.dtype)
+        self.kv_summary = self.plan.summary(config.block_size, cfg.num_layers, config.kv_dtype(self.loaded.dtype))
         get_logger().info(self.kv_summary)
 
     def _make_prompt_cache(self) -> PromptCache:

@@ -7,6 +7,7 @@ import os
 from dataclasses import asdict
 
 from kvserve.config import (
+    KV_CACHE_DTYPES,
     KV_OFFLOAD_MODES,
     POOL_EVICTIONS,
     PREEMPTION_MODES,
@@ -25,6 +26,11 @@ def add_engine_args(parser: argparse.ArgumentParser, kv_cache_memory: str = "1Gi
     """The paged engine's options (model, dtype, device and threads come from ``add_model_args``)."""
     group = parser.add_argument_group("engine")
     group.add_argument("--kv-cache-memory", default=kv_cache_memory, help="device KV cache size, e.g. 2GiB")
+    group.add_argument(
+        "--kv-cache-dtype", choices=("auto", *KV_CACHE_DTYPES), default="auto",
+        help="KV cache dtype; auto: the model's. bfloat16 or float16 halve a float32 model's cache and the bytes "
+        "decode attention reads (paged cache, full policy)",
+    )  # fmt: skip
     group.add_argument("--swap-space", default="1GiB", help="host tier for preemption by swapping")
     group.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
     group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
@@ -260,7 +266,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, weights=args.weights,
         tokenizer=getattr(args, "tokenizer", None), chat_template=getattr(args, "chat_template", None),
-        kv_cache_memory=args.kv_cache_memory,
+        kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
         swap_space=args.swap_space, block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
         kv_window_groups=not args.no_kv_window_groups,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -88,7 +88,9 @@ class KVPlan:
 
 
 def plan_kv(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> KVPlan:
-    """The plan, or a ValueError saying why ``config`` cannot run ``model`` (the reason and the numbers)."""
+    """The plan, or a ValueError saying why ``config`` cannot run ``model`` in ``dtype`` (the reason and the
+    numbers); blocks are sized in the KV cache's dtype (``config.kv_cache_dtype``)."""
+    dtype = config.kv_dtype(dtype)
     policy = make_policy(config.kv_policy, config.kv_budget, **config.kv_policy_knobs)
     policy.retention(model.num_layers)  # raises now if explicit per-layer fractions do not fit
     layout = kv_layout(config, model, policy)

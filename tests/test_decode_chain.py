@@ -53,7 +53,9 @@ def tiny(request, tmp_path_factory):
     return loaded
 
 
-def run_steps(loaded, chain: bool, batch_invariant: bool = False) -> tuple[list[torch.Tensor], PagedKVCache]:
+def run_steps(
+    loaded, chain: bool, batch_invariant: bool = False, kv_dtype: torch.dtype = torch.float32
+) -> tuple[list[torch.Tensor], PagedKVCache]:
     """Prefill LENGTHS (eager: not decode steps), then DECODES steps of every sequence; each step's hidden states."""
     model, cfg = loaded.model, loaded.config
     model.decode_chain = False if chain else None  # False: made at the next forward
@@ -61,7 +63,7 @@ def run_steps(loaded, chain: bool, batch_invariant: bool = False) -> tuple[list[
     ids = list(range(1, sum(blocks) + 1))
     random.Random(0).shuffle(ids)  # no sequence's blocks are consecutive
     tables = [[ids.pop() for _ in range(b)] for b in blocks]
-    cache = PagedKVCache(cfg.num_layers, sum(blocks) + 1, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32,
+    cache = PagedKVCache(cfg.num_layers, sum(blocks) + 1, BLOCK, cfg.num_kv_heads, cfg.head_dim, kv_dtype,
                          batch_invariant=batch_invariant)  # fmt: skip
     gen = torch.Generator().manual_seed(7)
     tokens = [torch.randint(0, cfg.vocab_size, (n + DECODES,), generator=gen) for n in LENGTHS]
@@ -85,6 +87,25 @@ def test_chain_is_bit_identical_to_the_eager_layers(tiny) -> None:
     for step, (got, want) in enumerate(zip(chain_hidden, eager_hidden, strict=True)):
         assert torch.equal(got, want), f"step {step}"
     assert torch.equal(chain_cache.k, eager_cache.k) and torch.equal(chain_cache.v, eager_cache.v)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_chain_is_bit_identical_over_a_narrower_cache(tiny, kv_dtype) -> None:
+    """A float32 model over a bfloat16/float16 cache: the chain rounds the keys as the eager layers do, and both
+    stay within float32 rounding of the torch reference (no kernels) over the same rounded cache."""
+    chain_hidden, chain_cache = run_steps(tiny, chain=True, kv_dtype=kv_dtype)
+    assert isinstance(tiny.model.decode_chain, DecodeChain) and chain_cache.k.dtype == kv_dtype
+    eager_hidden, eager_cache = run_steps(tiny, chain=False, kv_dtype=kv_dtype)
+    assert all(torch.equal(a, b) for a, b in zip(chain_hidden, eager_hidden, strict=True))
+    assert torch.equal(chain_cache.k, eager_cache.k) and torch.equal(chain_cache.v, eager_cache.v)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVSERVE_KERNELS", "torch")
+        patch.setattr(cpu_kernels, "cpu_kernels_available", lambda: False)
+        reference, _ = run_steps(tiny, chain=False, kv_dtype=kv_dtype)
+    for got, want in zip(chain_hidden, reference, strict=True):
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    wide_hidden, _ = run_steps(tiny, chain=True)
+    assert not torch.equal(wide_hidden[-1], chain_hidden[-1])  # the rounding is real
 
 
 @pytest.mark.parametrize("batch_invariant", [False, True])

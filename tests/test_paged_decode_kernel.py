@@ -57,6 +57,27 @@ def test_kernel_matches_the_reference(dtype, heads, kv_heads, head_dim, block_si
         assert not got_weights[row, :start].any() and not got_weights[row, end:].any()
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (6, 2, 24)], ids=str)
+def test_float32_queries_over_a_narrower_cache(kv_dtype, heads, kv_heads, head_dim):
+    """A float32 model's bfloat16/float16 cache: the keys and values widen exactly, so the kernel keeps float32
+    accuracy against the reference over the same rounded cache."""
+    ranges = [(0, 1), (0, 17), (3, 35), (0, 257), (100, 613)]
+    q, k, v, tables, starts, ends = _case(len(ranges), heads, kv_heads, head_dim, 16, ranges, torch.float32)
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
+    got, got_weights = paged_decode(q, k, v, tables, starts, ends, want_weights=True)
+    want, want_weights = paged_decode_reference(q, k, v, tables, starts, ends, want_weights=True)
+    assert got.dtype == torch.float32
+    assert (got - want).abs().max().item() <= TOLERANCE[torch.float32]
+    assert torch.allclose(got_weights, want_weights, atol=1e-6)
+
+
+def test_a_cache_wider_than_the_queries_is_refused():
+    q, k, v, tables, starts, ends = _case(1, 4, 2, 16, 4, [(0, 5)], torch.bfloat16)
+    with pytest.raises(RuntimeError, match="narrower under float32 q; got q BFloat16, k_cache Float"):
+        torch.ops.kvserve.paged_decode(q, k.float(), v.float(), tables, starts, ends, 0.25, False)
+
+
 def test_a_row_does_not_depend_on_the_rest_of_the_batch():
     ranges = [(0, 700), (0, 33), (5, 400)]
     q, k, v, tables, starts, ends = _case(3, 9, 3, 64, 16, ranges, torch.bfloat16)

@@ -28,7 +28,8 @@ def paged_decode(
     ends: torch.Tensor,
     want_weights: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention of q (B, H, D) over k_cache/v_cache (num_blocks, block_size, Hkv, D): row b reads key positions
+    """Attention of q (B, H, D) over k_cache/v_cache (num_blocks, block_size, Hkv, D), of q's dtype or narrower
+    under float32 q (bfloat16, float16): row b reads key positions
     ``starts[b] .. ends[b] - 1`` of its table ``block_tables[b]`` ((B, W) int32; starts, ends (B,) int32).
 
     Returns the output (B, H, D) and, with ``want_weights``, each key's softmax probability averaged over the
@@ -57,8 +58,9 @@ def paged_decode_reference(
     _, block_size, hkv, _ = k_cache.shape
     length = block_tables.shape[1] * block_size
     index = block_tables.long().view(-1)
-    keys = k_cache.index_select(0, index).view(batch, length, hkv, head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-    values = v_cache.index_select(0, index).view(batch, length, hkv, head_dim).transpose(1, 2)
+    # (B, Hkv, T, D), widened to q's dtype when the cache is narrower
+    keys = k_cache.index_select(0, index).view(batch, length, hkv, head_dim).transpose(1, 2).to(q.dtype)
+    values = v_cache.index_select(0, index).view(batch, length, hkv, head_dim).transpose(1, 2).to(q.dtype)
     position = torch.arange(length, device=q.device)
     visible = (position >= starts.to(q.device).long()[:, None]) & (position < ends.to(q.device).long()[:, None])
     mask = visible[:, None, None, :]  # (B, 1, 1, T)

@@ -23,7 +23,7 @@ def make_kv_cache(config: EngineConfig, plan: KVPlan, loaded: LoadedModel) -> At
     cache for ``kv_offload`` with the full cache, INT4 or InfiniGen, else the paged cache (with KV groups for
     sliding-window layers and a host tier for swapping)."""
     # The model's own config: under tensor parallelism, this rank's KV heads only.
-    cfg, dtype = loaded.model.config, loaded.dtype
+    cfg, dtype = loaded.model.config, config.kv_dtype(loaded.dtype)
     shape = (cfg.num_layers, plan.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, config.device)
     if plan.per_layer_groups:
         return CompressedKVCache(

@@ -324,8 +324,8 @@ class PagedKVCache(AttentionBackend):
         self._check_layer_per_row()
         index = torch.tensor(list(slots), dtype=torch.long, device=self.k.device)
         shape = (self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)
-        self.k.view(shape).index_copy_(1, index, k.to(self.k.device, non_blocking=True))
-        self.v.view(shape).index_copy_(1, index, v.to(self.v.device, non_blocking=True))
+        self.k.view(shape).index_copy_(1, index, k.to(self.k.device, self.k.dtype, non_blocking=True))
+        self.v.view(shape).index_copy_(1, index, v.to(self.v.device, self.v.dtype, non_blocking=True))
 
     def _check_layer_per_row(self) -> None:
         if self.layer_rows != tuple(range(self.num_layers)):
@@ -391,9 +391,9 @@ class PagedKVCache(AttentionBackend):
         self._write(self.layer_rows[layer], metadata.slot_mappings[metadata.group_of(layer)], k, v)
 
     def _write(self, row: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Keys/values (N, Hkv, D) into ``slots`` of block row ``row``."""
-        self.k[row].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)  # (slots, Hkv, D)
-        self.v[row].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
+        """Keys/values (N, Hkv, D) into ``slots`` of block row ``row`` (rounded to the cache's dtype)."""
+        self.k[row].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k.to(self.k.dtype))
+        self.v[row].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v.to(self.v.dtype))
 
     def in_place_decode(self, metadata: AttentionMetadata) -> InPlaceDecode | None:
         metadata = self._check_metadata(metadata)
@@ -417,6 +417,8 @@ class PagedKVCache(AttentionBackend):
         metadata = self._check_metadata(metadata)
         group, row = metadata.group_of(layer), self.layer_rows[layer]
         self._write(row, metadata.slot_mappings[group], k, v)
+        if self.k.dtype != q.dtype:  # a narrower cache: every query sees the keys as the cache holds them
+            k, v = k.to(self.k.dtype).to(q.dtype), v.to(self.v.dtype).to(q.dtype)
         k_cache, v_cache = self.k[row], self.v[row]  # (num_blocks, block_size, Hkv, D)
         plan, window = metadata.plan, metadata.window_of(layer)
         if self.batch_invariant:
@@ -437,8 +439,8 @@ class PagedKVCache(AttentionBackend):
             first = max(0, p.context_len - window + 1) // self.block_size if window else 0
             offset = first * self.block_size
             seq_len = p.context_len + p.query_len - offset
-            keys = k_cache.index_select(0, table[first:]).flatten(0, 1)[:seq_len]  # (seq_len, Hkv, D)
-            values = v_cache.index_select(0, table[first:]).flatten(0, 1)[:seq_len]
+            keys = k_cache.index_select(0, table[first:]).flatten(0, 1)[:seq_len].to(q.dtype)  # (seq_len, Hkv, D)
+            values = v_cache.index_select(0, table[first:]).flatten(0, 1)[:seq_len].to(q.dtype)
             out[rows] = attend_prefill(q[rows], keys, values, p.context_len - offset, window)
         return out
 

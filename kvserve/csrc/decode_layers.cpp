@@ -50,10 +50,12 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList weights, at::Int
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * WEIGHTS_PER_LAYER, "decode_layers: ",
               weights.size(), " weights for ", layers, " layers; need ", WEIGHTS_PER_LAYER, " per layer");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "decode_layers: x must be (B, hidden) float32");
+  const auto kv_type = k_cache.scalar_type();  // float32, or a narrower cache (bfloat16, float16)
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "decode_layers: k_cache and v_cache must be contiguous float32 (rows, blocks, block_size, Hkv, D)");
+                  v_cache.is_contiguous() && v_cache.scalar_type() == kv_type &&
+                  (kv_type == at::kFloat || kv_type == at::kBFloat16 || kv_type == at::kHalf),
+              "decode_layers: k_cache and v_cache must be contiguous float32, bfloat16 or float16 (rows, blocks, "
+              "block_size, Hkv, D) of one dtype");
   TORCH_CHECK(k_cache.size(3) == num_kv_heads && num_heads % num_kv_heads == 0, "decode_layers: ", num_heads,
               " query heads over ", k_cache.size(3), " cached KV heads (", num_kv_heads, " given)");
   const int64_t n = x_in.size(0), hidden = x_in.size(1), dim = k_cache.size(4);
@@ -79,9 +81,10 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList weights, at::Int
     const at::Tensor qkv = project(kvserve_ops::rms_norm(x, w[0], eps), w[1], w[2], w[3]);  // (B, q | k | v)
     kvserve_ops::rope_(qkv.narrow(1, 0, q_size + kv_size).view({n, num_heads + num_kv_heads, dim}), cos, sin);
     const at::Tensor k_rows = k_cache.select(0, layer_rows[layer]), v_rows = v_cache.select(0, layer_rows[layer]);
-    k_rows.view({-1, num_kv_heads, dim}).index_copy_(0, slots, qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads, dim}));
-    v_rows.view({-1, num_kv_heads, dim})
-        .index_copy_(0, slots, qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads, dim}));
+    const at::Tensor k_new = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads, dim}).to(kv_type);
+    const at::Tensor v_new = qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads, dim}).to(kv_type);
+    k_rows.view({-1, num_kv_heads, dim}).index_copy_(0, slots, k_new);
+    v_rows.view({-1, num_kv_heads, dim}).index_copy_(0, slots, v_new);
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads, dim}).contiguous();
     const at::Tensor attn = std::get<0>(kvserve_ops::paged_decode(q, k_rows, v_rows, tables, starts, ends,
                                                                   1.0 / std::sqrt(static_cast<double>(dim)), false));

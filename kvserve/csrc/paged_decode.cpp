@@ -11,6 +11,9 @@
 // the spans of a row are merged in order. The split depends on a row's own length only, so
 // a row's result does not depend on the rest of the batch.
 //
+// The cache may hold a narrower type than q (float32 queries over a bfloat16 or float16 cache): keys and values
+// widen to float32 as they load, as they do for a bfloat16 model.
+//
 // Optional output: each key's softmax probability averaged over the H query heads, (B, W * block_size)
 // float32, indexed by position (zero outside a row's range): what H2O and PyramidInfer fold into their
 // scores, from the same pass instead of a second q.k product.
@@ -336,7 +339,7 @@ void attend_span(const Geometry& g, const float* q, const T* k_cache, const T* v
   });
 }
 
-template <typename T>
+template <typename TQ, typename T>
 void decode(const Geometry& g, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& tables, const int32_t* starts, const int32_t* ends, double scale, at::Tensor& out,
             at::Tensor& lse, float* weights) {
@@ -356,7 +359,7 @@ void decode(const Geometry& g, const at::Tensor& q, const at::Tensor& k_cache, c
   const int64_t length = g.width * g.block_size;
   std::vector<float> qf(B * H * D), m(num_items * H), l(num_items * H), acc(num_items * H * D);
   std::vector<float> logits(weights != nullptr ? B * H * length : 0);
-  const T* qp = q.data_ptr<T>();
+  const TQ* qp = q.data_ptr<TQ>();
   for (int64_t i = 0; i < B * H * D; ++i) qf[i] = to_float(qp[i]) * static_cast<float>(scale);
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
@@ -372,7 +375,7 @@ void decode(const Geometry& g, const at::Tensor& q, const at::Tensor& k_cache, c
     }
   });
   // Merge each row's spans in order, per query head.
-  T* op = out.data_ptr<T>();
+  TQ* op = out.data_ptr<TQ>();
   float* lp = lse.data_ptr<float>();
   at::parallel_for(0, B, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> total(D);
@@ -388,9 +391,9 @@ void decode(const Geometry& g, const at::Tensor& q, const at::Tensor& k_cache, c
           const float* a = acc.data() + (i * H + head) * D;
           for (int64_t d = 0; d < D; ++d) total[d] += w * a[d];
         }
-        T* o = op + (b * H + head) * D;
+        TQ* o = op + (b * H + head) * D;
         const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(total[d] * inv);
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<TQ>(total[d] * inv);
         lp[b * H + head] = sum > 0.f ? mx + std::log(sum) : -std::numeric_limits<float>::infinity();
       }
     }
@@ -422,8 +425,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode(const at::Tensor& q,
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "k_cache/v_cache must be (blocks, bs, Hkv, D)");
   TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) && v_cache.strides() == k_cache.strides(),
               "a cache block must hold (bs, Hkv, D) with its last two dims contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "q and the caches must share a dtype");
+  const auto q_type = q.scalar_type(), kv_type = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == kv_type && (q_type == kv_type || q_type == at::kFloat),
+              "the caches must share a dtype, q's or narrower under float32 q; got q ", q_type, ", k_cache ", kv_type,
+              ", v_cache ", v_cache.scalar_type());
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous(),
               "block_tables must be contiguous (B, W) int32");
   TORCH_CHECK(starts.scalar_type() == at::kInt && ends.scalar_type() == at::kInt, "starts/ends must be int32");
@@ -446,18 +451,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode(const at::Tensor& q,
   auto weights = want_weights ? at::empty({g.batch, g.width * g.block_size}, q.options().dtype(at::kFloat))
                               : at::empty({0}, q.options().dtype(at::kFloat));
   float* wp = want_weights ? weights.data_ptr<float>() : nullptr;
-  switch (q.scalar_type()) {
+  const bool wide_q = q_type == at::kFloat;  // float32 queries over any cache type
+  switch (kv_type) {
     case at::kFloat:
-      decode<float>(g, q, k_cache, v_cache, block_tables, sp, ep, scale, out, lse, wp);
+      decode<float, float>(g, q, k_cache, v_cache, block_tables, sp, ep, scale, out, lse, wp);
       break;
     case at::kBFloat16:
-      decode<at::BFloat16>(g, q, k_cache, v_cache, block_tables, sp, ep, scale, out, lse, wp);
+      if (wide_q) decode<float, at::BFloat16>(g, q, k_cache, v_cache, block_tables, sp, ep, scale, out, lse, wp);
+      else decode<at::BFloat16, at::BFloat16>(g, q, k_cache, v_cache, block_tables, sp, ep, scale, out, lse, wp);
       break;
     case at::kHalf:
-      decode<at::Half>(g, q, k_cache, v_cache, block_tables, sp, ep, scale, out, lse, wp);
+      if (wide_q) decode<float, at::Half>(g, q, k_cache, v_cache, block_tables, sp, ep, scale, out, lse, wp);
+      else decode<at::Half, at::Half>(g, q, k_cache, v_cache, block_tables, sp, ep, scale, out, lse, wp);
       break;
     default:
-      TORCH_CHECK(false, "paged_decode supports float32, bfloat16 and float16, got ", q.scalar_type());
+      TORCH_CHECK(false, "paged_decode supports float32, bfloat16 and float16, got ", kv_type);
   }
   return {out, lse, weights};
 }
