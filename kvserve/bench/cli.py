@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -55,6 +56,11 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     spd.add_argument("--batch-prompt-tokens", type=int, default=64, help="prompt length of each concurrent sequence")
     spd.add_argument("--batch-new-tokens", type=int, default=128, help="tokens each concurrent sequence produces")
     spd.add_argument("--repeats", type=int, default=3)
+    spd.add_argument(
+        "--kv-cache-dtype", default="auto",
+        help="comma-separated KV cache dtypes (auto, float32, bfloat16, float16): kvserve runs once per entry, the "
+        "first is the one the ratio rows compare",
+    )  # fmt: skip
     spd.add_argument(
         "--batch-invariant", action="store_true",
         help="also run kvserve in the batch-invariant mode, after the default: its cost is the ratio row",
@@ -504,8 +510,18 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
         f"bench speed: {model_path.name}, {threads} threads; roofline: copy {roofline.copy_gb_per_s:.1f} GB/s, "
         f"{roofline.matmul_dtype} matmul {roofline.matmul_gflop_per_s:,.0f} GFLOP/s"
     )
+    kv_dtypes = [d for d in args.kv_cache_dtype.split(",") if d]
     engines: list[Callable[[], speed.SpeedEngine]] = [
-        lambda: speed.KVServeSpeed(str(model_path), args.dtype, args.weights, max(batch_sizes), device=args.device)
+        functools.partial(
+            speed.KVServeSpeed,
+            str(model_path),
+            args.dtype,
+            args.weights,
+            max(batch_sizes),
+            device=args.device,
+            kv_cache_dtype=kv_dtype,
+        )  # fmt: skip
+        for kv_dtype in kv_dtypes
     ]
     if args.batch_invariant:
         engines.append(
@@ -555,6 +571,7 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
         dtype=str(dtype).removeprefix("torch."),
         weights=args.weights,
         device=args.device,
+        kv_cache_dtypes=kv_dtypes,
         threads=threads,
         roofline=asdict(roofline),
         prefill_gflop={n: speed.prefill_flops(config, n) / 1e9 for n in lengths},

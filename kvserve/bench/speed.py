@@ -65,18 +65,20 @@ class KVServeSpeed:
     name = "kvserve"
 
     def __init__(
-        self, model: str, dtype: str, weights: str, max_seqs: int, batch_invariant: bool = False, device: str = "cpu"
-    ) -> None:
+        self, model: str, dtype: str, weights: str, max_seqs: int, batch_invariant: bool = False, device: str = "cpu",
+        kv_cache_dtype: str = "auto",
+    ) -> None:  # fmt: skip
         from kvserve.llm import LLM
 
         start = time.perf_counter()
         self.llm = LLM(
             model=model, dtype=dtype, weights=weights, enable_prefix_caching=False, max_num_seqs=max_seqs,
-            batch_invariant=batch_invariant, device=device,
+            batch_invariant=batch_invariant, device=device, kv_cache_dtype=kv_cache_dtype,
         )  # fmt: skip
         self.load_s = time.perf_counter() - start
         self.decode_bytes_per_token = decode_weight_bytes(self.llm.engine.loaded.model)
         mode = ", batch-invariant" if batch_invariant else ""
+        mode += f", {kv_cache_dtype} KV" if kv_cache_dtype != "auto" else ""
         self.name = f"kvserve ({self.llm.engine.loaded.weights}{mode})"
 
     def generate(self, ids: Sequence[int], new_tokens: int) -> float:
