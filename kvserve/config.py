@@ -136,17 +136,17 @@ class EngineConfig:
                 f"kv_cache_dtype={self.kv_cache_dtype!r} narrows a float32 model's cache; this engine runs "
                 f"{str(model).removeprefix('torch.')}: leave kv_cache_dtype='auto'"
             )
-        others = {
-            "kv_policy": (self.kv_policy, "full"), "kv_offload": (self.kv_offload, "none"),
-            "batch_invariant": (self.batch_invariant, False), "prefill_parallel": (self.prefill_parallel, 1),
-            "prompt_cache_recompute": (self.prompt_cache_recompute, 0.0),
-        }  # fmt: skip
-        for name, (value, needed) in others.items():
-            if value != needed:
-                raise ValueError(
-                    f"kv_cache_dtype={self.kv_cache_dtype!r} runs on the paged cache: it needs {name}={needed!r}, "
-                    f"got {value!r}"
-                )
+        self._require(
+            f"kv_cache_dtype={self.kv_cache_dtype!r} runs on the paged cache",
+            {"kv_policy": "full", "kv_offload": "none", "batch_invariant": False, "prefill_parallel": 1,
+             "prompt_cache_recompute": 0.0},
+        )  # fmt: skip
+
+    def _require(self, feature: str, needed: dict[str, object]) -> None:
+        """A ValueError naming the first option that ``feature`` needs at another value."""
+        for name, value in needed.items():
+            if getattr(self, name) != value:
+                raise ValueError(f"{feature}: it needs {name}={value!r}, got {getattr(self, name)!r}")
 
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV cache's dtype for a model running in ``model_dtype``."""
@@ -199,19 +199,12 @@ class EngineConfig:
                 raise ValueError(f"prompt_cache_recompute={share} needs {name}={needed!r}, got {value!r}: {why}")
 
     def _check_batch_invariant(self) -> None:
-        if not self.batch_invariant:
-            return
-        others = {
-            "kv_policy": (self.kv_policy, "full"), "kv_offload": (self.kv_offload, "none"),
-            "prefill_parallel": (self.prefill_parallel, 1), "device": (self.device, "cpu"),
-            "tensor_parallel_size": (self.tensor_parallel_size, 1),
-        }  # fmt: skip
-        for name, (value, needed) in others.items():
-            if value != needed:
-                raise ValueError(
-                    f"batch_invariant runs on the paged cache of one CPU process: it needs {name}={needed!r}, "
-                    f"got {value!r}"
-                )
+        if self.batch_invariant:
+            self._require(
+                "batch_invariant runs on the paged cache of one CPU process",
+                {"kv_policy": "full", "kv_offload": "none", "prefill_parallel": 1, "device": "cpu",
+                 "tensor_parallel_size": 1},
+            )  # fmt: skip
 
     def _check_tensor_parallel(self) -> None:
         for name in ("tensor_parallel_size", "nnodes"):
