@@ -416,9 +416,9 @@ class PagedKVCache(AttentionBackend):
     ) -> torch.Tensor:
         metadata = self._check_metadata(metadata)
         group, row = metadata.group_of(layer), self.layer_rows[layer]
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)  # a narrower cache rounds them once, here
         self._write(row, metadata.slot_mappings[group], k, v)
-        if self.k.dtype != q.dtype:  # a narrower cache: every query sees the keys as the cache holds them
-            k, v = k.to(self.k.dtype).to(q.dtype), v.to(self.v.dtype).to(q.dtype)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # every query sees the keys as the cache holds them
         k_cache, v_cache = self.k[row], self.v[row]  # (num_blocks, block_size, Hkv, D)
         plan, window = metadata.plan, metadata.window_of(layer)
         if self.batch_invariant:
