@@ -78,17 +78,22 @@ class StepReport:
 
 @dataclass(frozen=True)
 class InPlaceDecode:
-    """A decode-only step over one block table, for a caller that writes and attends each layer's KV itself
-    (``models/decode_chain.py``): the cache's storage, where each layer's new keys go, what each row reads.
-    Valid for the one step it was made for."""
+    """A decode-only step, for a caller that writes and attends each layer's KV itself (``models/decode_chain.py``):
+    the cache's storage, where each layer's new keys go, what each row reads. Valid for the one step it was made
+    for; the caller hands the result back through ``AttentionBackend.finish_in_place_decode``.
+
+    One block table for every layer (the paged cache): slots (B,), tables (B, W), starts and ends (B,). Layers
+    holding different slots (the compressed cache, a KV group per layer): slots (L, B), tables (L, B, W), starts
+    and ends (L, B). ``want_weights``: the cache's policy scores slots by each layer's attention probabilities."""
 
     k_cache: torch.Tensor  # (rows, blocks, block_size, Hkv, D)
     v_cache: torch.Tensor
     layer_rows: tuple[int, ...]  # per layer, its row of the cache
-    slots: torch.Tensor  # (B,) long: each sequence's new token's slot in a row
-    tables: torch.Tensor  # (B, W) int32, starts and ends (B,) int32: as ``attention.decode.paged_decode`` reads
+    slots: torch.Tensor  # long: each sequence's new token's slot in a row
+    tables: torch.Tensor  # int32; tables, starts and ends as ``attention.decode.paged_decode`` reads them
     starts: torch.Tensor
     ends: torch.Tensor
+    want_weights: bool = False
 
 
 class AttentionBackend(ABC):
@@ -135,9 +140,15 @@ class AttentionBackend(ABC):
         return None
 
     def in_place_decode(self, metadata: AttentionMetadata) -> InPlaceDecode | None:
-        """Where a step that only decodes reads and writes KV, when every layer does that the same plain way
-        (no policy, no window, one block table): the model may then run its layers as one call. None (the
+        """Where a step that only decodes reads and writes KV, when every layer does that with one kernel call
+        (paged decode attention over block tables): the model may then run its layers as one call. None (the
         default) for any other step or cache: each layer goes through ``forward``."""
+        return None
+
+    def finish_in_place_decode(self, metadata: AttentionMetadata, weights: torch.Tensor | None) -> None:
+        """After the layers of an ``in_place_decode`` step ran: ``weights`` (L, B, T) are each layer's attention
+        probabilities when the step asked for them (``InPlaceDecode.want_weights``), else None. A cache that
+        scores or compacts its slots does it here; nothing by default."""
         return None
 
     def store_layer(

@@ -34,7 +34,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.attention.backend import AttentionBackend, AttentionMetadata, StepReport, UnsupportedKVOperation
+from kvserve.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    InPlaceDecode,
+    StepReport,
+    UnsupportedKVOperation,
+)
 from kvserve.attention.decode import paged_decode
 from kvserve.attention.paged import PagedKVCache, attend_prefill
 from kvserve.attention.step_layout import pad_tables, row_starts, slot_ids
@@ -53,6 +59,7 @@ class _StepState:
     rows: list[int]  # per sequence: its rows in the current hidden states
     held_after: list[list[int]]  # per sequence, per layer: slots held after the step
     survivors: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> rows going on
+    in_place: InPlaceDecode | None = None  # the step's layers run as one call: what in_place_decode gave them
 
 
 @dataclass(frozen=True)
@@ -333,20 +340,13 @@ class CompressedKVCache(AttentionBackend):
         if scoring:
             self.scores.index_fill_(0, new_slots, 0.0)  # a new slot has no history (the entry is stale)
         width = max(h // bs + 1 for h in held)
-        length = width * bs
         padded = pad_tables(tables, width, device)  # (B, W) int32; padding (block 0) is past each row's end
         ends = torch.tensor(held, dtype=torch.int32, device=device) + 1
         starts = torch.zeros_like(ends) if window is None else (ends - window).clamp(min=0)  # the window's first
         k_slab, v_slab, read_tables = self._decode_source(padded)
         out, weights = paged_decode(q, k_slab, v_slab, read_tables, starts, ends, want_weights=scoring)
-        scores = None
-        if scoring:  # each slot's probability averaged over heads, from the same pass, folded into its score
-            if self.rank_mean is not None:
-                weights = self.rank_mean(weights)
-            slots = (padded.long()[:, :, None] * bs + torch.arange(bs, device=device)).view(batch, length)  # (B, T)
-            valid = torch.arange(length, device=device)[None, :] < ends[:, None]
-            scores = update_scores(policies, self.scores.index_select(0, slots.view(-1)).view_as(slots), weights)
-            self.scores.index_copy_(0, slots.masked_select(valid), scores.masked_select(valid))
+        scores = self._fold_scores(policies, padded, ends, weights) if scoring else None
+        length = width * bs
         fetched = (
             None
             if self.tier is None
@@ -362,6 +362,89 @@ class CompressedKVCache(AttentionBackend):
             row_scores = None if scores is None else scores[b]
             self._compress_decoded(layer, meta, seq, lambda b=b: candidates(b), row_scores)
         return out
+
+    def _fold_scores(
+        self, policies: Sequence[KVPolicy], tables: torch.Tensor, ends: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Fold a decode step's attention ``weights`` (R, T), each slot's probability averaged over heads, into the
+        running scores of the slots rows read through ``tables`` (R, W) up to ``ends`` (R,), policy by policy
+        (``policies`` (R,)); returns the rows' new scores (R, T), also stored per slot."""
+        if self.rank_mean is not None:
+            weights = self.rank_mean(weights)
+        rows, width = tables.shape
+        bs = self.block_size
+        slots = (tables.long()[:, :, None] * bs + torch.arange(bs, device=tables.device)).view(rows, width * bs)
+        valid = torch.arange(width * bs, device=tables.device)[None, :] < ends[:, None]
+        scores = update_scores(policies, self.scores.index_select(0, slots.view(-1)).view_as(slots), weights)
+        self.scores.index_copy_(0, slots.masked_select(valid), scores.masked_select(valid))
+        return scores
+
+    # ----- a decode step's layers run as one call (models/decode_chain.py) -----
+
+    def in_place_decode(self, metadata: AttentionMetadata) -> InPlaceDecode | None:
+        """Every layer's table, new slot and visible range for a decode-only step on the device slab: (L, B, W)
+        tables, (L, B) slots, starts and ends. Not for a slab in a slower tier (each layer fetches what it reads)
+        or under tensor parallelism (scores are averaged across ranks between layers)."""
+        meta = self._check_metadata(metadata)
+        if not meta.decode_only or self.tier is not None or self.rank_mean is not None:
+            return None
+        bs, layers, batch = self.block_size, self.num_layers, len(meta.seq_ids)
+        held = meta.state.held_after  # [seq][layer]
+        width = max(max(h) for h in held) // bs + 1
+        rows, slots = [], []
+        for layer in range(layers):
+            for b in range(batch):
+                table, h = meta.block_tables[b][layer], held[b][layer]
+                used = table[: h // bs + 1]
+                rows.append(used + (0,) * (width - len(used)))  # padding (block 0) is past the row's end
+                slots.append(table[h // bs] * bs + h % bs)
+        ends = torch.tensor([held[b][layer] + 1 for layer in range(layers) for b in range(batch)], dtype=torch.int32)
+        ends = ends.view(layers, batch)
+        windows = torch.tensor([w or 0 for w in self.layer_windows], dtype=torch.int32)[:, None]
+        starts = torch.where(windows > 0, (ends - windows).clamp(min=0), 0).to(torch.int32)
+        meta.state.in_place = InPlaceDecode(
+            self.k,
+            self.v,
+            (0,) * layers,
+            torch.tensor(slots, dtype=torch.long).view(layers, batch),
+            torch.tensor(rows, dtype=torch.int32).view(layers, batch, width),
+            starts,
+            ends,
+            want_weights=bool(self._scored_layers(meta)),
+        )
+        return meta.state.in_place
+
+    def finish_in_place_decode(self, metadata: AttentionMetadata, weights: torch.Tensor | None) -> None:
+        """What ``_decode`` does after attending, for every layer at once: the new slots' scores folded in, then
+        each group past its target compacted."""
+        meta = self._check_metadata(metadata)
+        decode = meta.state.in_place
+        batch = len(meta.seq_ids)
+        scored = self._scored_layers(meta)
+        scores: dict[int, torch.Tensor] = {}
+        if scored:
+            index = torch.tensor(scored, dtype=torch.long)
+            self.scores.index_fill_(0, decode.slots.index_select(0, index).view(-1), 0.0)  # new slots: no history
+            width = decode.tables.shape[-1]
+            folded = self._fold_scores(
+                list(meta.policies) * len(scored),
+                decode.tables.index_select(0, index).view(-1, width),
+                decode.ends.index_select(0, index).view(-1),
+                weights.index_select(0, index).view(len(scored) * batch, -1),
+            ).view(len(scored), batch, -1)
+            scores = {layer: folded[i] for i, layer in enumerate(scored)}
+        for layer in range(self.num_layers):
+            for b in range(batch):
+                table, h = meta.block_tables[b][layer], meta.state.held_after[b][layer]
+                row = scores[layer][b] if layer in scores else None
+                candidates = lambda t=table, h=h: self._read(self._slot_ids(t, 0, h + 1, self.device))  # noqa: E731
+                self._compress_decoded(layer, meta, b, candidates, row)
+
+    def _scored_layers(self, meta: CompressedAttentionMetadata) -> list[int]:
+        """Layers whose decode scores slots: global-attention layers, when a sequence's policy scores."""
+        if all(p.scores == SCORES_NONE for p in meta.policies):
+            return []
+        return [layer for layer, window in enumerate(self.layer_windows) if window is None]
 
     def _decode_source(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The K and V blocks a decode reads (num_blocks, block_size, Hkv, D) and the block tables into them: the

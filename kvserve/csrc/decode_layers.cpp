@@ -10,13 +10,19 @@
 // A projection's weight is either 4-bit codes (int32 lane words, with float32 consts: q4_linear) or a dense
 // float32 (N, K) matrix (consts empty); an empty bias means none. Caches: k_cache, v_cache (rows, blocks,
 // block_size, Hkv, D); layer i writes and reads block row layer_rows[i]. slots (B,) int64 are the new
-// tokens' slots in a row; tables, starts and ends are paged_decode's (one query row per sequence).
+// tokens' slots in a row; tables, starts and ends are paged_decode's (one query row per sequence). A cache whose
+// layers hold different slots (compressed: one KV group per layer) passes them per layer instead: slots (L, B),
+// tables (L, B, W), starts and ends (L, B). With want_weights the second output holds each layer's attention
+// probabilities as paged_decode returns them, (L, B, W * block_size) (else it is empty): what the cache's
+// policy scores its slots by.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
+#include <tuple>
+#include <vector>
 
 #include "ops.h"
 
@@ -42,10 +48,17 @@ void check_projection(const at::Tensor* w, int64_t in, const char* name) {
               " weight must be float32 (N, ", in, "), got ", weight.scalar_type(), " ", weight.sizes());
 }
 
-at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef layer_rows,
-                         at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& cos, const at::Tensor& sin,
-                         const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& starts,
-                         const at::Tensor& ends, int64_t num_heads, int64_t num_kv_heads, double eps) {
+// Layer `layer`'s view of a per-step tensor given either once for every layer or per layer (a leading L dim).
+at::Tensor of_layer(const at::Tensor& t, int64_t per_layer_dims, int64_t layer) {
+  return t.dim() == per_layer_dims + 1 ? t.select(0, layer) : t;
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x_in, at::TensorList weights,
+                                                 at::IntArrayRef layer_rows, at::Tensor k_cache, at::Tensor v_cache,
+                                                 const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                                                 const at::Tensor& tables, const at::Tensor& starts,
+                                                 const at::Tensor& ends, int64_t num_heads, int64_t num_kv_heads,
+                                                 double eps, bool want_weights) {
   const int64_t layers = static_cast<int64_t>(layer_rows.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * WEIGHTS_PER_LAYER, "decode_layers: ",
               weights.size(), " weights for ", layers, " layers; need ", WEIGHTS_PER_LAYER, " per layer");
@@ -60,7 +73,15 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList weights, at::Int
               " query heads over ", k_cache.size(3), " cached KV heads (", num_kv_heads, " given)");
   const int64_t n = x_in.size(0), hidden = x_in.size(1), dim = k_cache.size(4);
   const int64_t q_size = num_heads * dim, kv_size = num_kv_heads * dim;
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == n, "decode_layers: slots must be (", n, ",) int64");
+  const bool per_layer = tables.dim() == 3;
+  TORCH_CHECK(tables.scalar_type() == at::kInt && tables.is_contiguous() && (tables.dim() == 2 || per_layer),
+              "decode_layers: tables must be contiguous int32 (B, W), or (L, B, W) per layer");
+  const std::vector<int64_t> rows_shape = per_layer ? std::vector<int64_t>{layers, n} : std::vector<int64_t>{n};
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.sizes() == at::IntArrayRef(rows_shape) &&
+                  starts.sizes() == slots.sizes() && ends.sizes() == slots.sizes() &&
+                  (!per_layer || tables.size(0) == layers),
+              "decode_layers: slots (int64), starts and ends must be (", per_layer ? "L, B" : "B", ") = ",
+              at::IntArrayRef(rows_shape), " to match tables ", tables.sizes());
   for (int64_t layer = 0; layer < layers; ++layer) {
     TORCH_CHECK(0 <= layer_rows[layer] && layer_rows[layer] < k_cache.size(0), "decode_layers: layer ", layer,
                 " names cache row ", layer_rows[layer], " of ", k_cache.size(0));
@@ -76,23 +97,27 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList weights, at::Int
   }
 
   at::Tensor x = x_in;
+  std::vector<at::Tensor> layer_weights;
   for (int64_t layer = 0; layer < layers; ++layer) {
+    const at::Tensor slots_l = of_layer(slots, 1, layer), tables_l = of_layer(tables, 2, layer);
     const at::Tensor* w = weights.data() + layer * WEIGHTS_PER_LAYER;
     const at::Tensor qkv = project(kvserve_ops::rms_norm(x, w[0], eps), w[1], w[2], w[3]);  // (B, q | k | v)
     kvserve_ops::rope_(qkv.narrow(1, 0, q_size + kv_size).view({n, num_heads + num_kv_heads, dim}), cos, sin);
     const at::Tensor k_rows = k_cache.select(0, layer_rows[layer]), v_rows = v_cache.select(0, layer_rows[layer]);
     const at::Tensor k_new = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads, dim}).to(kv_type);
     const at::Tensor v_new = qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads, dim}).to(kv_type);
-    k_rows.view({-1, num_kv_heads, dim}).index_copy_(0, slots, k_new);
-    v_rows.view({-1, num_kv_heads, dim}).index_copy_(0, slots, v_new);
+    k_rows.view({-1, num_kv_heads, dim}).index_copy_(0, slots_l, k_new);
+    v_rows.view({-1, num_kv_heads, dim}).index_copy_(0, slots_l, v_new);
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads, dim}).contiguous();
-    const at::Tensor attn = std::get<0>(kvserve_ops::paged_decode(q, k_rows, v_rows, tables, starts, ends,
-                                                                  1.0 / std::sqrt(static_cast<double>(dim)), false));
+    auto [attn, lse, probs] =
+        kvserve_ops::paged_decode(q, k_rows, v_rows, tables_l, of_layer(starts, 1, layer), of_layer(ends, 1, layer),
+                                  1.0 / std::sqrt(static_cast<double>(dim)), want_weights);
+    if (want_weights) layer_weights.push_back(probs);
     x = x + project(attn.view({n, q_size}), w[4], w[5], w[6]);
     const at::Tensor gate_up = project(kvserve_ops::rms_norm(x, w[7], eps), w[8], w[9], at::Tensor());
     x = x + project(kvserve_ops::silu_mul(gate_up, gate_up.size(1) / 2), w[10], w[11], at::Tensor());
   }
-  return x;
+  return {x, want_weights ? at::stack(layer_weights) : at::empty({0}, x.options())};
 }
 
 }  // namespace
@@ -101,7 +126,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def(
       "decode_layers(Tensor x, Tensor[] weights, int[] layer_rows, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor cos, Tensor sin, Tensor slots, Tensor tables, Tensor starts, Tensor ends, int num_heads, "
-      "int num_kv_heads, float eps) -> Tensor");
+      "int num_kv_heads, float eps, bool want_weights=False) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("decode_layers", &decode_layers); }

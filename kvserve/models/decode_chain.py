@@ -69,10 +69,13 @@ class DecodeChain:
         first = layers[0].self_attn
         return cls([w.detach() for w in weights], max_rows, first.num_heads, first.num_kv_heads, eps)
 
-    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], decode: InPlaceDecode) -> torch.Tensor:
-        """x (B, hidden) float32, the step's embedded tokens -> the last layer's output (B, hidden)."""
+    def __call__(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], decode: InPlaceDecode
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x (B, hidden) float32, the step's embedded tokens -> the last layer's output (B, hidden), and each layer's
+        attention probabilities (L, B, T) where ``decode.want_weights`` asks for them (else None)."""
         cos, sin = rope
-        return torch.ops.kvserve.decode_layers(
+        out, weights = torch.ops.kvserve.decode_layers(
             x,
             self.weights,
             list(decode.layer_rows),
@@ -87,7 +90,9 @@ class DecodeChain:
             self.num_heads,
             self.num_kv_heads,
             self.eps,
+            decode.want_weights,
         )
+        return out, (weights if decode.want_weights else None)
 
     def runs(self, x: torch.Tensor) -> bool:
         """Whether the chain takes this step's hidden states (float32 on the CPU, few enough rows)."""

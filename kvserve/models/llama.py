@@ -125,7 +125,9 @@ class LlamaForCausalLM(nn.Module):
         if self.decode_chain is not None and self.decode_chain.runs(x):
             decode = backend.in_place_decode(metadata)
             if decode is not None:
-                return self.norm(self.decode_chain(x, rope, decode))
+                x, weights = self.decode_chain(x, rope, decode)
+                backend.finish_in_place_decode(metadata, weights)
+                return self.norm(x)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, backend, metadata)
             if x.shape[0] != rope[0].shape[0]:
