@@ -45,12 +45,14 @@ def head_column_sums(
     for begin in range(first, m, SCORE_CHUNK):
         end = min(begin + SCORE_CHUNK, m)
         qh = q[begin:end].transpose(0, 1).reshape(num_kv_heads, group, end - begin, head_dim)  # (Hkv, G, c, D)
-        logits = scaled_logits(qh, kh)  # (Hkv, G, c, n) float32
-        # Query j of the chunk sits at candidate index held + j and sees keys up to there.
-        rows = held + torch.arange(begin, end, device=q.device)
-        visible = torch.arange(n, device=q.device)[None, :] <= rows[:, None]
-        weights = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).mean(dim=1)  # (Hkv, c, n)
-        total += row_weights[begin - first : end - first].to(weights.device) @ weights
+        # Query j of the chunk sits at candidate index held + j and sees keys up to there: the chunk reads the
+        # first held + end keys, and only among its own (the last end - begin) does it need a causal mask.
+        width = held + end
+        logits = scaled_logits(qh, kh[:, :, :width])  # (Hkv, G, c, width) float32
+        future = torch.ones(end - begin, end - begin, dtype=torch.bool, device=q.device).triu(1)
+        logits[..., held + begin :].masked_fill_(future, float("-inf"))
+        weights = torch.softmax(logits, dim=-1).mean(dim=1)  # (Hkv, c, width)
+        total[:, :width] += row_weights[begin - first : end - first].to(weights.device) @ weights
     return total.T
 
 
