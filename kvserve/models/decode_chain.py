@@ -1,10 +1,13 @@
 """A Llama-family model's decoder layers as one compiled call for decode steps (``csrc/decode_layers.cpp``).
 
 At batch 1 the eager layers spend about a third of a float32 step on Python between the kernels (~12 ops a
-layer; SmolLM2: 6 of 19 ms). When the cache says the step is plain decode (``AttentionBackend.in_place_decode``)
+layer; SmolLM2: 6 of 19 ms). When the cache says the step is decode only (``AttentionBackend.in_place_decode``)
 and every layer is a plain ``DecoderLayer`` whose projections are float32 (dense or on 4-bit codes) on the CPU,
 ``LlamaForCausalLM`` runs its layers through ``DecodeChain`` instead: the same kernels in the same order, so
-the hidden states are bit-identical to the eager layers' (``tests/test_decode_chain.py``).
+the hidden states are bit-identical to the eager layers' (``tests/test_decode_chain.py``). The paged cache gives
+one block table for every layer; the compressed cache one per layer, and asks for each layer's attention
+probabilities, which it folds into its slot scores afterwards (``finish_in_place_decode``;
+``tests/policies/test_compressed_chain.py``).
 """
 
 from __future__ import annotations
