@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -356,7 +357,7 @@ class CompressedKVCache(AttentionBackend):
         def candidates(b: int) -> tuple[torch.Tensor, torch.Tensor]:  # row b's keys and values, (held + 1, Hkv, D)
             if fetched is not None:  # already fetched from the tier for the attention above
                 return fetched[0][b, : held[b] + 1], fetched[1][b, : held[b] + 1]
-            return self._read(self._slot_ids(tables[b], 0, held[b] + 1, device))
+            return self._group_kv(tables[b], held[b] + 1)
 
         for b, seq in enumerate(seqs):
             row_scores = None if scores is None else scores[b]
@@ -437,8 +438,11 @@ class CompressedKVCache(AttentionBackend):
             for b in range(batch):
                 table, h = meta.block_tables[b][layer], meta.state.held_after[b][layer]
                 row = scores[layer][b] if layer in scores else None
-                candidates = lambda t=table, h=h: self._read(self._slot_ids(t, 0, h + 1, self.device))  # noqa: E731
-                self._compress_decoded(layer, meta, b, candidates, row)
+                self._compress_decoded(layer, meta, b, partial(self._group_kv, table, h + 1), row)
+
+    def _group_kv(self, table: tuple[int, ...], count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of a group's first ``count`` slots, (count, Hkv, D) each (copies)."""
+        return self._read(self._slot_ids(table, 0, count, self.device))
 
     def _scored_layers(self, meta: CompressedAttentionMetadata) -> list[int]:
         """Layers whose decode scores slots: global-attention layers, when a sequence's policy scores."""
