@@ -177,9 +177,13 @@ def test_the_op_names_a_bad_weight_list(tiny) -> None:
 @pytest.mark.real_model
 def test_real_model_tokens_and_logprobs_do_not_change() -> None:
     llm = LLM(dtype="float32", kv_cache_memory="64MiB", swap_space=0, enable_prefix_caching=False)
+    assert_the_chain_changes_nothing(llm, ["Tell me a story.", "What is 2+2? Explain in detail, please.", "Hi"], 24)
+
+
+def assert_the_chain_changes_nothing(llm: LLM, prompts: list[str], max_tokens: int) -> None:
+    """Greedy tokens and logprobs of ``prompts`` with the decode chain and then with the eager layers: equal."""
     model = llm.engine.runner.model
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
-    prompts = ["Tell me a story.", "What is 2+2? Explain in detail, please.", "Hi"]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
     with_chain = llm.generate(prompts, params)
     assert isinstance(model.decode_chain, DecodeChain)
     model.decode_chain = None

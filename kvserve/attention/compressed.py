@@ -392,25 +392,24 @@ class CompressedKVCache(AttentionBackend):
         bs, layers, batch = self.block_size, self.num_layers, len(meta.seq_ids)
         held = meta.state.held_after  # [seq][layer]
         width = max(max(h) for h in held) // bs + 1
-        rows, slots = [], []
-        for layer in range(layers):
+        rows, slots, starts, ends = [], [], [], []
+        for layer, window in enumerate(self.layer_windows):
             for b in range(batch):
                 table, h = meta.block_tables[b][layer], held[b][layer]
                 used = table[: h // bs + 1]
                 rows.append(used + (0,) * (width - len(used)))  # padding (block 0) is past the row's end
                 slots.append(table[h // bs] * bs + h % bs)
-        ends = torch.tensor([held[b][layer] + 1 for layer in range(layers) for b in range(batch)], dtype=torch.int32)
-        ends = ends.view(layers, batch)
-        windows = torch.tensor([w or 0 for w in self.layer_windows], dtype=torch.int32)[:, None]
-        starts = torch.where(windows > 0, (ends - windows).clamp(min=0), 0).to(torch.int32)
+                starts.append(0 if window is None else max(h + 1 - window, 0))  # a window's first visible slot
+                ends.append(h + 1)
+        per_layer = {"dtype": torch.int32}
         meta.state.in_place = InPlaceDecode(
             self.k,
             self.v,
             (0,) * layers,
             torch.tensor(slots, dtype=torch.long).view(layers, batch),
-            torch.tensor(rows, dtype=torch.int32).view(layers, batch, width),
-            starts,
-            ends,
+            torch.tensor(rows, **per_layer).view(layers, batch, width),
+            torch.tensor(starts, **per_layer).view(layers, batch),
+            torch.tensor(ends, **per_layer).view(layers, batch),
             want_weights=bool(self._scored_layers(meta)),
         )
         return meta.state.in_place

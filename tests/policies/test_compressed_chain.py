@@ -13,6 +13,7 @@ from kvserve.llm import LLM
 from kvserve.models.decode_chain import DecodeChain
 from kvserve.sampling_params import SamplingParams
 from tests.policies.test_compressed_engine_tiny import folder, loaded, make_engine, prompt_ids  # noqa: F401
+from tests.test_decode_chain import assert_the_chain_changes_nothing
 from tests.tiny_models import torch_single_thread  # noqa: F401 - autouse fixture
 
 PROMPTS = (9, 23, 40)  # prompt lengths: the groups start at different sizes and cross blocks at different steps
@@ -30,9 +31,7 @@ def run(folder, loaded, chain: bool, policy: str, **options) -> tuple[list, Comp
     engine = make_engine(folder, loaded, kv_policy=policy, kv_budget=0.5, **options)
     cache = engine.runner.cache
     assert isinstance(cache, CompressedKVCache)
-    calls = []
-    finish = cache.finish_in_place_decode
-    cache.finish_in_place_decode = lambda meta, weights: (calls.append(weights), finish(meta, weights))
+    calls = record_finishes(cache)
     params = SamplingParams(temperature=0.0, max_tokens=DECODE, ignore_eos=True, logprobs=2)
     for i, n in enumerate(PROMPTS):
         engine.add_request(prompt_ids(n, seed=i), params, request_id=str(i))
@@ -42,6 +41,19 @@ def run(folder, loaded, chain: bool, policy: str, **options) -> tuple[list, Comp
             if out.finished:
                 outputs[out.request_id] = out.outputs[0]
     return [outputs[str(i)] for i in range(len(PROMPTS))], cache, len(calls)
+
+
+def record_finishes(cache: CompressedKVCache) -> list[torch.Tensor | None]:
+    """The weights each one-call decode step hands back, in order (the cache still does its work)."""
+    seen: list[torch.Tensor | None] = []
+    finish = cache.finish_in_place_decode
+
+    def spy(metadata, weights: torch.Tensor | None) -> None:
+        seen.append(weights)
+        finish(metadata, weights)
+
+    cache.finish_in_place_decode = spy
+    return seen
 
 
 @pytest.mark.parametrize("policy", ["pyramid", "h2o", "snapkv", "pyramidkv", "local"])
@@ -61,14 +73,7 @@ def test_a_scoring_policy_asks_for_the_weights_and_a_positional_one_does_not(fol
     for policy, scores in (("h2o", True), ("local", False)):
         loaded.model.decode_chain = False
         engine = make_engine(folder, loaded, kv_policy=policy, kv_budget=0.5)
-        cache = engine.runner.cache
-        seen: list[torch.Tensor | None] = []
-
-        def spy(meta, weights, finish=cache.finish_in_place_decode, seen=seen) -> None:
-            seen.append(weights)
-            finish(meta, weights)
-
-        cache.finish_in_place_decode = spy
+        seen = record_finishes(engine.runner.cache)
         engine.add_request(prompt_ids(12), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
@@ -100,13 +105,5 @@ def test_the_op_names_per_layer_shapes_that_do_not_match(folder, loaded) -> None
 @pytest.mark.parametrize("policy", ["h2o", "pyramid"])
 def test_real_model_compressed_decode_tokens_and_logprobs_do_not_change(policy) -> None:
     llm = LLM(dtype="float32", kv_cache_memory="64MiB", swap_space=0, kv_policy=policy, kv_budget=0.5)
-    model = llm.engine.runner.model
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
     prompts = ["Tell me a story about a lighthouse keeper and the storm that changed his life.", "What is 2+2?"]
-    with_chain = llm.generate(prompts, params)
-    assert isinstance(model.decode_chain, DecodeChain)
-    model.decode_chain = None
-    eager = llm.generate(prompts, params)
-    for a, b in zip(with_chain, eager, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert_the_chain_changes_nothing(llm, prompts, 40)
