@@ -83,6 +83,9 @@ class EngineConfig:
     # one matmul kernel for every row count, attention per query row (models/batch_invariant.py,
     # attention/row_invariant.py). Off: a sequence's last bits, and so some greedy tokens, depend on its batch.
     batch_invariant: bool = False
+    # The 4-bit projections round float32 activations to int8 per group of 32 (models/int8_activations.py):
+    # lossy, about half the projections' cost per sequence at 4 to 64 sequences on the CPU.
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -116,6 +119,7 @@ class EngineConfig:
         if self.prompt_cache_tier not in PROMPT_CACHE_TIERS:
             raise ValueError(f"prompt_cache_tier must be one of {PROMPT_CACHE_TIERS}, got {self.prompt_cache_tier!r}")
         self._check_batch_invariant()
+        self._check_int8_activations()
         self._check_kv_cache_dtype()
         if self.prompt_cache_encode not in PROMPT_CACHE_ENCODES:
             raise ValueError(
@@ -205,6 +209,21 @@ class EngineConfig:
                 {"kv_policy": "full", "kv_offload": "none", "prefill_parallel": 1, "device": "cpu",
                  "tensor_parallel_size": 1},
             )  # fmt: skip
+
+    def _check_int8_activations(self) -> None:
+        if not self.int8_activations:
+            return
+        if self.torch_dtype != torch.float32:
+            raise ValueError(
+                f"int8_activations rounds float32 activations; this engine runs "
+                f"{str(self.torch_dtype).removeprefix('torch.')}: set dtype='float32'"
+            )
+        self._require(
+            "int8_activations runs kvserve's CPU kernels on a GGUF model's 4-bit codes in one process",
+            {"device": "cpu", "tensor_parallel_size": 1, "prefill_parallel": 1},
+        )  # fmt: skip
+        if self.weights == "dequant":
+            raise ValueError("int8_activations runs on 4-bit codes: it needs weights='native' or 'int4', got 'dequant'")
 
     def _check_tensor_parallel(self) -> None:
         for name in ("tensor_parallel_size", "nnodes"):

@@ -3,7 +3,8 @@
 ``paged_decode.cpp``: decode attention over paged KV (``attention/decode.py``); ``fused_ops.cpp``: RMSNorm,
 rotary embedding and SwiGLU's product, one op each (``models/fused.py``); ``speculate.cpp``: InfiniGen's
 speculation for a decode batch (``policies/infinigen.py``); ``quant_gemv.cpp``: products with GGUF's
-4-bit and 8-bit codes for decode-sized batches in float32 (``models/quant_linear.py``); ``decode_layers.cpp``:
+4-bit and 8-bit codes for decode-sized batches in float32, and the 4-bit one with activations rounded to
+int8 (``models/quant_linear.py``); ``decode_layers.cpp``:
 a plain decode step's decoder layers as one call of the above (``models/decode_chain.py``).
 
 The build uses ``torch.utils.cpp_extension`` (g++ and ninja) with ``-march=native``, so it is keyed by a hash
@@ -35,7 +36,17 @@ SOURCES = tuple(
     for name in ("paged_decode.cpp", "fused_ops.cpp", "speculate.cpp", "quant_gemv.cpp", "decode_layers.cpp")
 )
 HEADERS = (CSRC / "cpu_vec.h", CSRC / "ops.h")
-OPS = ("paged_decode", "rms_norm", "rope_", "silu_mul", "speculate_rows", "q4_linear", "q8_linear", "decode_layers")
+OPS = (
+    "paged_decode",
+    "rms_norm",
+    "rope_",
+    "silu_mul",
+    "speculate_rows",
+    "q4_linear",
+    "q8_linear",
+    "q4_linear_q8",
+    "decode_layers",
+)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17")
 

@@ -59,10 +59,12 @@ class LLMEngine:
         self.loaded = loaded or load_model(
             config.model, config.torch_dtype, config.device, weights=config.weights,
             batch_invariant=config.batch_invariant, tokenizer=config.tokenizer, chat_template=config.chat_template,
-            shard=shard,
+            shard=shard, int8_activations=config.int8_activations,
         )  # fmt: skip
         if config.batch_invariant and not self.loaded.batch_invariant:
             raise ValueError("batch_invariant=True needs a model loaded with load_model(..., batch_invariant=True)")
+        if config.int8_activations and not self.loaded.int8_activations:
+            raise ValueError("int8_activations=True needs a model loaded with load_model(..., int8_activations=True)")
         self.tokenizer = self.loaded.tokenizer
         cfg = self.loaded.config
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

@@ -520,6 +520,7 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
             max(batch_sizes),
             device=args.device,
             kv_cache_dtype=kv_dtype,
+            int8_activations=args.int8_activations,
         )  # fmt: skip
         for kv_dtype in kv_dtypes
     ]
@@ -572,6 +573,7 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
         weights=args.weights,
         device=args.device,
         kv_cache_dtypes=kv_dtypes,
+        int8_activations=args.int8_activations,
         threads=threads,
         roofline=asdict(roofline),
         prefill_gflop={n: speed.prefill_flops(config, n) / 1e9 for n in lengths},
@@ -583,7 +585,8 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
         peers=peer_info,
         results=[asdict(r) for r in results],
     )
-    suffix = "-batch-invariant" if args.batch_invariant else ""  # leaves the default's own report alone
+    # Leaves the default's own report alone.
+    suffix = ("-batch-invariant" if args.batch_invariant else "") + ("-int8" if args.int8_activations else "")
     out = output_path(args, f"speed-{args.weights}{suffix}")
     write_report(out, report, _speed_table(report))
     plot_speed_ratios(report, out.with_suffix(".png"))
@@ -684,6 +687,7 @@ def cmd_bench_compression(args: argparse.Namespace) -> int:
         config = EngineConfig(
             dtype=args.dtype, device=args.device, weights=args.weights, kv_cache_memory=args.kv_cache_memory,
             max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, kv_policy=policy, kv_budget=budget,
+            int8_activations=args.int8_activations,
         )  # fmt: skip
         engine = LLMEngine(config, loaded)
         log(f"bench compression: {engine.kv_summary}")
@@ -695,6 +699,7 @@ def cmd_bench_compression(args: argparse.Namespace) -> int:
         results.append(result.as_dict())
     report = new_report(
         "compression", model=loaded.path.name, dtype=args.dtype, weights=args.weights,
+        int8_activations=args.int8_activations,
         threads=torch.get_num_threads(), kv_cache_memory=args.kv_cache_memory,
         workload=f"{len(prompts)} requests, prompts {low}-{high} tokens (Austen), {args.max_tokens} output tokens",
         results=results,

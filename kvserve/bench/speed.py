@@ -66,7 +66,7 @@ class KVServeSpeed:
 
     def __init__(
         self, model: str, dtype: str, weights: str, max_seqs: int, batch_invariant: bool = False, device: str = "cpu",
-        kv_cache_dtype: str = "auto",
+        kv_cache_dtype: str = "auto", int8_activations: bool = False,
     ) -> None:  # fmt: skip
         from kvserve.llm import LLM
 
@@ -74,11 +74,13 @@ class KVServeSpeed:
         self.llm = LLM(
             model=model, dtype=dtype, weights=weights, enable_prefix_caching=False, max_num_seqs=max_seqs,
             batch_invariant=batch_invariant, device=device, kv_cache_dtype=kv_cache_dtype,
+            int8_activations=int8_activations,
         )  # fmt: skip
         self.load_s = time.perf_counter() - start
         self.decode_bytes_per_token = decode_weight_bytes(self.llm.engine.loaded.model)
         mode = ", batch-invariant" if batch_invariant else ""
         mode += f", {kv_cache_dtype} KV" if kv_cache_dtype != "auto" else ""
+        mode += ", int8 activations" if int8_activations else ""
         self.name = f"kvserve ({self.llm.engine.loaded.weights}{mode})"
 
     def generate(self, ids: Sequence[int], new_tokens: int) -> float:

@@ -7,14 +7,14 @@
 // weights: WEIGHTS_PER_LAYER tensors per layer, in order
 //   input norm, qkv weight, qkv consts, qkv bias, o weight, o consts, o bias,
 //   post-attention norm, gate_up weight, gate_up consts, down weight, down consts.
-// A projection's weight is either 4-bit codes (int32 lane words, with float32 consts: q4_linear) or a dense
-// float32 (N, K) matrix (consts empty); an empty bias means none. Caches: k_cache, v_cache (rows, blocks,
-// block_size, Hkv, D); layer i writes and reads block row layer_rows[i]. slots (B,) int64 are the new
-// tokens' slots in a row; tables, starts and ends are paged_decode's (one query row per sequence). A cache whose
-// layers hold different slots (compressed: one KV group per layer) passes them per layer instead: slots (L, B),
-// tables (L, B, W), starts and ends (L, B). With want_weights the second output holds each layer's attention
-// probabilities as paged_decode returns them, (L, B, W * block_size) (else it is empty): what the cache's
-// policy scores its slots by.
+// A projection's weight is 4-bit codes (int32 lane words, with float32 consts: q4_linear; or uint8 nibbles,
+// for activations rounded to int8: q4_linear_q8) or a dense float32 (N, K) matrix (consts empty); an empty
+// bias means none. Caches: k_cache, v_cache (rows, blocks, block_size, Hkv, D); layer i writes and reads block
+// row layer_rows[i]. slots (B,) int64 are the new tokens' slots in a row; tables, starts and ends are
+// paged_decode's (one query row per sequence). A cache whose layers hold different slots (compressed: one KV
+// group per layer) passes them per layer instead: slots (L, B), tables (L, B, W), starts and ends (L, B). With
+// want_weights the second output holds each layer's attention probabilities as paged_decode returns them,
+// (L, B, W * block_size) (else it is empty): what the cache's policy scores its slots by.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -33,8 +33,9 @@ constexpr int64_t WEIGHTS_PER_LAYER = 12;
 // y = x W^T (+ b) as QuantLinear / Linear compute it: the bias after the product on codes, inside F.linear
 // for a dense weight.
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& consts, const at::Tensor& bias) {
-  if (weight.scalar_type() == at::kInt) {
-    at::Tensor y = kvserve_ops::q4_linear(x, weight, consts);
+  if (weight.scalar_type() == at::kInt || weight.scalar_type() == at::kByte) {
+    at::Tensor y = weight.scalar_type() == at::kInt ? kvserve_ops::q4_linear(x, weight, consts)
+                                                    : kvserve_ops::q4_linear_q8(x, weight, consts);
     return bias.defined() && bias.numel() ? y.add_(bias) : y;
   }
   return bias.defined() && bias.numel() ? at::linear(x, weight, bias) : at::linear(x, weight);
@@ -43,7 +44,7 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tens
 void check_projection(const at::Tensor* w, int64_t in, const char* name) {
   const at::Tensor& weight = w[0];
   TORCH_CHECK(weight.dim() == 2, "decode_layers: the ", name, " weight must be 2-D, got ", weight.sizes());
-  if (weight.scalar_type() == at::kInt) return;  // q4_linear checks the codes against x itself
+  if (weight.scalar_type() == at::kInt || weight.scalar_type() == at::kByte) return;  // the kernels check codes
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.size(1) == in, "decode_layers: the dense ", name,
               " weight must be float32 (N, ", in, "), got ", weight.scalar_type(), " ", weight.sizes());
 }

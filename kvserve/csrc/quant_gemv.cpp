@@ -14,12 +14,21 @@
 // scaled; the offsets meet the group sums of x, taken once per input row. Every output goes through the
 // same instructions whatever M is and however the rows are split over threads, so a row's result never
 // depends on its batch.
+//
+// q4_linear_q8 (int8 activations, opt-in: models/int8_activations.py): the 4-bit product with x rounded to int8
+// per row and group of 32 first, q = round(x * 127 / max|x|) with the scale d = max|x| / 127 (llama.cpp's Q8_1).
+// A group's sum_j code_j q_j is an exact integer (AVX2 maddubs: 32 byte products in one instruction against a
+// float FMA's 8) that meets d_w * d_x in float32; the offsets meet d_x * sum_j q_j. The codes are ggml's own
+// 4-bit bytes (nibbles (N, ceil(K/64) * 32) uint8: 16 bytes a group, byte j holding input j in its low nibble
+// and input j + 16 in its high one; a zero group pads an odd count). Lossy against float32 activations
+// (every input keeps 8 bits), batch invariant as above.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -153,8 +162,96 @@ inline void q8_row(const int8_t* codes, const float* scales, int64_t groups, con
 #endif
 }
 
+// x rows rounded to int8 per group of 32 (see the top), laid out for q4q8_row: per row and pair of groups, 64
+// code bytes [g0 x0-15 | g1 x0-15 | g0 x16-31 | g1 x16-31] (what the 4-bit bytes' low and high nibbles decode
+// to), and 16 floats [d0 x4 | d1 x4 | s0 x4 | s1 x4] with s = d * sum_j q_j / 4 (a quarter, exact: the loop
+// adds it in 4 lanes).
+struct Int8Rows {
+  std::vector<int8_t> q;  // (M, row_bytes)
+  std::vector<float> f;   // (M, row_floats)
+  int64_t row_bytes = 0, row_floats = 0;
+};
+
+Int8Rows quantize_rows(const float* x, int64_t rows, int64_t k) {
+  const int64_t groups = k / GROUP, pairs = (groups + 1) / 2;
+  Int8Rows out;
+  out.row_bytes = pairs * 2 * GROUP;
+  out.row_floats = pairs * 16;
+  out.q.assign(rows * out.row_bytes, 0);
+  out.f.assign(rows * out.row_floats, 0.f);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = x + m * k + g * GROUP;
+      float amax = 0.f;
+      for (int64_t j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(xg[j]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
+      int8_t* qr = out.q.data() + m * out.row_bytes;
+      float* fr = out.f.data() + m * out.row_floats;
+      int32_t sum = 0;
+      for (int64_t j = 0; j < GROUP; ++j) {
+        const int32_t q = static_cast<int32_t>(std::nearbyint(xg[j] * inv));
+        qr[g / 2 * 64 + j / 16 * 32 + g % 2 * 16 + j % 16] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      for (int64_t lane = 0; lane < 4; ++lane) {
+        fr[g / 2 * 16 + g % 2 * 4 + lane] = d;
+        fr[g / 2 * 16 + 8 + g % 2 * 4 + lane] = d * static_cast<float>(sum) * 0.25f;
+      }
+    }
+  return out;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// [a x4 | b x4]: a pair of groups' constants in the lanes their dot products land in.
+inline __m256 pair_lanes(float a, float b) { return _mm256_set_m128(_mm_set1_ps(b), _mm_set1_ps(a)); }
+#endif
+
+// One weight row of 4-bit codes as ggml stores them (see the top) against TILE int8 rows (Int8Rows): y[t * ldy].
+template <int TILE>
+inline void q4q8_row(const uint8_t* nibbles, const float* consts, int64_t groups, const int8_t* xq, const float* xf,
+                     int64_t row_bytes, int64_t row_floats, float* y, int64_t ldy) {
+  const int64_t pairs = (groups + 1) / 2;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 products[TILE], offsets[TILE];  // two dependency chains a row
+  for (int t = 0; t < TILE; ++t) products[t] = offsets[t] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + p * 32));
+    const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+    const bool both = 2 * p + 1 < groups;  // an odd count's last group has no partner (its lanes: zero)
+    const __m256 scale = pair_lanes(consts[2 * p], both ? consts[2 * p + 1] : 0.f);
+    const __m256 offset = pair_lanes(consts[groups + 2 * p], both ? consts[groups + 2 * p + 1] : 0.f);
+    for (int t = 0; t < TILE; ++t) {
+      const int8_t* xp = xq + t * row_bytes + p * 64;
+      const float* fp = xf + t * row_floats + p * 16;
+      const __m256i sums = _mm256_add_epi16(
+          _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp))),
+          _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32))));
+      const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, ones));  // [g0 x4 | g1 x4]
+      products[t] = _mm256_fmadd_ps(dots, _mm256_mul_ps(scale, _mm256_loadu_ps(fp)), products[t]);
+      offsets[t] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(fp + 8), offsets[t]);
+    }
+  }
+  for (int t = 0; t < TILE; ++t) y[t * ldy] = kvserve_cpu::hsum8(_mm256_add_ps(products[t], offsets[t]));
+#else
+  for (int t = 0; t < TILE; ++t) {
+    float acc = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int8_t* xp = xq + t * row_bytes + g / 2 * 64 + g % 2 * 16;
+      const float* fp = xf + t * row_floats + g / 2 * 16 + g % 2 * 4;
+      int32_t dot = 0;
+      for (int64_t j = 0; j < GROUP; ++j)
+        dot += ((nibbles[g * 16 + j % 16] >> (4 * (j / 16))) & 0xF) * xp[j / 16 * 32 + j % 16];
+      acc += static_cast<float>(dot) * (consts[g] * fp[0]) + 4.f * consts[groups + g] * fp[8];
+    }
+    y[t * ldy] = acc;
+  }
+#endif
+}
+
 // y[m, o] for every output o and row m: weight rows split over threads, input rows in tiles of up to
-// ROW_TILE; row(o, m, tile) gets the tile's size as a compile-time constant (std::integral_constant).
+// ROW_TILE; row(o, m, tile) gets the tile's size as a compile-time constant (std::integral_constant). A block
+// of OUT_GRAIN weight rows meets every tile in turn, so both stay in L1 however many rows there are.
 template <typename RowFn>
 void for_rows(int64_t rows, int64_t n, const RowFn& row) {
   at::parallel_for(0, n, OUT_GRAIN, [&](int64_t begin, int64_t end) {
@@ -224,14 +321,38 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return y;
 }
 
+at::Tensor q4_linear_q8(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& consts) {
+  check_input("q4_linear_q8", x);
+  const int64_t rows = x.size(0), k = x.size(1), n = nibbles.size(0), groups = k / GROUP, bytes = (groups + 1) / 2 * 32;
+  TORCH_CHECK(nibbles.dim() == 2 && nibbles.scalar_type() == at::kByte && nibbles.size(1) == bytes &&
+                  nibbles.is_contiguous(),
+              "q4_linear_q8: nibbles must be contiguous uint8 (N, ", bytes, "), got ", nibbles.sizes(), " ",
+              nibbles.scalar_type());
+  TORCH_CHECK(consts.scalar_type() == at::kFloat && consts.is_contiguous() && consts.numel() == n * groups * 2,
+              "q4_linear_q8: consts must be contiguous float32 (N, 2, ", groups, ") with N = ", n);
+  const at::Tensor xc = x.contiguous();
+  const Int8Rows xq = quantize_rows(xc.data_ptr<float>(), rows, k);
+  auto y = at::empty({rows, n}, x.options());
+  float* yp = y.data_ptr<float>();
+  const uint8_t* np = nibbles.data_ptr<uint8_t>();
+  const float* kp = consts.data_ptr<float>();
+  for_rows(rows, n, [&](int64_t o, int64_t m, auto tile) {
+    q4q8_row<decltype(tile)::value>(np + o * bytes, kp + o * groups * 2, groups, xq.q.data() + m * xq.row_bytes,
+                                    xq.f.data() + m * xq.row_floats, xq.row_bytes, xq.row_floats, yp + m * n + o, n);
+  });
+  return y;
+}
+
 }  // namespace kvserve_ops
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("q4_linear(Tensor x, Tensor codes, Tensor consts) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+  m.def("q4_linear_q8(Tensor x, Tensor nibbles, Tensor consts) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("q4_linear", &kvserve_ops::q4_linear);
   m.impl("q8_linear", &kvserve_ops::q8_linear);
+  m.impl("q4_linear_q8", &kvserve_ops::q4_linear_q8);
 }

@@ -2,12 +2,12 @@
 
 At batch 1 the eager layers spend about a third of a float32 step on Python between the kernels (~12 ops a
 layer; SmolLM2: 6 of 19 ms). When the cache says the step is decode only (``AttentionBackend.in_place_decode``)
-and every layer is a plain ``DecoderLayer`` whose projections are float32 (dense or on 4-bit codes) on the CPU,
-``LlamaForCausalLM`` runs its layers through ``DecodeChain`` instead: the same kernels in the same order, so
-the hidden states are bit-identical to the eager layers' (``tests/test_decode_chain.py``). The paged cache gives
-one block table for every layer; the compressed cache one per layer, and asks for each layer's attention
-probabilities, which it folds into its slot scores afterwards (``finish_in_place_decode``;
-``tests/policies/test_compressed_chain.py``).
+and every layer is a plain ``DecoderLayer`` whose projections are float32 (dense or on 4-bit codes, with or
+without int8 activations) on the CPU, ``LlamaForCausalLM`` runs its layers through ``DecodeChain`` instead: the
+same kernels in the same order, so the hidden states are bit-identical to the eager layers'
+(``tests/test_decode_chain.py``). The paged cache gives one block table for every layer; the compressed cache
+one per layer, and asks for each layer's attention probabilities, which it folds into its slot scores afterwards
+(``finish_in_place_decode``; ``tests/policies/test_compressed_chain.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _projection(module: nn.Module) -> tuple[list[torch.Tensor], int] | None:
     """(weight, consts, bias) as the op takes them and the most rows it may run at once; None if it can't."""
     bias = module.bias if getattr(module, "bias", None) is not None else _NONE
     if type(module) is QuantLinear and module.act_dtype == torch.float32:
-        return [module.codes, module.consts, bias], module.max_rows
+        return [module.kernel_codes, module.consts, bias], module.max_rows
     plain = type(module) is Linear and module.packed is None and module.row_tile == 0
     if plain and module.weight.dtype == torch.float32:
         return [module.weight, _NONE, bias], _ANY_ROWS

@@ -17,8 +17,9 @@ from kvserve.models import gguf_file
 from kvserve.models.batch_invariant import make_batch_invariant
 from kvserve.models.catalog import resolve_model_path
 from kvserve.models.config import ModelConfig
+from kvserve.models.int8_activations import use_int8_activations
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.quant_linear import Q8Linear, QuantEmbedding, QuantLinear, max_rows
+from kvserve.models.quant_linear import INT8_MAX_ROWS, Q8Linear, QuantEmbedding, QuantLinear, max_rows
 from kvserve.models.sharding import TensorShard, check_shardable, shard_config, shard_sources
 from kvserve.models.tokenizer_override import TokenizerOverride
 from kvserve.models.weights import build_model
@@ -44,6 +45,7 @@ class LoadedModel:
     weights: str = "dequant"  # what runs: "native", "int4" (some weights as int4) or "dequant"
     weights_summary: str = ""  # per tensor type, how it runs (for logs and reports)
     batch_invariant: bool = False  # matmuls whose result for a row does not depend on the others (batch_invariant.py)
+    int8_activations: bool = False  # the 4-bit projections round float32 activations to int8 (int8_activations.py)
     # Tensor parallelism: this process's share of the weights; ``config`` stays the whole model's, while
     # ``model.config`` is the share it computes (its heads, its part of the MLP).
     shard: TensorShard | None = None
@@ -59,6 +61,7 @@ def load_model(
     tokenizer: str | None = None,
     chat_template: str | None = None,
     shard: TensorShard | None = None,
+    int8_activations: bool = False,
 ) -> LoadedModel:
     """Load ``path`` (a .gguf file or a folder with config.json + *.safetensors + tokenizer.json).
 
@@ -74,6 +77,9 @@ def load_model(
     ``tokenizer`` (a folder, tokenizer.json or GGUF) and ``chat_template`` (a Jinja file or inline template)
     replace the model's own; both are read, and the template compiled, before the weights load.
     ``shard`` loads one tensor-parallel rank's share of every layer (``models/sharding.py``).
+    ``int8_activations`` rounds the float32 activations of the 4-bit projections to int8
+    (``models/int8_activations.py``; lossy, faster for batches of a few to ~128 rows); a model without such
+    projections is refused.
     """
     if weights not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
@@ -99,9 +105,12 @@ def load_model(
     model.prepack()
     if batch_invariant:
         make_batch_invariant(model)
+    if int8_activations:
+        switched = use_int8_activations(model)
+        summary += f"; int8 activations in its {switched} 4-bit projections, on the codes up to {INT8_MAX_ROWS} rows"
     if shard is not None:
         summary += f"; tensor-parallel rank {shard.rank} of {shard.size}"
-    return LoadedModel(model, tokenizer, config, path, dtype, mode, summary, batch_invariant, shard)
+    return LoadedModel(model, tokenizer, config, path, dtype, mode, summary, batch_invariant, int8_activations, shard)
 
 
 def _int4_refusal(weights: str, dtype: torch.dtype, device: torch.device | str) -> str | None:

@@ -49,6 +49,9 @@ INT4_MAX_ROWS = 3
 # 1 / 16 / 32 rows. More rows than these go through the dense copy.
 FLOAT32_MAX_ROWS = 16
 FLOAT32_HEAD_MAX_ROWS = 32
+# With activations rounded to int8 (``q4_linear_q8``, int8_activations.py) the codes beat the dense float32 matmul
+# up to ~128 rows (SmolLM2's 30 layers, 2 threads, AMD EPYC: 1.4x at 64 rows, 1.05-1.45x at 128).
+INT8_MAX_ROWS = 128
 
 
 def max_rows(dtype: torch.dtype, head: bool = False) -> int:
@@ -106,6 +109,23 @@ class Int4Weight:
         words = pairs[:, :, 0] | (pairs[:, :, 1] << 16)
         words = torch.where(words >= 2**31, words - 2**32, words)  # the same 32 bits as a signed int32
         return words.to(torch.int32).reshape(n, -1).contiguous()
+
+    def nibble_pairs(self) -> torch.Tensor:
+        """(N, ceil(K / 64) * 32) uint8, ggml's own 4-bit bytes (per group 16: byte j holds the code of input j in
+        its low nibble, of input j + 16 in its high one), a zero group after an odd count: ``q4_linear_q8``'s codes."""
+        n, k = self.shape
+        halves = self.codes.reshape(n, k // GROUP_SIZE, 2, GROUP_SIZE // 2)
+        groups = halves[:, :, 0] | (halves[:, :, 1] << 4)  # (N, groups, 16)
+        if groups.shape[1] % 2:
+            groups = torch.cat((groups, torch.zeros(n, 1, GROUP_SIZE // 2, dtype=torch.uint8)), dim=1)
+        return groups.reshape(n, -1).contiguous()
+
+    @staticmethod
+    def codes_from_nibble_pairs(nibbles: torch.Tensor, k: int) -> torch.Tensor:
+        """The inverse of ``nibble_pairs``: (N, K) uint8 codes."""
+        n = nibbles.shape[0]
+        groups = nibbles.reshape(n, -1, GROUP_SIZE // 2)[:, : k // GROUP_SIZE]
+        return torch.cat((groups & 0x0F, groups >> 4), dim=-1).reshape(n, k)
 
     @staticmethod
     def codes_from_lane_words(words: torch.Tensor, k: int) -> torch.Tensor:
@@ -198,6 +218,7 @@ class QuantLinear(nn.Module):
             raise ValueError(f"int4 weights need an input size divisible by {GROUP_SIZE}, got {self.in_features}")
         self.act_dtype = dtype
         self.max_rows = max_rows(dtype)
+        self.int8_activations = False
         if dtype == torch.float32:
             self.register_buffer("codes", weight.lane_words())  # (N, ceil(K / 64) * 8) int32
             self.register_buffer("consts", torch.stack((weight.scale, weight.offset), dim=1).float().contiguous())
@@ -221,14 +242,32 @@ class QuantLinear(nn.Module):
         if packed is not None:
             self.dense_packed, self.dense = packed, None
 
+    def round_activations_to_int8(self) -> bool:
+        """Run the products on codes with float32 activations rounded to int8 (``q4_linear_q8``; see
+        ``int8_activations.py``): the codes become ggml's nibble bytes, and batches of up to ``INT8_MAX_ROWS``
+        rows run on them. False (nothing changes) where this projection does not take float32 activations."""
+        if self.act_dtype != torch.float32 or self.int8_activations:
+            return False
+        codes = Int4Weight.codes_from_lane_words(self.codes, self.in_features)
+        del self.codes
+        self.register_buffer("nibbles", Int4Weight(codes, self.consts[:, 0], self.consts[:, 1]).nibble_pairs())
+        self.int8_activations, self.max_rows = True, INT8_MAX_ROWS
+        return True
+
     @property
     def dtype(self) -> torch.dtype:
         return self.act_dtype
 
+    @property
+    def kernel_codes(self) -> torch.Tensor:
+        """The codes as the float32 kernel reads them: int32 lane words (``q4_linear``) or, with int8
+        activations, uint8 nibble bytes (``q4_linear_q8``)."""
+        return self.nibbles if self.int8_activations else self.codes
+
     def code_tensors(self) -> list[torch.Tensor]:
         """What a product on the codes reads (for byte counts)."""
         if self.act_dtype == torch.float32:
-            return [self.codes, self.consts]
+            return [self.kernel_codes, self.consts]
         return [self.packed_weight, self.scales_and_zeros]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -245,18 +284,25 @@ class QuantLinear(nn.Module):
         if self.act_dtype != torch.float32:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed_weight, GROUP_SIZE, self.scales_and_zeros)
             return y[:, : self.out_features] if y.shape[-1] != self.out_features else y
+        if self.int8_activations:  # set only where the kernels run (int8_activations.py)
+            return torch.ops.kvserve.q4_linear_q8(x2, self.nibbles, self.consts)
         if x2.device.type == "cpu" and _float32_kernels_run(x2.dtype):
             return torch.ops.kvserve.q4_linear(x2, self.codes, self.consts)
-        return F.linear(x2, self._dequantized())  # the reference: no compiled kernels
+        return F.linear(x2, self.int4_weight().dequantize())  # the reference: no compiled kernels
 
-    def _dequantized(self) -> torch.Tensor:
-        codes = Int4Weight.codes_from_lane_words(self.codes, self.in_features)
-        return Int4Weight(codes, self.consts[:, 0], self.consts[:, 1]).dequantize()
+    def int4_weight(self) -> Int4Weight:
+        """The float32 kernels' weight as codes and group constants."""
+        if self.int8_activations:
+            codes = Int4Weight.codes_from_nibble_pairs(self.nibbles, self.in_features)
+        else:
+            codes = Int4Weight.codes_from_lane_words(self.codes, self.in_features)
+        return Int4Weight(codes, self.consts[:, 0], self.consts[:, 1])
 
     def extra_repr(self) -> str:
         has_dense = self.dense is not None or self.dense_packed is not None
         dense = f", dense copy above {self.max_rows} rows" if has_dense else ""
-        return f"in={self.in_features}, out={self.out_features}, int4 groups of {GROUP_SIZE}, {self.dtype}{dense}"
+        int8 = ", int8 activations" if self.int8_activations else ""
+        return f"in={self.in_features}, out={self.out_features}, int4 groups of {GROUP_SIZE}, {self.dtype}{int8}{dense}"
 
 
 class Q8Linear(nn.Module):
