@@ -98,16 +98,15 @@ def load_model(
     tokenizer = override.apply(tokenizer, model.config.vocab_size)
     quantised = any(isinstance(m, (QuantLinear, QuantEmbedding, Q8Linear)) for m in model.modules())
     mode = weights if quantised else "dequant"
-    if batch_invariant:
-        summary += "; batch-invariant: one kernel for every row count"
-    get_logger().info("loaded %s: %s, weights %s (%s)", path.name, _dtype_name(dtype), mode, summary)
     model = model.to(device)
     model.prepack()
     if batch_invariant:
         make_batch_invariant(model)
+        summary += "; batch-invariant: one kernel for every row count"
     if int8_activations:
         switched = use_int8_activations(model)
-        summary += f"; int8 activations in its {switched} 4-bit projections, on the codes up to {INT8_MAX_ROWS} rows"
+        summary += f"; int8 activations in the {switched} 4-bit projections, which take up to {INT8_MAX_ROWS} rows"
+    get_logger().info("loaded %s: %s, weights %s (%s)", path.name, _dtype_name(dtype), mode, summary)
     if shard is not None:
         summary += f"; tensor-parallel rank {shard.rank} of {shard.size}"
     return LoadedModel(model, tokenizer, config, path, dtype, mode, summary, batch_invariant, int8_activations, shard)

@@ -1,0 +1,166 @@
+"""Int8 activations for the 4-bit projections (``models/int8_activations.py``, ``q4_linear_q8``).
+
+The kernel against a written-out reference (x rounded to int8 per group of 32, integer dot products, then the
+scales and offsets) over odd group counts, tile sizes and outputs split over threads; a row's result does not
+depend on its batch; the nibble layout round-trips; the engine mode runs the kernel in the decode chain
+(bit-identical to the eager layers) and refuses what it cannot run; on the real model the prompt's
+log-likelihood and the greedy tokens stay close to float32 activations.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+
+from kvserve import cpu_kernels
+from kvserve.config import EngineConfig
+from kvserve.engine import LLMEngine
+from kvserve.eval.data import AUSTEN
+from kvserve.llm import LLM
+from kvserve.models.decode_chain import DecodeChain
+from kvserve.models.loader import load_model
+from kvserve.models.quant_linear import INT8_MAX_ROWS, Int4Weight, QuantLinear
+from kvserve.sampling_params import SamplingParams
+from tests.test_decode_chain import run_steps
+from tests.test_gguf_loader import checkpoint, write_gguf
+from tests.test_quant_linear import blocks_of, rel_err
+from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
+
+Q = GGMLQuantizationType
+
+
+@pytest.fixture(autouse=True)
+def _kernels_built():
+    assert cpu_kernels.cpu_kernels_available()
+
+
+def reference(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    """What ``q4_linear_q8`` computes, written out: x rounded to int8 per row and group of 32 (scale max|x| / 127),
+    each group's integer dot product with the codes, times both scales; the offsets times the scaled group sums."""
+    rows, k = x.shape
+    groups = x.reshape(rows, k // 32, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    q = torch.round(groups * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)))
+    d = (amax / 127.0).squeeze(-1).double()  # (M, G)
+    codes = weight.codes.reshape(weight.shape[0], k // 32, 32).double()  # (N, G, 32)
+    dots = torch.einsum("mgj,ngj->mng", q.double(), codes)  # exact integers
+    products = (dots * d.unsqueeze(1) * weight.scale.double()).sum(-1)
+    offsets = (q.double().sum(-1) * d) @ weight.offset.double().T
+    return products + offsets
+
+
+def int8_module(qtype: Q, shape: tuple[int, int], seed: int = 0) -> tuple[QuantLinear, Int4Weight]:
+    blocks, _ = blocks_of(shape, qtype, seed=seed)
+    weight = Int4Weight.from_ggml_blocks(blocks, qtype)
+    module = QuantLinear(weight, torch.float32)
+    assert module.round_activations_to_int8()
+    return module, weight
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("shape", [(7, 32), (100, 96), (33, 608), (576, 1536)])  # 1, 3, 19 and 48 groups
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_kernel_matches_the_written_out_reference_row_by_row(qtype, shape, rows) -> None:
+    torch.set_num_threads(2)  # the outputs split over threads
+    module, weight = int8_module(qtype, shape, seed=rows)
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
+    if shape[1] > 32:
+        x[0, 32:64] = 0.0  # an all-zero group: scale 0, nothing divided by it
+    got = module(x)
+    assert rel_err(got, reference(x, weight)) < 1e-5
+    for i in range(rows):
+        assert torch.equal(module(x[i : i + 1])[0], got[i])
+    # Lossy against float32 activations, by the rounding of 8 bits (a few tenths of a percent here), not more.
+    assert 1e-4 < rel_err(got, F.linear(x.double(), weight.dequantize().double())) < 2e-2
+
+
+def test_nibble_pairs_round_trip_and_the_switch_keeps_the_weight() -> None:
+    module, weight = int8_module(Q.Q4_1, (40, 96))
+    assert module.nibbles.dtype == torch.uint8 and module.nibbles.shape == (40, 64)  # 3 groups padded to 4
+    assert torch.equal(Int4Weight.codes_from_nibble_pairs(module.nibbles, 96), weight.codes)
+    assert torch.equal(module.int4_weight().dequantize(), weight.dequantize())
+    assert not hasattr(module, "codes") and module.max_rows == INT8_MAX_ROWS
+    assert not module.round_activations_to_int8()  # once only
+    bf16 = QuantLinear(weight, torch.bfloat16)
+    assert not bf16.round_activations_to_int8()
+
+
+def test_many_rows_take_the_dense_copy() -> None:
+    blocks, w = blocks_of((48, 64), Q.Q4_1)
+    module = QuantLinear(Int4Weight.from_ggml_blocks(blocks, Q.Q4_1), torch.float32, dense=w)
+    module.round_activations_to_int8()
+    many = torch.randn(INT8_MAX_ROWS + 1, 64)
+    assert torch.equal(module(many), F.linear(many, w))
+    assert not torch.equal(module(many[:INT8_MAX_ROWS]), F.linear(many[:INT8_MAX_ROWS], w))
+
+
+def test_the_op_names_bad_codes() -> None:
+    module, _ = int8_module(Q.Q4_1, (48, 64))
+    with pytest.raises(RuntimeError, match=r"nibbles must be contiguous uint8 \(N, 32\)"):
+        torch.ops.kvserve.q4_linear_q8(torch.randn(2, 64), module.nibbles[:, :16], module.consts)
+    with pytest.raises(RuntimeError, match="not a multiple of 32"):
+        torch.ops.kvserve.q4_linear_q8(torch.randn(2, 48), module.nibbles, module.consts)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    spec = TinySpec(num_heads=4, num_kv_heads=2, seed=6)
+    tmp = tmp_path_factory.mktemp("int8")
+    _, state = checkpoint(tmp, spec)
+    path = tmp / "tiny.gguf"
+    write_gguf(path, spec, state, qtype=Q.Q4_1)
+    return spec, path
+
+
+def test_decode_chain_runs_the_int8_kernel_bit_identically(tiny_gguf) -> None:
+    _, path = tiny_gguf
+    loaded = load_model(path, torch.float32, weights="native", int8_activations=True)
+    assert loaded.int8_activations and "int8 activations" in loaded.weights_summary
+    assert loaded.model.layers[0].mlp.down_proj.int8_activations
+    chain_hidden, chain_cache = run_steps(loaded, chain=True)
+    assert isinstance(loaded.model.decode_chain, DecodeChain)
+    eager_hidden, eager_cache = run_steps(loaded, chain=False)
+    assert all(torch.equal(a, b) for a, b in zip(chain_hidden, eager_hidden, strict=True))
+    assert torch.equal(chain_cache.k, eager_cache.k)
+    float_hidden, _ = run_steps(load_model(path, torch.float32, weights="native"), chain=True)
+    assert not torch.equal(float_hidden[-1], chain_hidden[-1])  # the rounding is real
+    assert torch.allclose(float_hidden[-1], chain_hidden[-1], rtol=0.1, atol=0.1)
+
+
+def test_models_and_configurations_it_cannot_run(tiny_gguf, tmp_path) -> None:
+    spec, path = tiny_gguf
+    with pytest.raises(ValueError, match="has none"):
+        load_model(write_tiny_model(tmp_path / "hf", spec), torch.float32, int8_activations=True)
+    with pytest.raises(ValueError, match="has none"):
+        load_model(path, torch.float32, weights="dequant", int8_activations=True)
+    with pytest.raises(ValueError, match="rounds float32 activations; this engine runs bfloat16: set dtype='float32'"):
+        EngineConfig(model=str(path), dtype="bfloat16", int8_activations=True)
+    with pytest.raises(ValueError, match="needs weights='native' or 'int4', got 'dequant'"):
+        EngineConfig(model=str(path), dtype="float32", weights="dequant", int8_activations=True)
+    with pytest.raises(ValueError, match="it needs tensor_parallel_size=1, got 2"):
+        EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=2, int8_activations=True)
+    with pytest.raises(ValueError, match="needs a model loaded with load_model"):
+        config = EngineConfig(model=str(path), dtype="float32", int8_activations=True)
+        LLMEngine(config, load_model(path, torch.float32))
+
+
+@pytest.mark.real_model
+def test_real_model_likelihood_and_greedy_tokens_stay_close_to_float32() -> None:
+    text = AUSTEN.read_text()[20000:22000]
+    # Prefill chunks of 128 rows: the int8 kernel runs in the prefill too (more rows take the float32 copy).
+    params = SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=0, ignore_eos=True)
+    results = {}
+    for int8 in (False, True):
+        llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=128, int8_activations=int8)
+        ids = llm.engine.tokenizer.encode(text)[:300]
+        (out,) = llm.generate([ids], params, use_tqdm=False)
+        logprobs = torch.tensor([step[t] for step, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)])
+        results[int8] = logprobs, out.outputs[0].token_ids
+    (wide, wide_tokens), (narrow, narrow_tokens) = results[False], results[True]
+    print("int8 vs float32: max |dlogprob|", (narrow - wide).abs().max().item(), "mean", narrow.mean().item(),
+          wide.mean().item(), "tokens", narrow_tokens, wide_tokens)  # fmt: skip
+    assert not torch.equal(narrow, wide)
+    assert narrow.mean().item() == pytest.approx(wide.mean().item(), abs=0.02)
+    assert narrow_tokens[:4] == wide_tokens[:4]
