@@ -524,6 +524,10 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
         )  # fmt: skip
         for kv_dtype in kv_dtypes
     ]
+    if args.int8_activations:  # float32 activations too, as the row the int8 speedup is read against
+        engines.append(
+            lambda: speed.KVServeSpeed(str(model_path), args.dtype, args.weights, max(batch_sizes), device=args.device)
+        )
     if args.batch_invariant:
         engines.append(
             lambda: speed.KVServeSpeed(str(model_path), args.dtype, args.weights, max(batch_sizes), True, args.device)
@@ -608,7 +612,8 @@ def _speed_table(report: dict) -> str:
         "",
         f"`{report['command']}` on {report['date']}: {m['gpu'] + ' (kvserve, transformers), ' if on_gpu else ''}"
         f"{m['cpu']}, {m['nproc']} CPUs, {m['memory_gib']} GiB, "
-        f"torch {m['torch']}, {report['threads']} threads; kvserve {report['dtype']} activations, weights "
+        f"torch {m['torch']}, {report['threads']} threads; kvserve {report['dtype']} activations"
+        f"{' (int8 in the 4-bit projections)' if report.get('int8_activations') else ''}, weights "
         f"`{report['weights']}`.",
     ]
     for name, info in report["peers"].items():

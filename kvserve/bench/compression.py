@@ -131,7 +131,8 @@ def markdown(report: dict) -> str:
     results = report["results"]
     full = results[0]
     lines = [
-        f"# KV policies at a fixed KV memory: {report['model']}, {report['dtype']}",
+        f"# KV policies at a fixed KV memory: {report['model']}, {report['dtype']}"
+        f"{' with int8 activations' if report.get('int8_activations') else ''}",
         "",
         f"`{report['command']}`",
         "",

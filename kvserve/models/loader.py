@@ -93,7 +93,8 @@ def load_model(
     else:
         refusal = _int4_refusal(weights, dtype, device)
         int4_dense = weights == "native" and not batch_invariant
-        model, tokenizer, summary = _load_gguf(path, dtype, progress, refusal, int4_dense, shard)
+        codes_rows = INT8_MAX_ROWS if int8_activations else max_rows(dtype)
+        model, tokenizer, summary = _load_gguf(path, dtype, progress, refusal, int4_dense, codes_rows, shard)
     config = model.config if shard is None else read_model_config(path)
     tokenizer = override.apply(tokenizer, model.config.vocab_size)
     quantised = any(isinstance(m, (QuantLinear, QuantEmbedding, Q8Linear)) for m in model.modules())
@@ -105,7 +106,7 @@ def load_model(
         summary += "; batch-invariant: one kernel for every row count"
     if int8_activations:
         switched = use_int8_activations(model)
-        summary += f"; int8 activations in the {switched} 4-bit projections, which take up to {INT8_MAX_ROWS} rows"
+        summary += f"; int8 activations in the {switched} 4-bit projections"
     get_logger().info("loaded %s: %s, weights %s (%s)", path.name, _dtype_name(dtype), mode, summary)
     if shard is not None:
         summary += f"; tensor-parallel rank {shard.rank} of {shard.size}"
@@ -135,6 +136,7 @@ def _load_gguf(
     progress: Progress | None,
     int4_refusal: str | None,
     int4_dense: bool,
+    codes_rows: int,
     shard: TensorShard | None,
 ) -> tuple[LlamaForCausalLM, Tokenizer, str]:
     reader = gguf_file.open_gguf(path)
@@ -159,7 +161,7 @@ def _load_gguf(
     if isinstance(model._modules.get("lm_head"), Q8Linear):
         summary += "; tied head reads the Q8_0 codes"
     if ran_int4 and int4_dense:
-        summary += f"; int4 for batches of up to {max_rows(dtype)} rows, a {_dtype_name(dtype)} copy above"
+        summary += f"; int4 for batches of up to {codes_rows} rows, a {_dtype_name(dtype)} copy above"
     return model, tokenizer, summary + refused
 
 
