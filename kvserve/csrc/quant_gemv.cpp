@@ -250,8 +250,7 @@ inline void q4q8_row(const uint8_t* nibbles, const float* consts, int64_t groups
 }
 
 // y[m, o] for every output o and row m: weight rows split over threads, input rows in tiles of up to
-// ROW_TILE; row(o, m, tile) gets the tile's size as a compile-time constant (std::integral_constant). A block
-// of OUT_GRAIN weight rows meets every tile in turn, so both stay in L1 however many rows there are.
+// ROW_TILE; row(o, m, tile) gets the tile's size as a compile-time constant (std::integral_constant).
 template <typename RowFn>
 void for_rows(int64_t rows, int64_t n, const RowFn& row) {
   at::parallel_for(0, n, OUT_GRAIN, [&](int64_t begin, int64_t end) {

@@ -50,7 +50,8 @@ INT4_MAX_ROWS = 3
 FLOAT32_MAX_ROWS = 16
 FLOAT32_HEAD_MAX_ROWS = 32
 # With activations rounded to int8 (``q4_linear_q8``, int8_activations.py) the codes beat the dense float32 matmul
-# up to ~128 rows (SmolLM2's 30 layers, 2 threads, AMD EPYC: 1.4x at 64 rows, 1.05-1.45x at 128).
+# up to ~128 rows (SmolLM2's layers, 2 threads, AMD EPYC, benchmarks/int8-activations: 1.85x at 32 rows, 1.53x
+# at 64, 1.23x at 128).
 INT8_MAX_ROWS = 128
 
 
