@@ -95,6 +95,14 @@ SCHEMA = "<schema name='s'><module name='m'>text</module></schema>"
             "kv_pool_limit evicts by InfiniGen's selection counts",
         ),
         (["generate", "--batch-invariant", "--kv-policy", "h2o", "hi"], "it needs kv_policy='full'"),
+        (
+            ["generate", "--int8-activations", "--dtype", "bfloat16", "hi"],
+            "int8_activations rounds float32 activations; this engine runs bfloat16: set dtype='float32'",
+        ),
+        (
+            ["serve", "--int8-activations", "--dtype", "float32", "--weights", "dequant"],
+            "it needs weights='native' or 'int4', got 'dequant'",
+        ),
         (["generate", "--pml-prompt", "<prompt schema='s'/>"], "--pml-prompt needs the schema"),
         (["generate", "--temperature", "-1", "hi"], "temperature must be >= 0"),
         (["generate", "--top-p", "2", "hi"], "top_p"),
