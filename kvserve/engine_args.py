@@ -272,7 +272,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         preemption_mode=args.preemption_mode, max_model_len=args.max_model_len,
         prefill_parallel=args.prefill_parallel, prefill_partition=args.prefill_partition,
-        batch_invariant=args.batch_invariant, int8_activations=args.int8_activations,
+        batch_invariant=args.batch_invariant, int8_activations=getattr(args, "int8_activations", False),
         **kv_policy_options(args), **prompt_cache_options(args),
         **tensor_parallel_options(args),
     )  # fmt: skip

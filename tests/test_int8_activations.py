@@ -147,6 +147,19 @@ def test_models_and_configurations_it_cannot_run(tiny_gguf, tmp_path) -> None:
         LLMEngine(config, load_model(path, torch.float32))
 
 
+def test_the_command_line_flag_reaches_the_engine_config() -> None:
+    import argparse
+
+    from kvserve.cli import add_model_args
+    from kvserve.engine_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args(["--dtype", "float32", "--int8-activations"])).int8_activations
+    assert not engine_config_from_args(parser.parse_args(["--dtype", "float32"])).int8_activations
+
+
 @pytest.mark.real_model
 def test_real_model_likelihood_and_greedy_tokens_stay_close_to_float32() -> None:
     text = AUSTEN.read_text()[20000:22000]
