@@ -249,9 +249,9 @@ class QuantLinear(nn.Module):
         rows run on them. False (nothing changes) where this projection does not take float32 activations."""
         if self.act_dtype != torch.float32 or self.int8_activations:
             return False
-        codes = Int4Weight.codes_from_lane_words(self.codes, self.in_features)
+        nibbles = self.int4_weight().nibble_pairs()
         del self.codes
-        self.register_buffer("nibbles", Int4Weight(codes, self.consts[:, 0], self.consts[:, 1]).nibble_pairs())
+        self.register_buffer("nibbles", nibbles)
         self.int8_activations, self.max_rows = True, INT8_MAX_ROWS
         return True
 
