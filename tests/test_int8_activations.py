@@ -77,6 +77,20 @@ def test_kernel_matches_the_written_out_reference_row_by_row(qtype, shape, rows)
     assert 1e-4 < rel_err(got, F.linear(x.double(), weight.dequantize().double())) < 2e-2
 
 
+def test_prefill_sized_batches_on_the_codes_cross_row_blocks_unchanged() -> None:
+    """Without a dense copy (``weights="int4"``) every batch runs the kernel, which takes its rows in blocks of
+    64: 150 rows (two blocks and a remainder of 22) against 35 outputs (pairs and a lone last output per thread)
+    match the reference, and each row equals it computed alone."""
+    torch.set_num_threads(2)
+    module, weight = int8_module(Q.Q4_1, (35, 96), seed=5)
+    x = torch.randn(150, 96, generator=torch.Generator().manual_seed(5))
+    got = module(x)
+    assert rel_err(got, reference(x, weight)) < 1e-5
+    for i in (0, 63, 64, 127, 128, 149):
+        assert torch.equal(module(x[i : i + 1])[0], got[i])
+    assert torch.equal(module(x[60:70]), got[60:70])
+
+
 def test_nibble_pairs_round_trip_and_the_switch_keeps_the_weight() -> None:
     module, weight = int8_module(Q.Q4_1, (40, 96))
     assert module.nibbles.dtype == torch.uint8 and module.nibbles.shape == (40, 64)  # 3 groups padded to 4

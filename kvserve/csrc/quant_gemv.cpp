@@ -41,6 +41,7 @@ namespace {
 constexpr int64_t GROUP = 32;
 constexpr int64_t ROW_TILE = 4;  // input rows that share one decode of the weights
 constexpr int64_t OUT_GRAIN = 16;
+constexpr int64_t ROW_BLOCK = 64;  // input rows a thread runs its outputs over at a time (int8 activations)
 
 // The group sums of x: (M, K / 32), each in a fixed order.
 std::vector<float> group_sums(const float* x, int64_t rows, int64_t k) {
@@ -162,7 +163,7 @@ inline void q8_row(const int8_t* codes, const float* scales, int64_t groups, con
 #endif
 }
 
-// x rows rounded to int8 per group of 32 (see the top), laid out for q4q8_row: per row and pair of groups, 64
+// x rows rounded to int8 per group of 32 (see the top), laid out for q4q8_rows: per row and pair of groups, 64
 // code bytes [g0 x0-15 | g1 x0-15 | g0 x16-31 | g1 x16-31] (what the 4-bit bytes' low and high nibbles decode
 // to), and 16 floats [d0 x4 | d1 x4 | s0 x4 | s1 x4] with s = d * sum_j q_j / 4 (a quarter, exact: the loop
 // adds it in 4 lanes).
@@ -206,46 +207,62 @@ Int8Rows quantize_rows(const float* x, int64_t rows, int64_t k) {
 inline __m256 pair_lanes(float a, float b) { return _mm256_set_m128(_mm_set1_ps(b), _mm_set1_ps(a)); }
 #endif
 
-// One weight row of 4-bit codes as ggml stores them (see the top) against TILE int8 rows (Int8Rows): y[t * ldy].
-template <int TILE>
-inline void q4q8_row(const uint8_t* nibbles, const float* consts, int64_t groups, const int8_t* xq, const float* xf,
-                     int64_t row_bytes, int64_t row_floats, float* y, int64_t ldy) {
+// OUTS weight rows of 4-bit codes as ggml stores them (see the top; row j at nibbles + j * row_nibbles, its
+// constants at consts + j * 2 * groups) against TILE int8 rows (Int8Rows): y[t * ldy + j]. Two weight rows
+// share each load of the inputs, and TILE input rows each decode of the weights. A weight row's output runs
+// the same instructions whatever OUTS and TILE are (one accumulator, the same order), so it never depends on
+// its neighbours or its batch.
+template <int OUTS, int TILE>
+inline void q4q8_rows(const uint8_t* nibbles, int64_t row_nibbles, const float* consts, int64_t groups,
+                      const int8_t* xq, const float* xf, int64_t row_bytes, int64_t row_floats, float* y, int64_t ldy) {
   const int64_t pairs = (groups + 1) / 2;
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 products[TILE], offsets[TILE];  // two dependency chains a row
-  for (int t = 0; t < TILE; ++t) products[t] = offsets[t] = _mm256_setzero_ps();
+  __m256 acc[OUTS][TILE];
+  for (int j = 0; j < OUTS; ++j)
+    for (int t = 0; t < TILE; ++t) acc[j][t] = _mm256_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + p * 32));
-    const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
     const bool both = 2 * p + 1 < groups;  // an odd count's last group has no partner (its lanes: zero)
-    const __m256 scale = pair_lanes(consts[2 * p], both ? consts[2 * p + 1] : 0.f);
-    const __m256 offset = pair_lanes(consts[groups + 2 * p], both ? consts[groups + 2 * p + 1] : 0.f);
+    __m256i lo[OUTS], hi[OUTS];
+    __m256 scale[OUTS], offset[OUTS];
+    for (int j = 0; j < OUTS; ++j) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + j * row_nibbles + p * 32));
+      lo[j] = _mm256_and_si256(bytes, low);
+      hi[j] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+      const float* c = consts + j * 2 * groups;
+      scale[j] = pair_lanes(c[2 * p], both ? c[2 * p + 1] : 0.f);
+      offset[j] = pair_lanes(c[groups + 2 * p], both ? c[groups + 2 * p + 1] : 0.f);
+    }
     for (int t = 0; t < TILE; ++t) {
       const int8_t* xp = xq + t * row_bytes + p * 64;
       const float* fp = xf + t * row_floats + p * 16;
-      const __m256i sums = _mm256_add_epi16(
-          _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp))),
-          _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32))));
-      const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, ones));  // [g0 x4 | g1 x4]
-      products[t] = _mm256_fmadd_ps(dots, _mm256_mul_ps(scale, _mm256_loadu_ps(fp)), products[t]);
-      offsets[t] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(fp + 8), offsets[t]);
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32));
+      const __m256 d = _mm256_loadu_ps(fp), s = _mm256_loadu_ps(fp + 8);
+      for (int j = 0; j < OUTS; ++j) {
+        const __m256i sums = _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], x0), _mm256_maddubs_epi16(hi[j], x1));
+        const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, ones));  // [g0 x4 | g1 x4]
+        acc[j][t] = _mm256_fmadd_ps(offset[j], s, _mm256_fmadd_ps(dots, _mm256_mul_ps(scale[j], d), acc[j][t]));
+      }
     }
   }
-  for (int t = 0; t < TILE; ++t) y[t * ldy] = kvserve_cpu::hsum8(_mm256_add_ps(products[t], offsets[t]));
+  for (int j = 0; j < OUTS; ++j)
+    for (int t = 0; t < TILE; ++t) y[t * ldy + j] = kvserve_cpu::hsum8(acc[j][t]);
 #else
-  for (int t = 0; t < TILE; ++t) {
-    float acc = 0.f;
-    for (int64_t g = 0; g < groups; ++g) {
-      const int8_t* xp = xq + t * row_bytes + g / 2 * 64 + g % 2 * 16;
-      const float* fp = xf + t * row_floats + g / 2 * 16 + g % 2 * 4;
-      int32_t dot = 0;
-      for (int64_t j = 0; j < GROUP; ++j)
-        dot += ((nibbles[g * 16 + j % 16] >> (4 * (j / 16))) & 0xF) * xp[j / 16 * 32 + j % 16];
-      acc += static_cast<float>(dot) * (consts[g] * fp[0]) + 4.f * consts[groups + g] * fp[8];
+  for (int j = 0; j < OUTS; ++j)
+    for (int t = 0; t < TILE; ++t) {
+      const uint8_t* nib = nibbles + j * row_nibbles;
+      const float* c = consts + j * 2 * groups;
+      float total = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int8_t* xp = xq + t * row_bytes + g / 2 * 64 + g % 2 * 16;
+        const float* fp = xf + t * row_floats + g / 2 * 16 + g % 2 * 4;
+        int32_t dot = 0;
+        for (int64_t i = 0; i < GROUP; ++i) dot += ((nib[g * 16 + i % 16] >> (4 * (i / 16))) & 0xF) * xp[i / 16 * 32 + i % 16];
+        total += static_cast<float>(dot) * (c[g] * fp[0]) + 4.f * c[groups + g] * fp[8];
+      }
+      y[t * ldy + j] = total;
     }
-    y[t * ldy] = acc;
-  }
 #endif
 }
 
@@ -261,6 +278,32 @@ void for_rows(int64_t rows, int64_t n, const RowFn& row) {
           case 2: row(o, m, std::integral_constant<int, 2>{}); break;
           case 3: row(o, m, std::integral_constant<int, 3>{}); break;
           default: row(o, m, std::integral_constant<int, ROW_TILE>{}); break;
+        }
+      }
+  });
+}
+
+// for_rows two weight rows at a time (the last of an odd share alone): row(o, m, outs, tile) covers outputs
+// o..o + outs - 1, both counts compile-time constants. A thread takes its outputs ROW_BLOCK input rows at a
+// time, so a prefill chunk's rows stay in the cache while its weights stream past.
+template <typename RowFn>
+void for_row_pairs(int64_t rows, int64_t n, const RowFn& row) {
+  at::parallel_for(0, n, OUT_GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t block = 0; block < rows; block += ROW_BLOCK)
+    for (int64_t o = begin; o < end; o += 2)
+      for (int64_t m = block; m < std::min(rows, block + ROW_BLOCK); m += ROW_TILE) {
+        const bool pair = o + 1 < end;
+        auto run = [&](auto tile) {
+          if (pair)
+            row(o, m, std::integral_constant<int, 2>{}, tile);
+          else
+            row(o, m, std::integral_constant<int, 1>{}, tile);
+        };
+        switch (std::min({ROW_TILE, rows - m, block + ROW_BLOCK - m})) {
+          case 1: run(std::integral_constant<int, 1>{}); break;
+          case 2: run(std::integral_constant<int, 2>{}); break;
+          case 3: run(std::integral_constant<int, 3>{}); break;
+          default: run(std::integral_constant<int, ROW_TILE>{}); break;
         }
       }
   });
@@ -335,9 +378,10 @@ at::Tensor q4_linear_q8(const at::Tensor& x, const at::Tensor& nibbles, const at
   float* yp = y.data_ptr<float>();
   const uint8_t* np = nibbles.data_ptr<uint8_t>();
   const float* kp = consts.data_ptr<float>();
-  for_rows(rows, n, [&](int64_t o, int64_t m, auto tile) {
-    q4q8_row<decltype(tile)::value>(np + o * bytes, kp + o * groups * 2, groups, xq.q.data() + m * xq.row_bytes,
-                                    xq.f.data() + m * xq.row_floats, xq.row_bytes, xq.row_floats, yp + m * n + o, n);
+  for_row_pairs(rows, n, [&](int64_t o, int64_t m, auto outs, auto tile) {
+    q4q8_rows<decltype(outs)::value, decltype(tile)::value>(np + o * bytes, bytes, kp + o * groups * 2, groups,
+                                                            xq.q.data() + m * xq.row_bytes, xq.f.data() + m * xq.row_floats,
+                                                            xq.row_bytes, xq.row_floats, yp + m * n + o, n);
   });
   return y;
 }
