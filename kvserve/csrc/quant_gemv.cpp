@@ -173,6 +173,46 @@ struct Int8Rows {
   int64_t row_bytes = 0, row_floats = 0;
 };
 
+// One group of 32 inputs rounded to int8: inputs 0-15 to lo, 16-31 to hi; its scale d and sum_j q_j. The AVX2
+// path computes what the scalar one does (the same max, the same product, rounding to nearest even).
+inline void quantize_group(const float* xg, int8_t* lo, int8_t* hi, float& d, int32_t& sum) {
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xg + 8 * i);
+  const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  d = amax / 127.f;
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i)
+    q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
+  sum = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1))));
+  // The packs interleave per 128-bit lane: 4-byte runs q0[0-3] q1[0-3] q2[0-3] q3[0-3] | q0[4-7] ...; put back in order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm256_castsi256_si128(ordered));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm256_extracti128_si256(ordered, 1));
+#else
+  float amax = 0.f;
+  for (int64_t j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(xg[j]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  d = amax / 127.f;
+  sum = 0;
+  for (int64_t j = 0; j < GROUP; ++j) {
+    const int32_t q = static_cast<int32_t>(std::nearbyint(xg[j] * inv));
+    (j < 16 ? lo : hi)[j % 16] = static_cast<int8_t>(q);
+    sum += q;
+  }
+#endif
+}
+
 Int8Rows quantize_rows(const float* x, int64_t rows, int64_t k) {
   const int64_t groups = k / GROUP, pairs = (groups + 1) / 2;
   Int8Rows out;
@@ -180,25 +220,20 @@ Int8Rows quantize_rows(const float* x, int64_t rows, int64_t k) {
   out.row_floats = pairs * 16;
   out.q.assign(rows * out.row_bytes, 0);
   out.f.assign(rows * out.row_floats, 0.f);
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* xg = x + m * k + g * GROUP;
-      float amax = 0.f;
-      for (int64_t j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(xg[j]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f, d = amax / 127.f;
-      int8_t* qr = out.q.data() + m * out.row_bytes;
-      float* fr = out.f.data() + m * out.row_floats;
-      int32_t sum = 0;
-      for (int64_t j = 0; j < GROUP; ++j) {
-        const int32_t q = static_cast<int32_t>(std::nearbyint(xg[j] * inv));
-        qr[g / 2 * 64 + j / 16 * 32 + g % 2 * 16 + j % 16] = static_cast<int8_t>(q);
-        sum += q;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t g = 0; g < groups; ++g) {
+        int8_t* qp = out.q.data() + m * out.row_bytes + g / 2 * 64 + g % 2 * 16;
+        float* fp = out.f.data() + m * out.row_floats + g / 2 * 16 + g % 2 * 4;
+        float d;
+        int32_t sum;
+        quantize_group(x + m * k + g * GROUP, qp, qp + 32, d, sum);
+        for (int64_t lane = 0; lane < 4; ++lane) {
+          fp[lane] = d;
+          fp[8 + lane] = d * static_cast<float>(sum) * 0.25f;
+        }
       }
-      for (int64_t lane = 0; lane < 4; ++lane) {
-        fr[g / 2 * 16 + g % 2 * 4 + lane] = d;
-        fr[g / 2 * 16 + 8 + g % 2 * 4 + lane] = d * static_cast<float>(sum) * 0.25f;
-      }
-    }
+  });
   return out;
 }
 
