@@ -61,7 +61,7 @@ def int8_module(qtype: Q, shape: tuple[int, int], seed: int = 0) -> tuple[QuantL
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
-@pytest.mark.parametrize("shape", [(7, 32), (100, 96), (33, 608), (576, 1536)])  # 1, 3, 19 and 48 groups
+@pytest.mark.parametrize("shape", [(8, 32), (104, 96), (40, 608), (576, 1536)])  # 1, 3, 19 and 48 groups
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
 def test_kernel_matches_the_written_out_reference_row_by_row(qtype, shape, rows) -> None:
     torch.set_num_threads(2)  # the outputs split over threads
@@ -79,10 +79,10 @@ def test_kernel_matches_the_written_out_reference_row_by_row(qtype, shape, rows)
 
 def test_prefill_sized_batches_on_the_codes_cross_row_blocks_unchanged() -> None:
     """Without a dense copy (``weights="int4"``) every batch runs the kernel, which takes its rows in blocks of
-    64: 150 rows (two blocks and a remainder of 22) against 35 outputs (pairs and a lone last output per thread)
-    match the reference, and each row equals it computed alone."""
+    64: 150 rows (two blocks and a remainder of 22) against 24 outputs (3 interleaved blocks of 8, split over
+    threads) match the reference, and each row equals it computed alone."""
     torch.set_num_threads(2)
-    module, weight = int8_module(Q.Q4_1, (35, 96), seed=5)
+    module, weight = int8_module(Q.Q4_1, (24, 96), seed=5)
     x = torch.randn(150, 96, generator=torch.Generator().manual_seed(5))
     got = module(x)
     assert rel_err(got, reference(x, weight)) < 1e-5
@@ -91,15 +91,23 @@ def test_prefill_sized_batches_on_the_codes_cross_row_blocks_unchanged() -> None
     assert torch.equal(module(x[60:70]), got[60:70])
 
 
-def test_nibble_pairs_round_trip_and_the_switch_keeps_the_weight() -> None:
+def test_interleaved_layout_round_trips_and_the_switch_keeps_the_weight() -> None:
     module, weight = int8_module(Q.Q4_1, (40, 96))
-    assert module.nibbles.dtype == torch.uint8 and module.nibbles.shape == (40, 64)  # 3 groups padded to 4
-    assert torch.equal(Int4Weight.codes_from_nibble_pairs(module.nibbles, 96), weight.codes)
+    assert module.nibbles.dtype == torch.uint8 and module.nibbles.shape == (40, 48)
+    assert module.consts.shape == (5, 3, 2, 8)  # 5 blocks of 8 rows, 3 groups, scales then offsets
+    # Block 1, group 2, v = 3, row 5, byte 1: input 2 * 32 + 8 * 3 + 1 in the low nibble, + 4 in the high one.
+    byte = module.nibbles.view(5, 3, 4, 8, 4)[1, 2, 3, 5, 1]
+    assert int(byte) == int(weight.codes[13, 89]) | int(weight.codes[13, 93]) << 4
+    assert float(module.consts[1, 2, 1, 5]) == float(weight.offset[13, 2])
+    assert torch.equal(Int4Weight.codes_from_interleaved_nibbles(module.nibbles, 96), weight.codes)
     assert torch.equal(module.int4_weight().dequantize(), weight.dequantize())
     assert not hasattr(module, "codes") and module.max_rows == INT8_MAX_ROWS
     assert not module.round_activations_to_int8()  # once only
     bf16 = QuantLinear(weight, torch.bfloat16)
     assert not bf16.round_activations_to_int8()
+    blocks, _ = blocks_of((36, 96), Q.Q4_1)  # 36 outputs: not whole blocks of 8, so it keeps float32 activations
+    odd = QuantLinear(Int4Weight.from_ggml_blocks(blocks, Q.Q4_1), torch.float32)
+    assert not odd.round_activations_to_int8() and not odd.int8_activations and hasattr(odd, "codes")
 
 
 def test_many_rows_take_the_dense_copy() -> None:

@@ -18,10 +18,13 @@
 // q4_linear_q8 (int8 activations, opt-in: models/int8_activations.py): the 4-bit product with x rounded to int8
 // per row and group of 32 first, q = round(x * 127 / max|x|) with the scale d = max|x| / 127 (llama.cpp's Q8_1).
 // A group's sum_j code_j q_j is an exact integer (AVX2 maddubs: 32 byte products in one instruction against a
-// float FMA's 8) that meets d_w * d_x in float32; the offsets meet d_x * sum_j q_j. The codes are ggml's own
-// 4-bit bytes (nibbles (N, ceil(K/64) * 32) uint8: 16 bytes a group, byte j holding input j in its low nibble
-// and input j + 16 in its high one; a zero group pads an odd count). Lossy against float32 activations
-// (every input keeps 8 bits), batch invariant as above.
+// float FMA's 8) that meets d_w * d_x in float32; the offsets meet d_x * sum_j q_j. The codes are interleaved
+// over blocks of 8 weight rows (ggml's repacked Q4 layout, ``Int4Weight.interleaved_nibbles``): nibbles
+// (N, K / 2) uint8, N a multiple of 8, block b's bytes ordered [group][v = 0..3][row r][byte i], byte i holding
+// the code of the group's input 8v + i in its low nibble and of input 8v + 4 + i in its high one; consts
+// (N / 8, K / 32, 2, 8) float32: per block and group its rows' 8 scales, then their 8 offsets. So one vector
+// of products covers 8 outputs and needs no horizontal sum. Lossy against float32 activations (every input keeps
+// 8 bits), batch invariant as above.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -41,7 +45,8 @@ namespace {
 constexpr int64_t GROUP = 32;
 constexpr int64_t ROW_TILE = 4;  // input rows that share one decode of the weights
 constexpr int64_t OUT_GRAIN = 16;
-constexpr int64_t ROW_BLOCK = 64;  // input rows a thread runs its outputs over at a time (int8 activations)
+constexpr int64_t ROW_BLOCK = 64;  // int8 activations: input rows a thread runs its outputs over at a time
+constexpr int64_t OUT_BLOCK = 8;   // int8 activations: weight rows interleaved in one block
 
 // The group sums of x: (M, K / 32), each in a fixed order.
 std::vector<float> group_sums(const float* x, int64_t rows, int64_t k) {
@@ -163,19 +168,16 @@ inline void q8_row(const int8_t* codes, const float* scales, int64_t groups, con
 #endif
 }
 
-// x rows rounded to int8 per group of 32 (see the top), laid out for q4q8_rows: per row and pair of groups, 64
-// code bytes [g0 x0-15 | g1 x0-15 | g0 x16-31 | g1 x16-31] (what the 4-bit bytes' low and high nibbles decode
-// to), and 16 floats [d0 x4 | d1 x4 | s0 x4 | s1 x4] with s = d * sum_j q_j / 4 (a quarter, exact: the loop
-// adds it in 4 lanes).
+// x rows rounded to int8 per group of 32 (see the top): q (M, K) int8 in input order, and per row and group two
+// floats [d, s] with s = d * sum_j q_j (what the offsets meet).
 struct Int8Rows {
-  std::vector<int8_t> q;  // (M, row_bytes)
-  std::vector<float> f;   // (M, row_floats)
-  int64_t row_bytes = 0, row_floats = 0;
+  std::vector<int8_t> q;  // (M, K)
+  std::vector<float> f;   // (M, 2 * K / 32)
 };
 
-// One group of 32 inputs rounded to int8: inputs 0-15 to lo, 16-31 to hi; its scale d and sum_j q_j. The AVX2
-// path computes what the scalar one does (the same max, the same product, rounding to nearest even).
-inline void quantize_group(const float* xg, int8_t* lo, int8_t* hi, float& d, int32_t& sum) {
+// One group of 32 inputs rounded to int8 (q: 32 bytes in input order); its scale d and sum_j q_j. The AVX2 path
+// computes what the scalar one does (the same max, the same product, rounding to nearest even).
+inline void quantize_group(const float* xg, int8_t* q, float& d, int32_t& sum) {
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4];
@@ -187,18 +189,17 @@ inline void quantize_group(const float* xg, int8_t* lo, int8_t* hi, float& d, in
   const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
   const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
   d = amax / 127.f;
-  __m256i q[4];
+  __m256i r[4];
   for (int i = 0; i < 4; ++i)
-    q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    r[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
   __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
   t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
   sum = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1))));
-  // The packs interleave per 128-bit lane: 4-byte runs q0[0-3] q1[0-3] q2[0-3] q3[0-3] | q0[4-7] ...; put back in order.
-  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-  const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm256_castsi256_si128(ordered));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm256_extracti128_si256(ordered, 1));
+  // The packs interleave per 128-bit lane: 4-byte runs r0[0-3] r1[0-3] r2[0-3] r3[0-3] | r0[4-7] ...; put back in order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 #else
   float amax = 0.f;
   for (int64_t j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(xg[j]));
@@ -206,97 +207,83 @@ inline void quantize_group(const float* xg, int8_t* lo, int8_t* hi, float& d, in
   d = amax / 127.f;
   sum = 0;
   for (int64_t j = 0; j < GROUP; ++j) {
-    const int32_t q = static_cast<int32_t>(std::nearbyint(xg[j] * inv));
-    (j < 16 ? lo : hi)[j % 16] = static_cast<int8_t>(q);
-    sum += q;
+    q[j] = static_cast<int8_t>(std::nearbyint(xg[j] * inv));
+    sum += q[j];
   }
 #endif
 }
 
 Int8Rows quantize_rows(const float* x, int64_t rows, int64_t k) {
-  const int64_t groups = k / GROUP, pairs = (groups + 1) / 2;
+  const int64_t groups = k / GROUP;
   Int8Rows out;
-  out.row_bytes = pairs * 2 * GROUP;
-  out.row_floats = pairs * 16;
-  out.q.assign(rows * out.row_bytes, 0);
-  out.f.assign(rows * out.row_floats, 0.f);
+  out.q.resize(rows * k);
+  out.f.resize(rows * 2 * groups);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t g = 0; g < groups; ++g) {
-        int8_t* qp = out.q.data() + m * out.row_bytes + g / 2 * 64 + g % 2 * 16;
-        float* fp = out.f.data() + m * out.row_floats + g / 2 * 16 + g % 2 * 4;
-        float d;
+        float* f = out.f.data() + (m * groups + g) * 2;
         int32_t sum;
-        quantize_group(x + m * k + g * GROUP, qp, qp + 32, d, sum);
-        for (int64_t lane = 0; lane < 4; ++lane) {
-          fp[lane] = d;
-          fp[8 + lane] = d * static_cast<float>(sum) * 0.25f;
-        }
+        quantize_group(x + m * k + g * GROUP, out.q.data() + m * k + g * GROUP, f[0], sum);
+        f[1] = f[0] * static_cast<float>(sum);
       }
   });
   return out;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// [a x4 | b x4]: a pair of groups' constants in the lanes their dot products land in.
-inline __m256 pair_lanes(float a, float b) { return _mm256_set_m128(_mm_set1_ps(b), _mm_set1_ps(a)); }
-#endif
-
-// OUTS weight rows of 4-bit codes as ggml stores them (see the top; row j at nibbles + j * row_nibbles, its
-// constants at consts + j * 2 * groups) against TILE int8 rows (Int8Rows): y[t * ldy + j]. Two weight rows
-// share each load of the inputs, and TILE input rows each decode of the weights. A weight row's output runs
-// the same instructions whatever OUTS and TILE are (one accumulator, the same order), so it never depends on
-// its neighbours or its batch.
-template <int OUTS, int TILE>
-inline void q4q8_rows(const uint8_t* nibbles, int64_t row_nibbles, const float* consts, int64_t groups,
-                      const int8_t* xq, const float* xf, int64_t row_bytes, int64_t row_floats, float* y, int64_t ldy) {
-  const int64_t pairs = (groups + 1) / 2;
+// A block of OUT_BLOCK weight rows (see the top: per group 4 vectors of 32 bytes, vector v holding 4 bytes of
+// each row, byte i = input 8v + i in its low nibble and 8v + 4 + i in its high one; consts per group [8 scales |
+// 8 offsets]) against TILE int8 rows: y[t * ldy + r] for the block's rows r. One maddubs multiplies 4 inputs of
+// one row by the codes of 8 outputs; a group's 8 maddubs results add up in 16 bits (at most 8 * 2 * 15 * 127 =
+// 30,480), so one madd and one conversion give the group's 8 dot products. Every output is one lane through the
+// same instructions whatever TILE is: a row's result does not depend on its batch.
+template <int TILE>
+inline void q4q8_block(const uint8_t* codes, const float* consts, int64_t groups, const int8_t* xq, const float* xf,
+                       int64_t k, float* y, int64_t ldy) {
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 acc[OUTS][TILE];
-  for (int j = 0; j < OUTS; ++j)
-    for (int t = 0; t < TILE; ++t) acc[j][t] = _mm256_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    const bool both = 2 * p + 1 < groups;  // an odd count's last group has no partner (its lanes: zero)
-    __m256i lo[OUTS], hi[OUTS];
-    __m256 scale[OUTS], offset[OUTS];
-    for (int j = 0; j < OUTS; ++j) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + j * row_nibbles + p * 32));
-      lo[j] = _mm256_and_si256(bytes, low);
-      hi[j] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-      const float* c = consts + j * 2 * groups;
-      scale[j] = pair_lanes(c[2 * p], both ? c[2 * p + 1] : 0.f);
-      offset[j] = pair_lanes(c[groups + 2 * p], both ? c[groups + 2 * p + 1] : 0.f);
+  __m256 acc[TILE];
+  for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i lo[4], hi[4];
+    for (int v = 0; v < 4; ++v) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + g * 128 + v * 32));
+      lo[v] = _mm256_and_si256(bytes, low);
+      hi[v] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
     }
+    const __m256 scale = _mm256_loadu_ps(consts + g * 16), offset = _mm256_loadu_ps(consts + g * 16 + 8);
     for (int t = 0; t < TILE; ++t) {
-      const int8_t* xp = xq + t * row_bytes + p * 64;
-      const float* fp = xf + t * row_floats + p * 16;
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32));
-      const __m256 d = _mm256_loadu_ps(fp), s = _mm256_loadu_ps(fp + 8);
-      for (int j = 0; j < OUTS; ++j) {
-        const __m256i sums = _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], x0), _mm256_maddubs_epi16(hi[j], x1));
-        const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, ones));  // [g0 x4 | g1 x4]
-        acc[j][t] = _mm256_fmadd_ps(offset[j], s, _mm256_fmadd_ps(dots, _mm256_mul_ps(scale[j], d), acc[j][t]));
+      const int8_t* xg = xq + t * k + g * GROUP;
+      __m256i sums = _mm256_setzero_si256();
+      for (int v = 0; v < 4; ++v) {
+        int32_t first, second;  // inputs 8v..8v+3 and 8v+4..8v+7, broadcast to every row's 4 bytes
+        std::memcpy(&first, xg + 8 * v, 4);
+        std::memcpy(&second, xg + 8 * v + 4, 4);
+        sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(lo[v], _mm256_set1_epi32(first)));
+        sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(hi[v], _mm256_set1_epi32(second)));
       }
+      const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, ones));  // the group's 8 dot products
+      const float* f = xf + (t * groups + g) * 2;
+      acc[t] = _mm256_fmadd_ps(offset, _mm256_set1_ps(f[1]),
+                               _mm256_fmadd_ps(dots, _mm256_mul_ps(scale, _mm256_set1_ps(f[0])), acc[t]));
     }
   }
-  for (int j = 0; j < OUTS; ++j)
-    for (int t = 0; t < TILE; ++t) y[t * ldy + j] = kvserve_cpu::hsum8(acc[j][t]);
+  for (int t = 0; t < TILE; ++t) _mm256_storeu_ps(y + t * ldy, acc[t]);
 #else
-  for (int j = 0; j < OUTS; ++j)
-    for (int t = 0; t < TILE; ++t) {
-      const uint8_t* nib = nibbles + j * row_nibbles;
-      const float* c = consts + j * 2 * groups;
+  for (int t = 0; t < TILE; ++t)
+    for (int64_t r = 0; r < OUT_BLOCK; ++r) {
       float total = 0.f;
       for (int64_t g = 0; g < groups; ++g) {
-        const int8_t* xp = xq + t * row_bytes + g / 2 * 64 + g % 2 * 16;
-        const float* fp = xf + t * row_floats + g / 2 * 16 + g % 2 * 4;
+        const int8_t* xg = xq + t * k + g * GROUP;
+        const float* f = xf + (t * groups + g) * 2;
         int32_t dot = 0;
-        for (int64_t i = 0; i < GROUP; ++i) dot += ((nib[g * 16 + i % 16] >> (4 * (i / 16))) & 0xF) * xp[i / 16 * 32 + i % 16];
-        total += static_cast<float>(dot) * (c[g] * fp[0]) + 4.f * c[groups + g] * fp[8];
+        for (int64_t v = 0; v < 4; ++v)
+          for (int64_t i = 0; i < 4; ++i) {
+            const uint8_t byte = codes[g * 128 + v * 32 + r * 4 + i];
+            dot += (byte & 0xF) * xg[8 * v + i] + (byte >> 4) * xg[8 * v + 4 + i];
+          }
+        total += static_cast<float>(dot) * (consts[g * 16 + r] * f[0]) + consts[g * 16 + 8 + r] * f[1];
       }
-      y[t * ldy + j] = total;
+      y[t * ldy + r] = total;
     }
 #endif
 }
@@ -313,32 +300,6 @@ void for_rows(int64_t rows, int64_t n, const RowFn& row) {
           case 2: row(o, m, std::integral_constant<int, 2>{}); break;
           case 3: row(o, m, std::integral_constant<int, 3>{}); break;
           default: row(o, m, std::integral_constant<int, ROW_TILE>{}); break;
-        }
-      }
-  });
-}
-
-// for_rows two weight rows at a time (the last of an odd share alone): row(o, m, outs, tile) covers outputs
-// o..o + outs - 1, both counts compile-time constants. A thread takes its outputs ROW_BLOCK input rows at a
-// time, so a prefill chunk's rows stay in the cache while its weights stream past.
-template <typename RowFn>
-void for_row_pairs(int64_t rows, int64_t n, const RowFn& row) {
-  at::parallel_for(0, n, OUT_GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t block = 0; block < rows; block += ROW_BLOCK)
-    for (int64_t o = begin; o < end; o += 2)
-      for (int64_t m = block; m < std::min(rows, block + ROW_BLOCK); m += ROW_TILE) {
-        const bool pair = o + 1 < end;
-        auto run = [&](auto tile) {
-          if (pair)
-            row(o, m, std::integral_constant<int, 2>{}, tile);
-          else
-            row(o, m, std::integral_constant<int, 1>{}, tile);
-        };
-        switch (std::min({ROW_TILE, rows - m, block + ROW_BLOCK - m})) {
-          case 1: run(std::integral_constant<int, 1>{}); break;
-          case 2: run(std::integral_constant<int, 2>{}); break;
-          case 3: run(std::integral_constant<int, 3>{}); break;
-          default: run(std::integral_constant<int, ROW_TILE>{}); break;
         }
       }
   });
@@ -400,23 +361,37 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 
 at::Tensor q4_linear_q8(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& consts) {
   check_input("q4_linear_q8", x);
-  const int64_t rows = x.size(0), k = x.size(1), n = nibbles.size(0), groups = k / GROUP, bytes = (groups + 1) / 2 * 32;
-  TORCH_CHECK(nibbles.dim() == 2 && nibbles.scalar_type() == at::kByte && nibbles.size(1) == bytes &&
-                  nibbles.is_contiguous(),
-              "q4_linear_q8: nibbles must be contiguous uint8 (N, ", bytes, "), got ", nibbles.sizes(), " ",
-              nibbles.scalar_type());
+  const int64_t rows = x.size(0), k = x.size(1), n = nibbles.size(0), groups = k / GROUP, blocks = n / OUT_BLOCK;
+  TORCH_CHECK(nibbles.dim() == 2 && nibbles.scalar_type() == at::kByte && nibbles.size(1) == k / 2 &&
+                  n % OUT_BLOCK == 0 && nibbles.is_contiguous(),
+              "q4_linear_q8: nibbles must be contiguous uint8 (N, ", k / 2, ") with N a multiple of ", OUT_BLOCK,
+              ", got ", nibbles.sizes(), " ", nibbles.scalar_type());
   TORCH_CHECK(consts.scalar_type() == at::kFloat && consts.is_contiguous() && consts.numel() == n * groups * 2,
-              "q4_linear_q8: consts must be contiguous float32 (N, 2, ", groups, ") with N = ", n);
+              "q4_linear_q8: consts must be contiguous float32 (N / 8, ", groups, ", 2, 8) with N = ", n);
   const at::Tensor xc = x.contiguous();
   const Int8Rows xq = quantize_rows(xc.data_ptr<float>(), rows, k);
   auto y = at::empty({rows, n}, x.options());
   float* yp = y.data_ptr<float>();
   const uint8_t* np = nibbles.data_ptr<uint8_t>();
   const float* kp = consts.data_ptr<float>();
-  for_row_pairs(rows, n, [&](int64_t o, int64_t m, auto outs, auto tile) {
-    q4q8_rows<decltype(outs)::value, decltype(tile)::value>(np + o * bytes, bytes, kp + o * groups * 2, groups,
-                                                            xq.q.data() + m * xq.row_bytes, xq.f.data() + m * xq.row_floats,
-                                                            xq.row_bytes, xq.row_floats, yp + m * n + o, n);
+  // Blocks of outputs split over threads; a thread takes its blocks ROW_BLOCK input rows at a time, so a
+  // prefill chunk's rows stay in the cache while the weights stream past.
+  at::parallel_for(0, blocks, OUT_GRAIN / OUT_BLOCK, [&](int64_t begin, int64_t end) {
+    for (int64_t first = 0; first < rows; first += ROW_BLOCK)
+      for (int64_t b = begin; b < end; ++b)
+        for (int64_t m = first; m < std::min(rows, first + ROW_BLOCK); m += ROW_TILE) {
+          auto run = [&](auto tile) {
+            q4q8_block<decltype(tile)::value>(np + b * OUT_BLOCK * k / 2, kp + b * OUT_BLOCK * groups * 2, groups,
+                                              xq.q.data() + m * k, xq.f.data() + m * groups * 2, k,
+                                              yp + m * n + b * OUT_BLOCK, n);
+          };
+          switch (std::min({ROW_TILE, rows - m, first + ROW_BLOCK - m})) {
+            case 1: run(std::integral_constant<int, 1>{}); break;
+            case 2: run(std::integral_constant<int, 2>{}); break;
+            case 3: run(std::integral_constant<int, 3>{}); break;
+            default: run(std::integral_constant<int, ROW_TILE>{}); break;
+          }
+        }
   });
   return y;
 }

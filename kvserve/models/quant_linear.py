@@ -53,6 +53,8 @@ FLOAT32_HEAD_MAX_ROWS = 32
 # up to ~128 rows (SmolLM2's layers, 2 threads, AMD EPYC, benchmarks/int8-activations: 1.85x at 32 rows, 1.53x
 # at 64, 1.23x at 128).
 INT8_MAX_ROWS = 128
+# ...and its codes interleave blocks of this many output rows (a projection with another count keeps float32).
+INT8_OUT_BLOCK = 8
 
 
 def max_rows(dtype: torch.dtype, head: bool = False) -> int:
@@ -111,22 +113,28 @@ class Int4Weight:
         words = torch.where(words >= 2**31, words - 2**32, words)  # the same 32 bits as a signed int32
         return words.to(torch.int32).reshape(n, -1).contiguous()
 
-    def nibble_pairs(self) -> torch.Tensor:
-        """(N, ceil(K / 64) * 32) uint8, ggml's own 4-bit bytes (per group 16: byte j holds the code of input j in
-        its low nibble, of input j + 16 in its high one), a zero group after an odd count: ``q4_linear_q8``'s codes."""
+    def interleaved_nibbles(self) -> torch.Tensor:
+        """``q4_linear_q8``'s codes: (N, K / 2) uint8, N a multiple of ``INT8_OUT_BLOCK``, the rows interleaved per
+        block of 8 (ggml's repacked layout): a block's bytes run [group][v = 0..3][row r][byte i], byte i holding
+        the code of the group's input 8v + i in its low nibble and of input 8v + 4 + i in its high one."""
         n, k = self.shape
-        halves = self.codes.reshape(n, k // GROUP_SIZE, 2, GROUP_SIZE // 2)
-        groups = halves[:, :, 0] | (halves[:, :, 1] << 4)  # (N, groups, 16)
-        if groups.shape[1] % 2:
-            groups = torch.cat((groups, torch.zeros(n, 1, GROUP_SIZE // 2, dtype=torch.uint8)), dim=1)
-        return groups.reshape(n, -1).contiguous()
+        c = self.codes.reshape(n // INT8_OUT_BLOCK, INT8_OUT_BLOCK, k // GROUP_SIZE, 4, 2, 4)  # (b, r, g, v, half, i)
+        pairs = c[..., 0, :] | (c[..., 1, :] << 4)  # (b, r, g, v, i)
+        return pairs.permute(0, 2, 3, 1, 4).reshape(n, k // 2).contiguous()
 
     @staticmethod
-    def codes_from_nibble_pairs(nibbles: torch.Tensor, k: int) -> torch.Tensor:
-        """The inverse of ``nibble_pairs``: (N, K) uint8 codes."""
+    def codes_from_interleaved_nibbles(nibbles: torch.Tensor, k: int) -> torch.Tensor:
+        """The inverse of ``interleaved_nibbles``: (N, K) uint8 codes."""
         n = nibbles.shape[0]
-        groups = nibbles.reshape(n, -1, GROUP_SIZE // 2)[:, : k // GROUP_SIZE]
-        return torch.cat((groups & 0x0F, groups >> 4), dim=-1).reshape(n, k)
+        pairs = nibbles.reshape(n // INT8_OUT_BLOCK, k // GROUP_SIZE, 4, INT8_OUT_BLOCK, 4).permute(0, 3, 1, 2, 4)
+        return torch.stack((pairs & 0x0F, pairs >> 4), dim=-2).reshape(n, k)
+
+    def interleaved_consts(self) -> torch.Tensor:
+        """``q4_linear_q8``'s group constants: (N / 8, K / 32, 2, 8) float32, per block of 8 rows and group the
+        rows' scales, then their offsets."""
+        n, groups = self.scale.shape
+        both = torch.stack((self.scale, self.offset), dim=1).float()  # (N, 2, G)
+        return both.reshape(n // INT8_OUT_BLOCK, INT8_OUT_BLOCK, 2, groups).permute(0, 3, 2, 1).contiguous()
 
     @staticmethod
     def codes_from_lane_words(words: torch.Tensor, k: int) -> torch.Tensor:
@@ -245,13 +253,15 @@ class QuantLinear(nn.Module):
 
     def round_activations_to_int8(self) -> bool:
         """Run the products on codes with float32 activations rounded to int8 (``q4_linear_q8``; see
-        ``int8_activations.py``): the codes become ggml's nibble bytes, and batches of up to ``INT8_MAX_ROWS``
-        rows run on them. False (nothing changes) where this projection does not take float32 activations."""
-        if self.act_dtype != torch.float32 or self.int8_activations:
+        ``int8_activations.py``): the codes and constants are interleaved per block of 8 rows (``interleaved_nibbles``),
+        and batches of up to ``INT8_MAX_ROWS`` rows run on them. False (nothing changes) where this projection does
+        not take float32 activations, or its output count is not a multiple of ``INT8_OUT_BLOCK``."""
+        if self.act_dtype != torch.float32 or self.int8_activations or self.out_features % INT8_OUT_BLOCK:
             return False
-        nibbles = self.int4_weight().nibble_pairs()
+        weight = self.int4_weight()
         del self.codes
-        self.register_buffer("nibbles", nibbles)
+        self.register_buffer("nibbles", weight.interleaved_nibbles())
+        self.register_buffer("consts", weight.interleaved_consts())
         self.int8_activations, self.max_rows = True, INT8_MAX_ROWS
         return True
 
@@ -262,7 +272,7 @@ class QuantLinear(nn.Module):
     @property
     def kernel_codes(self) -> torch.Tensor:
         """The codes as the float32 kernel reads them: int32 lane words (``q4_linear``) or, with int8
-        activations, uint8 nibble bytes (``q4_linear_q8``)."""
+        activations, interleaved uint8 nibbles (``q4_linear_q8``)."""
         return self.nibbles if self.int8_activations else self.codes
 
     def code_tensors(self) -> list[torch.Tensor]:
@@ -294,10 +304,11 @@ class QuantLinear(nn.Module):
     def int4_weight(self) -> Int4Weight:
         """The float32 kernels' weight as codes and group constants."""
         if self.int8_activations:
-            codes = Int4Weight.codes_from_nibble_pairs(self.nibbles, self.in_features)
+            codes = Int4Weight.codes_from_interleaved_nibbles(self.nibbles, self.in_features)
+            consts = self.consts.permute(0, 3, 2, 1).reshape(self.out_features, 2, -1)  # back to (N, 2, G)
         else:
-            codes = Int4Weight.codes_from_lane_words(self.codes, self.in_features)
-        return Int4Weight(codes, self.consts[:, 0], self.consts[:, 1])
+            codes, consts = Int4Weight.codes_from_lane_words(self.codes, self.in_features), self.consts
+        return Int4Weight(codes, consts[:, 0], consts[:, 1])
 
     def extra_repr(self) -> str:
         has_dense = self.dense is not None or self.dense_packed is not None
