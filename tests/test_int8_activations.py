@@ -22,7 +22,7 @@ from kvserve.eval.data import AUSTEN
 from kvserve.llm import LLM
 from kvserve.models.decode_chain import DecodeChain
 from kvserve.models.loader import load_model
-from kvserve.models.quant_linear import INT8_MAX_ROWS, Int4Weight, QuantLinear
+from kvserve.models.quant_linear import Int4Weight, QuantLinear
 from kvserve.sampling_params import SamplingParams
 from tests.test_decode_chain import assert_the_chain_changes_nothing, run_steps
 from tests.test_gguf_loader import checkpoint, write_gguf
@@ -101,7 +101,7 @@ def test_interleaved_layout_round_trips_and_the_switch_keeps_the_weight() -> Non
     assert float(module.consts[1, 2, 1, 5]) == float(weight.offset[13, 2])
     assert torch.equal(Int4Weight.codes_from_interleaved_nibbles(module.nibbles, 96), weight.codes)
     assert torch.equal(module.int4_weight().dequantize(), weight.dequantize())
-    assert not hasattr(module, "codes") and module.max_rows == INT8_MAX_ROWS
+    assert not hasattr(module, "codes")
     assert not module.round_activations_to_int8()  # once only
     bf16 = QuantLinear(weight, torch.bfloat16)
     assert not bf16.round_activations_to_int8()
@@ -110,13 +110,17 @@ def test_interleaved_layout_round_trips_and_the_switch_keeps_the_weight() -> Non
     assert not odd.round_activations_to_int8() and not odd.int8_activations and hasattr(odd, "codes")
 
 
-def test_many_rows_take_the_dense_copy() -> None:
+def test_the_switch_drops_the_dense_copy_and_every_batch_runs_the_codes() -> None:
     blocks, w = blocks_of((48, 64), Q.Q4_1)
-    module = QuantLinear(Int4Weight.from_ggml_blocks(blocks, Q.Q4_1), torch.float32, dense=w)
+    weight = Int4Weight.from_ggml_blocks(blocks, Q.Q4_1)
+    module = QuantLinear(weight, torch.float32, dense=w)
+    many = torch.randn(300, 64)
+    assert torch.equal(module(many), F.linear(many, w))  # float32: the dense copy above 16 rows
     module.round_activations_to_int8()
-    many = torch.randn(INT8_MAX_ROWS + 1, 64)
-    assert torch.equal(module(many), F.linear(many, w))
-    assert not torch.equal(module(many[:INT8_MAX_ROWS]), F.linear(many[:INT8_MAX_ROWS], w))
+    assert module.dense is None and module.dense_packed is None
+    got = module(many)
+    assert rel_err(got, reference(many, weight)) < 1e-5
+    assert torch.equal(module(many[:1])[0], got[0])
 
 
 def test_the_op_names_bad_codes() -> None:
@@ -185,11 +189,10 @@ def test_the_command_line_flag_reaches_the_engine_config() -> None:
 @pytest.mark.real_model
 def test_real_model_likelihood_and_greedy_tokens_stay_close_to_float32() -> None:
     text = AUSTEN.read_text()[20000:22000]
-    # Prefill chunks of 128 rows: the int8 kernel runs in the prefill too (more rows take the float32 copy).
     params = SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=0, ignore_eos=True)
     results = {}
     for int8 in (False, True):
-        llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=128, int8_activations=int8)
+        llm = LLM(dtype="float32", kv_cache_memory="64MiB", int8_activations=int8)
         ids = llm.engine.tokenizer.encode(text)[:300]
         (out,) = llm.generate([ids], params, use_tqdm=False)
         logprobs = torch.tensor([step[t] for step, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)])

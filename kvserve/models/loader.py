@@ -19,7 +19,7 @@ from kvserve.models.catalog import resolve_model_path
 from kvserve.models.config import ModelConfig
 from kvserve.models.int8_activations import use_int8_activations
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.quant_linear import INT8_MAX_ROWS, Q8Linear, QuantEmbedding, QuantLinear, max_rows
+from kvserve.models.quant_linear import Q8Linear, QuantEmbedding, QuantLinear, max_rows
 from kvserve.models.sharding import TensorShard, check_shardable, shard_config, shard_sources
 from kvserve.models.tokenizer_override import TokenizerOverride
 from kvserve.models.weights import build_model
@@ -78,8 +78,8 @@ def load_model(
     replace the model's own; both are read, and the template compiled, before the weights load.
     ``shard`` loads one tensor-parallel rank's share of every layer (``models/sharding.py``).
     ``int8_activations`` rounds the float32 activations of the 4-bit projections to int8
-    (``models/int8_activations.py``; lossy, faster for batches of a few to ~128 rows); a model without such
-    projections is refused.
+    (``models/int8_activations.py``; lossy, faster than float32 at every batch size, so no dense copy of them is
+    made); a model without such projections is refused.
     """
     if weights not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
@@ -92,9 +92,9 @@ def load_model(
         summary = f"safetensors weights as {_dtype_name(dtype)}"
     else:
         refusal = _int4_refusal(weights, dtype, device)
-        int4_dense = weights == "native" and not batch_invariant
-        codes_rows = INT8_MAX_ROWS if int8_activations else max_rows(dtype)
-        model, tokenizer, summary = _load_gguf(path, dtype, progress, refusal, int4_dense, codes_rows, shard)
+        # With int8 activations the codes beat a dense copy at every batch size: none is made.
+        int4_dense = weights == "native" and not batch_invariant and not int8_activations
+        model, tokenizer, summary = _load_gguf(path, dtype, progress, refusal, int4_dense, max_rows(dtype), shard)
     config = model.config if shard is None else read_model_config(path)
     tokenizer = override.apply(tokenizer, model.config.vocab_size)
     quantised = any(isinstance(m, (QuantLinear, QuantEmbedding, Q8Linear)) for m in model.modules())

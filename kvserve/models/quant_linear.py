@@ -20,6 +20,7 @@ the kernels' own.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -50,10 +51,9 @@ INT4_MAX_ROWS = 3
 FLOAT32_MAX_ROWS = 16
 FLOAT32_HEAD_MAX_ROWS = 32
 # With activations rounded to int8 (``q4_linear_q8``, int8_activations.py) the codes beat the dense float32 matmul
-# up to ~128 rows (SmolLM2's layers, 2 threads, AMD EPYC, benchmarks/int8-activations: 1.85x at 32 rows, 1.53x
-# at 64, 1.23x at 128).
-INT8_MAX_ROWS = 128
-# ...and its codes interleave blocks of this many output rows (a projection with another count keeps float32).
+# at every row count (SmolLM2's layers, 2 threads, AMD EPYC, benchmarks/int8-activations: 3.0x at 32 rows, 1.9x
+# at 128, 1.5x at 2,048), so a projection switched to int8 drops its dense copy. Its codes interleave blocks of
+# this many output rows (a projection with another output count keeps float32 activations).
 INT8_OUT_BLOCK = 8
 
 
@@ -253,8 +253,8 @@ class QuantLinear(nn.Module):
 
     def round_activations_to_int8(self) -> bool:
         """Run the products on codes with float32 activations rounded to int8 (``q4_linear_q8``; see
-        ``int8_activations.py``): the codes and constants are interleaved per block of 8 rows (``interleaved_nibbles``),
-        and batches of up to ``INT8_MAX_ROWS`` rows run on them. False (nothing changes) where this projection does
+        ``int8_activations.py``): the codes and constants are interleaved per block of 8 rows (``interleaved_nibbles``)
+        and every batch runs on them, so a dense copy is dropped. False (nothing changes) where this projection does
         not take float32 activations, or its output count is not a multiple of ``INT8_OUT_BLOCK``."""
         if self.act_dtype != torch.float32 or self.int8_activations or self.out_features % INT8_OUT_BLOCK:
             return False
@@ -262,7 +262,8 @@ class QuantLinear(nn.Module):
         del self.codes
         self.register_buffer("nibbles", weight.interleaved_nibbles())
         self.register_buffer("consts", weight.interleaved_consts())
-        self.int8_activations, self.max_rows = True, INT8_MAX_ROWS
+        self.dense, self.dense_packed = None, None
+        self.int8_activations, self.max_rows = True, sys.maxsize  # the codes serve every batch
         return True
 
     @property
