@@ -6,7 +6,7 @@ against the dense float32 matmul (MKL), per row count.
 SmolLM2-135M's projections of one layer (qkv 960x576, o 576x576, gate/up 3072x576, down 576x1536) as Q4_1
 codes, and its tied 49,152 x 576 head as Q8_0 codes, against the same weights dequantised. Thirty layers'
 weights are cycled through, as in a decode step, so the weights come from DRAM, not the caches. The row count
-where the dense matmul starts to win is ``quant_linear.FLOAT32_MAX_ROWS`` (``INT8_MAX_ROWS`` with int8 activations).
+where the dense matmul starts to win is ``quant_linear.FLOAT32_MAX_ROWS`` (with int8 activations it never does).
 """
 
 from __future__ import annotations
