@@ -78,9 +78,9 @@ def test_kernel_matches_the_written_out_reference_row_by_row(qtype, shape, rows)
 
 
 def test_prefill_sized_batches_on_the_codes_cross_row_blocks_unchanged() -> None:
-    """Without a dense copy (``weights="int4"``) every batch runs the kernel, which takes its rows in blocks of
-    64: 150 rows (two blocks and a remainder of 22) against 24 outputs (3 interleaved blocks of 8, split over
-    threads) match the reference, and each row equals it computed alone."""
+    """Int8 mode keeps no dense copy, so every batch runs the kernel, which takes its rows in blocks of 64: 150
+    rows (two blocks and a remainder of 22) against 24 outputs (3 interleaved blocks of 8, split over threads)
+    match the reference, and each row equals it computed alone."""
     torch.set_num_threads(2)
     module, weight = int8_module(Q.Q4_1, (24, 96), seed=5)
     x = torch.randn(150, 96, generator=torch.Generator().manual_seed(5))
@@ -129,6 +129,8 @@ def test_the_op_names_bad_codes() -> None:
         torch.ops.kvserve.q4_linear_q8(torch.randn(2, 64), module.nibbles[:, :16], module.consts)
     with pytest.raises(RuntimeError, match="not a multiple of 32"):
         torch.ops.kvserve.q4_linear_q8(torch.randn(2, 48), module.nibbles, module.consts)
+    with pytest.raises(RuntimeError, match=r"\(N, 32\) with N a multiple of 8, got \[44, 32\]"):
+        torch.ops.kvserve.q4_linear_q8(torch.randn(2, 64), module.nibbles[:44], module.consts)
 
 
 @pytest.fixture(scope="module")

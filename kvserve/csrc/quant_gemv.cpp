@@ -46,6 +46,7 @@ constexpr int64_t GROUP = 32;
 constexpr int64_t ROW_TILE = 4;  // input rows that share one decode of the weights
 constexpr int64_t OUT_GRAIN = 16;
 constexpr int64_t ROW_BLOCK = 64;  // int8 activations: input rows a thread runs its outputs over at a time
+static_assert(ROW_BLOCK % ROW_TILE == 0, "a row block holds whole tiles");
 constexpr int64_t OUT_BLOCK = 8;   // int8 activations: weight rows interleaved in one block
 
 // The group sums of x: (M, K / 32), each in a fixed order.
@@ -288,20 +289,25 @@ inline void q4q8_block(const uint8_t* codes, const float* consts, int64_t groups
 #endif
 }
 
+// fn(tile) for a tile of min(ROW_TILE, remaining) input rows, its size a compile-time constant
+// (std::integral_constant) so the kernels keep their accumulators in registers.
+template <typename Fn>
+void with_row_tile(int64_t remaining, const Fn& fn) {
+  switch (std::min(ROW_TILE, remaining)) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    default: fn(std::integral_constant<int, ROW_TILE>{}); break;
+  }
+}
+
 // y[m, o] for every output o and row m: weight rows split over threads, input rows in tiles of up to
-// ROW_TILE; row(o, m, tile) gets the tile's size as a compile-time constant (std::integral_constant).
+// ROW_TILE; row(o, m, tile) gets the tile's size as a compile-time constant.
 template <typename RowFn>
 void for_rows(int64_t rows, int64_t n, const RowFn& row) {
   at::parallel_for(0, n, OUT_GRAIN, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o)
-      for (int64_t m = 0; m < rows; m += ROW_TILE) {
-        switch (std::min(ROW_TILE, rows - m)) {
-          case 1: row(o, m, std::integral_constant<int, 1>{}); break;
-          case 2: row(o, m, std::integral_constant<int, 2>{}); break;
-          case 3: row(o, m, std::integral_constant<int, 3>{}); break;
-          default: row(o, m, std::integral_constant<int, ROW_TILE>{}); break;
-        }
-      }
+      for (int64_t m = 0; m < rows; m += ROW_TILE) with_row_tile(rows - m, [&](auto tile) { row(o, m, tile); });
   });
 }
 
@@ -379,19 +385,12 @@ at::Tensor q4_linear_q8(const at::Tensor& x, const at::Tensor& nibbles, const at
   at::parallel_for(0, blocks, OUT_GRAIN / OUT_BLOCK, [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < rows; first += ROW_BLOCK)
       for (int64_t b = begin; b < end; ++b)
-        for (int64_t m = first; m < std::min(rows, first + ROW_BLOCK); m += ROW_TILE) {
-          auto run = [&](auto tile) {
+        for (int64_t m = first; m < std::min(rows, first + ROW_BLOCK); m += ROW_TILE)  // ROW_BLOCK: whole tiles
+          with_row_tile(rows - m, [&](auto tile) {
             q4q8_block<decltype(tile)::value>(np + b * OUT_BLOCK * k / 2, kp + b * OUT_BLOCK * groups * 2, groups,
                                               xq.q.data() + m * k, xq.f.data() + m * groups * 2, k,
                                               yp + m * n + b * OUT_BLOCK, n);
-          };
-          switch (std::min({ROW_TILE, rows - m, first + ROW_BLOCK - m})) {
-            case 1: run(std::integral_constant<int, 1>{}); break;
-            case 2: run(std::integral_constant<int, 2>{}); break;
-            case 3: run(std::integral_constant<int, 3>{}); break;
-            default: run(std::integral_constant<int, ROW_TILE>{}); break;
-          }
-        }
+          });
   });
   return y;
 }
