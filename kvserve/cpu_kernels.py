@@ -3,12 +3,12 @@
 ``paged_decode.cpp``: decode attention over paged KV (``attention/decode.py``); ``fused_ops.cpp``: RMSNorm,
 rotary embedding and SwiGLU's product, one op each (``models/fused.py``); ``speculate.cpp``: InfiniGen's
 speculation for a decode batch (``policies/infinigen.py``); ``quant_gemv.cpp``: products with GGUF's
-4-bit and 8-bit codes for decode-sized batches in float32, and the 4-bit one with activations rounded to
-int8 (``models/quant_linear.py``); ``decode_layers.cpp``:
+4-bit and 8-bit codes for decode-sized batches in float32, and both with activations rounded to int8
+(``models/quant_linear.py``); ``decode_layers.cpp``:
 a plain decode step's decoder layers as one call of the above (``models/decode_chain.py``).
 
 The build uses ``torch.utils.cpp_extension`` (g++ and ninja) with ``-march=native``, so it is keyed by a hash
-of the sources, the torch version and the CPU's flags: a cached build made on another CPU is never loaded.
+of the sources, the flags, the torch version and the CPU's flags: a cached build made on another CPU is never loaded.
 It lands in ``$KVSERVE_KERNEL_CACHE`` (default ``~/.cache/kvserve/kernels``) and later starts load it in
 well under a second. Processes building at once take turns on a lock the system drops when its holder dies.
 When the build fails (no compiler), or ``KVSERVE_KERNELS=torch`` is set, every caller falls back to the torch
@@ -45,10 +45,17 @@ OPS = (
     "q4_linear",
     "q8_linear",
     "q4_linear_q8",
+    "q8_linear_q8",
     "decode_layers",
 )
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17")
+# ``KVSERVE_KERNEL_ARCH`` (a g++ -march value, default native) builds for an older instruction set, e.g.
+# ``haswell`` (AVX2 without VNNI or AVX-512) to run that path's code on a newer CPU.
+CFLAGS = ("-O3", "-ffast-math", "-fopenmp", "-std=c++17")
+
+
+def cflags() -> tuple[str, ...]:
+    return (*CFLAGS, f"-march={os.environ.get('KVSERVE_KERNEL_ARCH', 'native')}")
 
 
 def _cpu_flags() -> str:
@@ -66,7 +73,7 @@ def build_name() -> str:
     digest = hashlib.sha256()
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
-    digest.update(" ".join(CFLAGS).encode())
+    digest.update(" ".join(cflags()).encode())
     digest.update(torch.__version__.encode())
     digest.update(_cpu_flags().encode())
     return f"kvserve_kernels_{digest.hexdigest()[:16]}"
@@ -95,7 +102,7 @@ def cpu_kernels_available() -> bool:
                 name=name,
                 sources=[str(s) for s in SOURCES],
                 extra_include_paths=[str(CSRC)],
-                extra_cflags=list(CFLAGS),
+                extra_cflags=list(cflags()),
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(directory),
                 is_python_module=False,

@@ -22,7 +22,7 @@ from kvserve.eval.data import AUSTEN
 from kvserve.llm import LLM
 from kvserve.models.decode_chain import DecodeChain
 from kvserve.models.loader import load_model
-from kvserve.models.quant_linear import Int4Weight, QuantLinear
+from kvserve.models.quant_linear import Int4Weight, Int8Weight, Q8Linear, QuantLinear
 from kvserve.sampling_params import SamplingParams
 from tests.test_decode_chain import assert_the_chain_changes_nothing, run_steps
 from tests.test_gguf_loader import checkpoint, write_gguf
@@ -37,19 +37,42 @@ def _kernels_built():
     assert cpu_kernels.cpu_kernels_available()
 
 
-def reference(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
-    """What ``q4_linear_q8`` computes, written out: x rounded to int8 per row and group of 32 (scale max|x| / 127),
-    each group's integer dot product with the codes, times both scales; the offsets times the scaled group sums."""
+def rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x rounded to int8 per row and group of 32, as the kernels do: (q (M, G, 32), d (M, G)) in float64."""
     rows, k = x.shape
     groups = x.reshape(rows, k // 32, 32)
     amax = groups.abs().amax(-1, keepdim=True)
     q = torch.round(groups * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)))
-    d = (amax / 127.0).squeeze(-1).double()  # (M, G)
-    codes = weight.codes.reshape(weight.shape[0], k // 32, 32).double()  # (N, G, 32)
-    dots = torch.einsum("mgj,ngj->mng", q.double(), codes)  # exact integers
+    return q.double(), (amax / 127.0).squeeze(-1).double()
+
+
+def reference(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    """What ``q4_linear_q8`` computes, written out: x rounded to int8 per row and group of 32 (scale max|x| / 127),
+    each group's integer dot product with the codes, times both scales; the offsets times the scaled group sums."""
+    q, d = rounded(x)
+    codes = weight.codes.reshape(weight.shape[0], -1, 32).double()  # (N, G, 32)
+    dots = torch.einsum("mgj,ngj->mng", q, codes)  # exact integers
     products = (dots * d.unsqueeze(1) * weight.scale.double()).sum(-1)
-    offsets = (q.double().sum(-1) * d) @ weight.offset.double().T
+    offsets = (q.sum(-1) * d) @ weight.offset.double().T
     return products + offsets
+
+
+def head_reference(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+    """What ``q8_linear_q8`` computes, written out: each group's integer dot product of the rounded x with the
+    int8 codes, times both scales."""
+    q, d = rounded(x)
+    codes = weight.codes.reshape(weight.codes.shape[0], -1, 32).double()
+    dots = torch.einsum("mgj,ngj->mng", q, codes)  # exact integers
+    return (dots * d.unsqueeze(1) * weight.scale.double()).sum(-1)
+
+
+def int8_head(shape: tuple[int, int], seed: int = 0, dense: bool = False) -> tuple[Q8Linear, Int8Weight]:
+    blocks, w = blocks_of(shape, Q.Q8_0, seed=seed)
+    weight = Int8Weight.from_q8_0_blocks(blocks)
+    weight.codes[0, :3] = torch.tensor([-128, 127, -127], dtype=torch.int8)  # the code range's ends (ggml: +-127)
+    head = Q8Linear(weight, torch.float32, dense=w if dense else None)
+    assert head.round_activations_to_int8()
+    return head, weight
 
 
 def int8_module(qtype: Q, shape: tuple[int, int], seed: int = 0) -> tuple[QuantLinear, Int4Weight]:
@@ -89,6 +112,41 @@ def test_prefill_sized_batches_on_the_codes_cross_row_blocks_unchanged() -> None
     for i in (0, 63, 64, 127, 128, 149):
         assert torch.equal(module(x[i : i + 1])[0], got[i])
     assert torch.equal(module(x[60:70]), got[60:70])
+
+
+@pytest.mark.parametrize("shape", [(8, 32), (104, 96), (40, 608), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 70])
+def test_head_kernel_matches_the_written_out_reference_row_by_row(shape, rows) -> None:
+    """The Q8_0 head on int8 rows (VNNI where the CPU has it, else AVX2's sign trick: the same integers)."""
+    torch.set_num_threads(2)
+    head, weight = int8_head(shape, seed=rows)
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
+    x[0, :32] = torch.linspace(-1.0, 1.0, 32)  # a group whose maximum rounds to +127 and -127 against -128
+    got = head(x)
+    assert rel_err(got, head_reference(x, weight)) < 1e-5
+    for i in range(min(rows, 9)):
+        assert torch.equal(head(x[i : i + 1])[0], got[i])
+    assert 1e-4 < rel_err(got, F.linear(x.double(), weight.dequantize().double())) < 2e-2
+
+
+def test_head_layout_round_trips_and_the_switch_drops_the_dense_copy() -> None:
+    head, weight = int8_head((40, 96), dense=True)
+    assert head.offset_codes.dtype == torch.uint8 and head.offset_codes.shape == (40, 96)
+    assert head.scales.shape == (5, 3, 8)
+    # Block 1, group 2, v = 5, row 3, byte 2: input 2 * 32 + 4 * 5 + 2 of row 11, plus 128.
+    assert int(head.offset_codes.view(5, 3, 8, 8, 4)[1, 2, 5, 3, 2]) == int(weight.codes[11, 86]) + 128
+    assert float(head.scales[1, 2, 3]) == float(weight.scale[11, 2])
+    back = head.int8_weight()
+    assert torch.equal(back.codes, weight.codes) and torch.equal(back.scale, weight.scale)
+    assert head.dense is None and not hasattr(head, "codes") and not head.round_activations_to_int8()
+    many = torch.randn(300, 96)
+    assert rel_err(head(many), head_reference(many, weight)) < 1e-5  # every batch on the codes
+    blocks, _ = blocks_of((36, 96), Q.Q8_0)  # not whole blocks of 8: float32 activations stay
+    odd = Q8Linear(Int8Weight.from_q8_0_blocks(blocks), torch.float32)
+    assert not odd.round_activations_to_int8() and hasattr(odd, "codes")
+    assert not Q8Linear(weight, torch.bfloat16).round_activations_to_int8()
+    with pytest.raises(RuntimeError, match=r"codes must be contiguous uint8 \(N, 96\) with N a multiple of 8"):
+        torch.ops.kvserve.q8_linear_q8(many, head.offset_codes[:36], head.scales)
 
 
 def test_interleaved_layout_round_trips_and_the_switch_keeps_the_weight() -> None:

@@ -1,5 +1,5 @@
-"""float32 products on GGUF codes (``q4_linear`` / ``q8_linear``), and ``q4_linear_q8`` (activations rounded to int8),
-against the dense float32 matmul (MKL), per row count.
+"""float32 products on GGUF codes (``q4_linear`` / ``q8_linear``), and ``q4_linear_q8`` / ``q8_linear_q8``
+(activations rounded to int8), against the dense float32 matmul (MKL), per row count.
 
     python benchmarks/decode-kernel/quant_gemv.py [THREADS]
 
@@ -50,12 +50,14 @@ def main() -> None:
     head_codes8 = torch.randint(-128, 128, (49152, 576), dtype=torch.int8, generator=gen)
     head = Int8Weight(head_codes8, torch.rand(49152, 18, generator=gen) / 64)
     head_codes, head_dense = Q8Linear(head, torch.float32), head.dequantize()
+    head_int8 = Q8Linear(head, torch.float32)
+    head_int8.round_activations_to_int8()
     print(f"{threads} threads; us per layer (4 projections), averaged over {LAYERS} layers' weights; head: one call")
     print(
         "| rows | layer on codes | layer dense | dense / codes | layer int8 activations | codes / int8 | dense / int8 "
-        "| head on codes | head dense | dense / codes |"
+        "| head on codes | head dense | dense / codes | head int8 activations | codes / int8 |"
     )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for rows in ROWS:
         xs = [torch.randn(rows, k, generator=gen) for _, k in LAYER]
         x = torch.randn(rows, 576, generator=gen)
@@ -65,10 +67,11 @@ def main() -> None:
         on_codes, plain, on_int8 = (t / LAYERS * 1e6 for t in (on_codes, plain, on_int8))
         head_c = best_of(lambda x=x: head_codes(x)) * 1e6
         head_d = best_of(lambda x=x: F.linear(x, head_dense)) * 1e6
+        head_i = best_of(lambda x=x: head_int8(x)) * 1e6
         print(
             f"| {rows} | {on_codes:.0f} | {plain:.0f} | {plain / on_codes:.2f}x | {on_int8:.0f} | "
             f"{on_codes / on_int8:.2f}x | {plain / on_int8:.2f}x | {head_c:.0f} | {head_d:.0f} | "
-            f"{head_d / head_c:.2f}x |"
+            f"{head_d / head_c:.2f}x | {head_i:.0f} | {head_c / head_i:.2f}x |"
         )
 
 

@@ -26,5 +26,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode(const at::Tensor& q,
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& consts);
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 at::Tensor q4_linear_q8(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& consts);
+at::Tensor q8_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales);
 
 }  // namespace kvserve_ops

@@ -25,6 +25,11 @@
 // (N / 8, K / 32, 2, 8) float32: per block and group its rows' 8 scales, then their 8 offsets. So one vector
 // of products covers 8 outputs and needs no horizontal sum. Lossy against float32 activations (every input keeps
 // 8 bits), batch invariant as above.
+//
+// q8_linear_q8 (the Q8_0 head with int8 activations): the same rounding of x, against 8-bit codes interleaved the
+// same way (``Int8Weight.interleaved_offset_codes``): codes (N, K) uint8 holding code + 128 (unsigned, as VNNI's
+// byte products want them), block b's bytes ordered [group][v = 0..7][row r][byte i], byte i the code of the
+// group's input 4v + i; scales (N / 8, K / 32, 8) float32.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -39,6 +44,16 @@
 
 #include "cpu_vec.h"
 #include "ops.h"
+
+// VNNI (vpdpbusd: 4 byte products added into each 32-bit lane in one instruction, on 256-bit vectors) replaces
+// AVX2's maddubs + 16-bit adds + madd. The integers are the same, so results are identical with and without it.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KVSERVE_VNNI 1
+inline __m256i dot4_add(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_epi32(acc, u8, s8); }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__AVXVNNI__)
+#define KVSERVE_VNNI 1
+inline __m256i dot4_add(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
+#endif
 
 namespace {
 
@@ -172,8 +187,9 @@ inline void q8_row(const int8_t* codes, const float* scales, int64_t groups, con
 // x rows rounded to int8 per group of 32 (see the top): q (M, K) int8 in input order, and per row and group two
 // floats [d, s] with s = d * sum_j q_j (what the offsets meet).
 struct Int8Rows {
-  std::vector<int8_t> q;  // (M, K)
-  std::vector<float> f;   // (M, 2 * K / 32)
+  std::vector<int8_t> q;    // (M, K)
+  std::vector<float> f;     // (M, 2 * K / 32)
+  std::vector<int32_t> s;   // (M, K / 32): sum_j q_j per group
 };
 
 // One group of 32 inputs rounded to int8 (q: 32 bytes in input order); its scale d and sum_j q_j. The AVX2 path
@@ -219,17 +235,27 @@ Int8Rows quantize_rows(const float* x, int64_t rows, int64_t k) {
   Int8Rows out;
   out.q.resize(rows * k);
   out.f.resize(rows * 2 * groups);
+  out.s.resize(rows * groups);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t g = 0; g < groups; ++g) {
         float* f = out.f.data() + (m * groups + g) * 2;
-        int32_t sum;
+        int32_t& sum = out.s[m * groups + g];
         quantize_group(x + m * k + g * GROUP, out.q.data() + m * k + g * GROUP, f[0], sum);
         f[1] = f[0] * static_cast<float>(sum);
       }
   });
   return out;
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 4 bytes (4 inputs of a row) in every 32-bit lane: one row's inputs against 8 weight rows' bytes.
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  return _mm256_set1_epi32(word);
+}
+#endif
 
 // A block of OUT_BLOCK weight rows (see the top: per group 4 vectors of 32 bytes, vector v holding 4 bytes of
 // each row, byte i = input 8v + i in its low nibble and 8v + 4 + i in its high one; consts per group [8 scales |
@@ -241,7 +267,10 @@ template <int TILE>
 inline void q4q8_block(const uint8_t* codes, const float* consts, int64_t groups, const int8_t* xq, const float* xf,
                        int64_t k, float* y, int64_t ldy) {
 #if defined(__AVX2__) && defined(__FMA__)
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+#if !defined(KVSERVE_VNNI)
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
   __m256 acc[TILE];
   for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -256,13 +285,18 @@ inline void q4q8_block(const uint8_t* codes, const float* consts, int64_t groups
       const int8_t* xg = xq + t * k + g * GROUP;
       __m256i sums = _mm256_setzero_si256();
       for (int v = 0; v < 4; ++v) {
-        int32_t first, second;  // inputs 8v..8v+3 and 8v+4..8v+7, broadcast to every row's 4 bytes
-        std::memcpy(&first, xg + 8 * v, 4);
-        std::memcpy(&second, xg + 8 * v + 4, 4);
-        sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(lo[v], _mm256_set1_epi32(first)));
-        sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(hi[v], _mm256_set1_epi32(second)));
+        // inputs 8v..8v+3 and 8v+4..8v+7, broadcast to every row's 4 bytes
+        const __m256i first = broadcast4(xg + 8 * v), second = broadcast4(xg + 8 * v + 4);
+#if defined(KVSERVE_VNNI)
+        sums = dot4_add(dot4_add(sums, lo[v], first), hi[v], second);
+      }
+      const __m256 dots = _mm256_cvtepi32_ps(sums);  // the group's 8 dot products
+#else
+        sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(lo[v], first));
+        sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(hi[v], second));
       }
       const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, ones));  // the group's 8 dot products
+#endif
       const float* f = xf + (t * groups + g) * 2;
       acc[t] = _mm256_fmadd_ps(offset, _mm256_set1_ps(f[1]),
                                _mm256_fmadd_ps(dots, _mm256_mul_ps(scale, _mm256_set1_ps(f[0])), acc[t]));
@@ -289,6 +323,62 @@ inline void q4q8_block(const uint8_t* codes, const float* consts, int64_t groups
 #endif
 }
 
+// A block of OUT_BLOCK rows of 8-bit codes against TILE int8 rows: y[t * ldy + r]. The codes are stored as
+// code + 128 (unsigned, see the top), per group 8 vectors of 32 bytes, vector v holding 4 bytes of each row
+// (inputs 4v..4v+3). With VNNI one instruction adds 4 products (code + 128) * q into each row's lane, and
+// 128 * sum_j q_j comes off once per group; without it, the code's sign moves onto q (|code| unsigned, at
+// most 128, against +-q) for maddubs, whose pairs (at most 2 * 128 * 127) then add in 32 bits. The same exact
+// integers either way; every output one lane through the same instructions whatever TILE is.
+template <int TILE>
+inline void q8q8_block(const uint8_t* codes, const float* scales, int64_t groups, const int8_t* xq, const float* xf,
+                       const int32_t* xs, int64_t k, float* y, int64_t ldy) {
+#if defined(__AVX2__) && defined(__FMA__)
+#if !defined(KVSERVE_VNNI)
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+#endif
+  __m256 acc[TILE];
+  for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i dots[TILE];
+    for (int t = 0; t < TILE; ++t) dots[t] = _mm256_setzero_si256();
+    for (int v = 0; v < 8; ++v) {
+      const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + g * 256 + v * 32));
+#if defined(KVSERVE_VNNI)
+      for (int t = 0; t < TILE; ++t) dots[t] = dot4_add(dots[t], u, broadcast4(xq + t * k + g * GROUP + 4 * v));
+#else
+      const __m256i w = _mm256_xor_si256(u, bias), magnitude = _mm256_abs_epi8(w);
+      for (int t = 0; t < TILE; ++t) {
+        const __m256i signed_x = _mm256_sign_epi8(broadcast4(xq + t * k + g * GROUP + 4 * v), w);
+        dots[t] = _mm256_add_epi32(dots[t], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones));
+      }
+#endif
+    }
+    const __m256 scale = _mm256_loadu_ps(scales + g * 8);
+    for (int t = 0; t < TILE; ++t) {
+#if defined(KVSERVE_VNNI)
+      dots[t] = _mm256_sub_epi32(dots[t], _mm256_set1_epi32(128 * xs[t * groups + g]));
+#endif
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[t]),
+                               _mm256_mul_ps(scale, _mm256_set1_ps(xf[(t * groups + g) * 2])), acc[t]);
+    }
+  }
+  for (int t = 0; t < TILE; ++t) _mm256_storeu_ps(y + t * ldy, acc[t]);
+#else
+  for (int t = 0; t < TILE; ++t)
+    for (int64_t r = 0; r < OUT_BLOCK; ++r) {
+      float total = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int8_t* xg = xq + t * k + g * GROUP;
+        int32_t dot = 0;
+        for (int64_t v = 0; v < 8; ++v)
+          for (int64_t i = 0; i < 4; ++i) dot += (codes[g * 256 + v * 32 + r * 4 + i] - 128) * xg[4 * v + i];
+        total += static_cast<float>(dot) * (scales[g * 8 + r] * xf[(t * groups + g) * 2]);
+      }
+      y[t * ldy + r] = total;
+    }
+#endif
+}
+
 // fn(tile) for a tile of min(ROW_TILE, remaining) input rows, its size a compile-time constant
 // (std::integral_constant) so the kernels keep their accumulators in registers.
 template <typename Fn>
@@ -308,6 +398,19 @@ void for_rows(int64_t rows, int64_t n, const RowFn& row) {
   at::parallel_for(0, n, OUT_GRAIN, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o)
       for (int64_t m = 0; m < rows; m += ROW_TILE) with_row_tile(rows - m, [&](auto tile) { row(o, m, tile); });
+  });
+}
+
+// y[m, b * 8 + r] for every block b of OUT_BLOCK interleaved weight rows and input row m: blocks split over
+// threads, a thread taking its blocks ROW_BLOCK input rows at a time (so a prefill chunk's rows stay in the cache
+// while the weights stream past), in tiles of up to ROW_TILE; block(b, m, tile) as in for_rows.
+template <typename BlockFn>
+void for_blocks(int64_t rows, int64_t blocks, const BlockFn& block) {
+  at::parallel_for(0, blocks, OUT_GRAIN / OUT_BLOCK, [&](int64_t begin, int64_t end) {
+    for (int64_t first = 0; first < rows; first += ROW_BLOCK)
+      for (int64_t b = begin; b < end; ++b)
+        for (int64_t m = first; m < std::min(rows, first + ROW_BLOCK); m += ROW_TILE)  // ROW_BLOCK: whole tiles
+          with_row_tile(rows - m, [&](auto tile) { block(b, m, tile); });
   });
 }
 
@@ -380,17 +483,33 @@ at::Tensor q4_linear_q8(const at::Tensor& x, const at::Tensor& nibbles, const at
   float* yp = y.data_ptr<float>();
   const uint8_t* np = nibbles.data_ptr<uint8_t>();
   const float* kp = consts.data_ptr<float>();
-  // Blocks of outputs split over threads; a thread takes its blocks ROW_BLOCK input rows at a time, so a
-  // prefill chunk's rows stay in the cache while the weights stream past.
-  at::parallel_for(0, blocks, OUT_GRAIN / OUT_BLOCK, [&](int64_t begin, int64_t end) {
-    for (int64_t first = 0; first < rows; first += ROW_BLOCK)
-      for (int64_t b = begin; b < end; ++b)
-        for (int64_t m = first; m < std::min(rows, first + ROW_BLOCK); m += ROW_TILE)  // ROW_BLOCK: whole tiles
-          with_row_tile(rows - m, [&](auto tile) {
-            q4q8_block<decltype(tile)::value>(np + b * OUT_BLOCK * k / 2, kp + b * OUT_BLOCK * groups * 2, groups,
-                                              xq.q.data() + m * k, xq.f.data() + m * groups * 2, k,
-                                              yp + m * n + b * OUT_BLOCK, n);
-          });
+  for_blocks(rows, blocks, [&](int64_t b, int64_t m, auto tile) {
+    q4q8_block<decltype(tile)::value>(np + b * OUT_BLOCK * k / 2, kp + b * OUT_BLOCK * groups * 2, groups,
+                                      xq.q.data() + m * k, xq.f.data() + m * groups * 2, k, yp + m * n + b * OUT_BLOCK,
+                                      n);
+  });
+  return y;
+}
+
+at::Tensor q8_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  check_input("q8_linear_q8", x);
+  const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0), groups = k / GROUP, blocks = n / OUT_BLOCK;
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.size(1) == k && n % OUT_BLOCK == 0 &&
+                  codes.is_contiguous(),
+              "q8_linear_q8: codes must be contiguous uint8 (N, ", k, ") with N a multiple of ", OUT_BLOCK, ", got ",
+              codes.sizes(), " ", codes.scalar_type());
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n * groups,
+              "q8_linear_q8: scales must be contiguous float32 (N / 8, ", groups, ", 8) with N = ", n);
+  const at::Tensor xc = x.contiguous();
+  const Int8Rows xq = quantize_rows(xc.data_ptr<float>(), rows, k);
+  auto y = at::empty({rows, n}, x.options());
+  float* yp = y.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  for_blocks(rows, blocks, [&](int64_t b, int64_t m, auto tile) {
+    q8q8_block<decltype(tile)::value>(cp + b * OUT_BLOCK * k, sp + b * OUT_BLOCK * groups, groups,
+                                      xq.q.data() + m * k, xq.f.data() + m * groups * 2, xq.s.data() + m * groups, k,
+                                      yp + m * n + b * OUT_BLOCK, n);
   });
   return y;
 }
@@ -401,10 +520,12 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("q4_linear(Tensor x, Tensor codes, Tensor consts) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
   m.def("q4_linear_q8(Tensor x, Tensor nibbles, Tensor consts) -> Tensor");
+  m.def("q8_linear_q8(Tensor x, Tensor codes, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("q4_linear", &kvserve_ops::q4_linear);
   m.impl("q8_linear", &kvserve_ops::q8_linear);
   m.impl("q4_linear_q8", &kvserve_ops::q4_linear_q8);
+  m.impl("q8_linear_q8", &kvserve_ops::q8_linear_q8);
 }

@@ -106,7 +106,9 @@ def load_model(
         summary += "; batch-invariant: one kernel for every row count"
     if int8_activations:
         switched = use_int8_activations(model)
+        head = model._modules.get("lm_head")
         summary += f"; int8 activations in the {switched} 4-bit projections"
+        summary += " and the Q8_0 head" if getattr(head, "int8_activations", False) else ""
     get_logger().info("loaded %s: %s, weights %s (%s)", path.name, _dtype_name(dtype), mode, summary)
     if shard is not None:
         summary += f"; tensor-parallel rank {shard.rank} of {shard.size}"

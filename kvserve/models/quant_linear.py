@@ -192,6 +192,28 @@ class Int8Weight:
         n, k = self.codes.shape
         return (self.codes.reshape(n, -1, GROUP_SIZE).float() * self.scale.unsqueeze(-1)).reshape(n, k)
 
+    def interleaved_offset_codes(self) -> torch.Tensor:
+        """``q8_linear_q8``'s codes: (N, K) uint8 holding code + 128, N a multiple of ``INT8_OUT_BLOCK``, the rows
+        interleaved per block of 8: a block's bytes run [group][v = 0..7][row r][byte i], byte i the code of the
+        group's input 4v + i."""
+        n, k = self.codes.shape
+        unsigned = (self.codes.to(torch.int16) + 128).to(torch.uint8)
+        c = unsigned.reshape(n // INT8_OUT_BLOCK, INT8_OUT_BLOCK, k // GROUP_SIZE, 8, 4)  # (b, r, g, v, i)
+        return c.permute(0, 2, 3, 1, 4).reshape(n, k).contiguous()
+
+    def interleaved_scales(self) -> torch.Tensor:
+        """``q8_linear_q8``'s scales: (N / 8, K / 32, 8) float32, per block of 8 rows and group the rows' scales."""
+        n, groups = self.scale.shape
+        return self.scale.float().reshape(n // INT8_OUT_BLOCK, INT8_OUT_BLOCK, groups).transpose(1, 2).contiguous()
+
+    @classmethod
+    def from_interleaved(cls, codes: torch.Tensor, scales: torch.Tensor) -> Int8Weight:
+        """The inverse of ``interleaved_offset_codes`` and ``interleaved_scales``."""
+        n, k = codes.shape
+        c = codes.reshape(n // INT8_OUT_BLOCK, k // GROUP_SIZE, 8, INT8_OUT_BLOCK, 4).permute(0, 3, 1, 2, 4)
+        signed = (c.reshape(n, k).to(torch.int16) - 128).to(torch.int8)
+        return cls(signed, scales.transpose(1, 2).reshape(n, -1))
+
 
 def _zero_rows(n: int, k: int) -> Int4Weight:
     groups = k // GROUP_SIZE
@@ -340,13 +362,37 @@ class Q8Linear(nn.Module):
             self.planes = QuantLinear(weight.planes(), dtype)
         self.dense = dense
         self.dense_packed: torch.Tensor | None = None
+        self.int8_activations = False
 
     def prepack(self) -> None:
         self.dense_packed = prepack(self.dense) if self.dense is not None else None
 
+    def round_activations_to_int8(self) -> bool:
+        """Run the head with float32 activations rounded to int8 (``q8_linear_q8``, as ``QuantLinear``'s switch):
+        the codes interleaved per block of 8 rows, every batch on them, the dense copy dropped. False (nothing
+        changes) where the head does not take float32 activations or its output count is not a multiple of
+        ``INT8_OUT_BLOCK``."""
+        if self.planes is not None or self.int8_activations or self.out_features % INT8_OUT_BLOCK:
+            return False
+        weight = Int8Weight(self.codes, self.scale)
+        del self.codes, self.scale
+        self.register_buffer("offset_codes", weight.interleaved_offset_codes())
+        self.register_buffer("scales", weight.interleaved_scales())
+        self.dense, self.dense_packed = None, None
+        self.int8_activations, self.max_rows = True, sys.maxsize
+        return True
+
+    def int8_weight(self) -> Int8Weight:
+        """The float32 kernels' weight as int8 codes and scales."""
+        if self.int8_activations:
+            return Int8Weight.from_interleaved(self.offset_codes, self.scales)
+        return Int8Weight(self.codes, self.scale)
+
     def code_tensors(self) -> list[torch.Tensor]:
         """What a product on the codes reads (for byte counts)."""
-        return self.planes.code_tensors() if self.planes is not None else [self.codes, self.scale]
+        if self.planes is not None:
+            return self.planes.code_tensors()
+        return [self.offset_codes, self.scales] if self.int8_activations else [self.codes, self.scale]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -355,7 +401,9 @@ class Q8Linear(nn.Module):
         if self.planes is not None:
             y = self.planes(x)
             return y[..., : self.out_features] + y[..., self.out_features :]
-        if x2.device.type == "cpu" and _float32_kernels_run(x2.dtype):
+        if self.int8_activations:  # set only where the kernels run (int8_activations.py)
+            y = torch.ops.kvserve.q8_linear_q8(x2.contiguous(), self.offset_codes, self.scales)
+        elif x2.device.type == "cpu" and _float32_kernels_run(x2.dtype):
             y = torch.ops.kvserve.q8_linear(x2.contiguous(), self.codes, self.scale)
         else:  # the reference: no compiled kernels
             y = F.linear(x2, Int8Weight(self.codes, self.scale).dequantize())
