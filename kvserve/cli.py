@@ -55,8 +55,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--int8-activations", action="store_true",
-        help="round the float32 activations of the 4-bit projections to int8 (lossy, like llama.cpp; ~1.5x faster "
-        "at one sequence, ~3x at 32, no dense copy of them); needs --dtype float32 and native or int4 weights",
+        help="round the float32 activations of the 4-bit projections and a Q8_0 head to int8 (lossy, like "
+        "llama.cpp; ~1.5x faster at one sequence, ~2-3x at 32, no dense copy of them); needs --dtype float32 and "
+        "native or int4 weights",
     )  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

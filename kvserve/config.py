@@ -83,8 +83,8 @@ class EngineConfig:
     # one matmul kernel for every row count, attention per query row (models/batch_invariant.py,
     # attention/row_invariant.py). Off: a sequence's last bits, and so some greedy tokens, depend on its batch.
     batch_invariant: bool = False
-    # The 4-bit projections round float32 activations to int8 per group of 32 (models/int8_activations.py):
-    # lossy, about half the projections' cost per sequence at 4 to 64 sequences on the CPU.
+    # The 4-bit projections (and a Q8_0 head) round float32 activations to int8 per group of 32
+    # (models/int8_activations.py): lossy, a third to a quarter of their cost at 16 to 128 rows on the CPU.
     int8_activations: bool = False
 
     def __post_init__(self) -> None:

@@ -23,7 +23,8 @@ class LLM:
     ``kv_cache_memory``, ``swap_space``, ``block_size``, ``enable_prefix_caching``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``preemption_mode``, ``max_model_len``, ``batch_invariant``
     (a prompt's tokens and logprobs do not depend on what runs beside it or on the prefix cache; slower),
-    ``int8_activations`` (float32 models: the 4-bit projections round their activations to int8; faster, lossy).
+    ``int8_activations`` (float32 models: the 4-bit projections and a Q8_0 head round their activations to int8;
+    faster, lossy).
 
     ``close()`` (or leaving ``with LLM(...) as llm:``) stops parallel prefill workers and offloading
     threads at once rather than at exit, and lets another ``LLM`` with ``prefill_parallel`` start in
