@@ -42,7 +42,10 @@ def rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, k = x.shape
     groups = x.reshape(rows, k // 32, 32)
     amax = groups.abs().amax(-1, keepdim=True)
-    q = torch.round(groups * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)))
+    # 127 / max|x| correctly rounded to float32, as the kernels divide (torch's scalar / tensor multiplies by the
+    # reciprocal: a last-bit difference that turns an exact tie, x * inv = n + 0.5, into another integer).
+    inv = (127.0 / amax.double()).float()
+    q = torch.round(groups * torch.where(amax > 0, inv, torch.zeros_like(amax)))
     return q.double(), (amax / 127.0).squeeze(-1).double()
 
 
