@@ -37,7 +37,7 @@ class EngineConfig:
     device: str = "cpu"
     weights: str = "native"  # GGUF weights: native, int4 or dequant (see models/loader.py)
     kv_cache_memory: str | int = "1GiB"
-    kv_cache_dtype: str = "auto"  # auto: the model's dtype; bfloat16 / float16: a narrower paged cache (float32 model)
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; bfloat16 / float16: a narrower cache (float32 model)
     swap_space: str | int = "1GiB"  # host tier for preemption by swapping
     block_size: int = 16
     # Sliding-window layers (Gemma 3, Mistral) in KV groups of their own that keep only the blocks their
@@ -142,8 +142,7 @@ class EngineConfig:
             )
         self._require(
             f"kv_cache_dtype={self.kv_cache_dtype!r} runs on the paged cache",
-            {"kv_policy": "full", "kv_offload": "none", "batch_invariant": False, "prefill_parallel": 1,
-             "prompt_cache_recompute": 0.0},
+            {"kv_offload": "none", "batch_invariant": False, "prefill_parallel": 1, "prompt_cache_recompute": 0.0},
         )  # fmt: skip
 
     def _require(self, feature: str, needed: dict[str, object]) -> None:

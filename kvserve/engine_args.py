@@ -29,7 +29,7 @@ def add_engine_args(parser: argparse.ArgumentParser, kv_cache_memory: str = "1Gi
     group.add_argument(
         "--kv-cache-dtype", choices=("auto", *KV_CACHE_DTYPES), default="auto",
         help="KV cache dtype; auto: the model's. bfloat16 or float16 halve a float32 model's cache and the bytes "
-        "decode attention reads (paged cache, full policy)",
+        "decode attention reads (the paged cache or a compressing policy's groups; not offloaded)",
     )  # fmt: skip
     group.add_argument("--swap-space", default="1GiB", help="host tier for preemption by swapping")
     group.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")

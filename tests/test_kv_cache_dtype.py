@@ -1,7 +1,8 @@
 """``kv_cache_dtype``: a float32 model over a bfloat16 or float16 paged cache. The same memory holds twice the
 blocks; chunked prefill, prefix hits and swapping generate what one roomy run does; the first token's logprob
-stays within rounding of the float32 cache; configurations it does not cover are refused by name; on the real
-model the prompt's log-likelihood and the greedy continuation match the float32 cache."""
+stays within rounding of the float32 cache, with the full cache and with a compressing policy's per-layer groups;
+configurations it does not cover are refused by name; on the real model the prompt's log-likelihood and the greedy
+continuation match the float32 cache, and a compressing policy's decode chain matches its eager layers."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine
 from kvserve.eval.data import AUSTEN
 from kvserve.llm import LLM
+from kvserve.models.decode_chain import DecodeChain
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from tests.test_decode_chain import assert_the_chain_changes_nothing
 from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
 
 SPEC = TinySpec(num_heads=4, num_kv_heads=2, num_layers=3, head_dim=32, max_position_embeddings=512, seed=41)
@@ -92,16 +95,35 @@ def test_the_first_token_is_within_rounding_of_the_float32_cache(folder, kv_cach
             assert b.outputs[0].cumulative_logprob != a.outputs[0].cumulative_logprob
 
 
+@pytest.mark.parametrize("policy", ["h2o", "pyramid", "local"])
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16"])
+def test_a_compressing_policy_keeps_its_groups_in_the_narrower_cache(folder, policy, kv_cache_dtype) -> None:
+    """Per-layer groups (compressed.py) in half the bytes: twice the blocks in the same memory; prompts longer than
+    half their length are compressed in prefill (in 16-token chunks, so the cached part is read back) and again at
+    every decode step, and the first token is the float32 cache's within rounding."""
+    options = {"kv_policy": policy, "kv_budget": 0.5, "max_num_batched_tokens": 16, "enable_prefix_caching": False}
+    memory = 300 * block_bytes(4)
+    narrow = make_engine(folder, kv_cache_dtype, kv_cache_memory=memory, **options)
+    wide = make_engine(folder, "auto", kv_cache_memory=memory, **options)
+    assert narrow.runner.cache.k.dtype == getattr(torch, kv_cache_dtype)
+    assert narrow.kv.pool.num_blocks == 2 * wide.kv.pool.num_blocks
+    first = run(narrow, greedy(1)), run(wide, greedy(1))
+    for b, a in zip(*first, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].cumulative_logprob == pytest.approx(a.outputs[0].cumulative_logprob, abs=2e-2)
+    longer = run(narrow, greedy(12))
+    assert all(len(out.outputs[0].token_ids) == 12 for out in longer)
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
         ({"kv_cache_dtype": "int8"}, "one of ['auto', 'float32', 'bfloat16', 'float16'], got 'int8'"),
         ({"kv_cache_dtype": "float16", "dtype": "bfloat16"}, "narrows a float32 model's cache; this engine runs bf"),
-        ({"kv_cache_dtype": "bfloat16", "kv_policy": "h2o"}, "it needs kv_policy='full', got 'h2o'"),
         ({"kv_cache_dtype": "bfloat16", "kv_offload": "host"}, "it needs kv_offload='none', got 'host'"),
         ({"kv_cache_dtype": "bfloat16", "prefill_parallel": 2}, "it needs prefill_parallel=1, got 2"),
     ],
-    ids=["unknown", "bfloat16-model", "policy", "offload", "parallel-prefill"],
+    ids=["unknown", "bfloat16-model", "offload", "parallel-prefill"],
 )  # fmt: skip
 def test_what_it_does_not_cover_is_refused_by_name(options, message) -> None:
     options = {"dtype": "float32", **options}
@@ -141,3 +163,24 @@ def test_real_model_likelihood_and_greedy_tokens_match_the_float32_cache() -> No
         assert (logprobs - wide_logprobs).abs().max().item() < bound
         assert logprobs.mean().item() == pytest.approx(wide_logprobs.mean().item(), abs=2e-3)
         assert tokens == wide_tokens
+
+
+@pytest.mark.real_model
+def test_real_model_compressed_groups_in_float16_decode_through_the_chain_as_in_float32() -> None:
+    """H2O at half the KV over a float16 cache: the one-call decode (per-layer tables, scores folded after it)
+    gives the eager layers' tokens and logprobs, and the greedy text starts as the float32 cache's."""
+    prompts = [
+        "Tell me a story about a lighthouse keeper and the storm that changed his life.",
+        "Explain in two sentences why the sky is blue, for a child of six.",
+    ]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for kv_cache_dtype in ("auto", "float16"):
+        llm = LLM(dtype="float32", kv_cache_memory="64MiB", swap_space=0, kv_policy="h2o", kv_budget=0.5,
+                  kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+        tokens[kv_cache_dtype] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.engine.runner.cache.k.dtype == torch.float16
+    assert isinstance(llm.engine.runner.model.decode_chain, DecodeChain)
+    for narrow, wide in zip(tokens["float16"], tokens["auto"], strict=True):
+        assert narrow[:8] == wide[:8]
+    assert_the_chain_changes_nothing(llm, prompts, 24)

@@ -253,6 +253,8 @@ class CompressedKVCache(AttentionBackend):
     ) -> torch.Tensor:
         metadata = self._check_metadata(metadata)
         state = metadata.state
+        if k.dtype != self.k.dtype:  # a narrower cache rounds them once, here: every query sees them as it holds them
+            k, v = k.to(self.k.dtype).to(q.dtype), v.to(self.v.dtype).to(q.dtype)
         if metadata.decode_only:  # rows are already one per sequence, in order
             return self._decode(layer, q, k, v, metadata, list(range(len(state.rows))))
         starts = row_starts(state.rows)
@@ -291,7 +293,7 @@ class CompressedKVCache(AttentionBackend):
         ctx = self._slot_ids(table, 0, held, q.device)
         if held:
             cached_k, cached_v = self._read(ctx)
-            keys, values = torch.cat((cached_k, k)), torch.cat((cached_v, v))  # (h + m, Hkv, D)
+            keys, values = torch.cat((cached_k.to(q.dtype), k)), torch.cat((cached_v.to(q.dtype), v))  # (h + m, Hkv, D)
         else:
             keys, values = k, v
         out = attend_prefill(q, keys, values, held, window)  # a window layer's slots are its latest positions
@@ -543,8 +545,8 @@ class CompressedKVCache(AttentionBackend):
         """Keys and values (n, Hkv, D) into ``slots`` (n,), in the tier when the slab lives there."""
         k_flat, v_flat = self._flat()
         slots = slots.to(k_flat.device)
-        k_flat.index_copy_(0, slots, k.to(k_flat.device))
-        v_flat.index_copy_(0, slots, v.to(v_flat.device))
+        k_flat.index_copy_(0, slots, k.to(k_flat.device, k_flat.dtype))
+        v_flat.index_copy_(0, slots, v.to(v_flat.device, v_flat.dtype))
         if self.tier is not None:
             self.moved["stored"] += 2 * k.numel() * k.element_size()
 
