@@ -401,17 +401,24 @@ void for_rows(int64_t rows, int64_t n, const RowFn& row) {
   });
 }
 
-// y[m, b * 8 + r] for every block b of OUT_BLOCK interleaved weight rows and input row m: blocks split over
-// threads, a thread taking its blocks ROW_BLOCK input rows at a time (so a prefill chunk's rows stay in the cache
-// while the weights stream past), in tiles of up to ROW_TILE; block(b, m, tile) as in for_rows.
+// y (M, N) = x W^T on int8 rows: x rounded (quantize_rows), then block(xq, b, m, tile, y + m * N + b * 8) for
+// every block b of OUT_BLOCK interleaved weight rows and tile of input rows from m. Blocks split over threads, a
+// thread taking its blocks ROW_BLOCK input rows at a time (so a prefill chunk's rows stay in the cache while the
+// weights stream past), in tiles of up to ROW_TILE whose size is a compile-time constant (as in for_rows).
 template <typename BlockFn>
-void for_blocks(int64_t rows, int64_t blocks, const BlockFn& block) {
-  at::parallel_for(0, blocks, OUT_GRAIN / OUT_BLOCK, [&](int64_t begin, int64_t end) {
+at::Tensor on_int8_rows(const at::Tensor& x, int64_t n, const BlockFn& block) {
+  const int64_t rows = x.size(0), k = x.size(1);
+  const at::Tensor xc = x.contiguous();
+  const Int8Rows xq = quantize_rows(xc.data_ptr<float>(), rows, k);
+  auto y = at::empty({rows, n}, x.options());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n / OUT_BLOCK, OUT_GRAIN / OUT_BLOCK, [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < rows; first += ROW_BLOCK)
       for (int64_t b = begin; b < end; ++b)
         for (int64_t m = first; m < std::min(rows, first + ROW_BLOCK); m += ROW_TILE)  // ROW_BLOCK: whole tiles
-          with_row_tile(rows - m, [&](auto tile) { block(b, m, tile); });
+          with_row_tile(rows - m, [&](auto tile) { block(xq, b, m, tile, yp + m * n + b * OUT_BLOCK); });
   });
+  return y;
 }
 
 void check_input(const char* name, const at::Tensor& x) {
@@ -470,48 +477,37 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 
 at::Tensor q4_linear_q8(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& consts) {
   check_input("q4_linear_q8", x);
-  const int64_t rows = x.size(0), k = x.size(1), n = nibbles.size(0), groups = k / GROUP, blocks = n / OUT_BLOCK;
+  const int64_t k = x.size(1), n = nibbles.size(0), groups = k / GROUP;
   TORCH_CHECK(nibbles.dim() == 2 && nibbles.scalar_type() == at::kByte && nibbles.size(1) == k / 2 &&
                   n % OUT_BLOCK == 0 && nibbles.is_contiguous(),
               "q4_linear_q8: nibbles must be contiguous uint8 (N, ", k / 2, ") with N a multiple of ", OUT_BLOCK,
               ", got ", nibbles.sizes(), " ", nibbles.scalar_type());
   TORCH_CHECK(consts.scalar_type() == at::kFloat && consts.is_contiguous() && consts.numel() == n * groups * 2,
               "q4_linear_q8: consts must be contiguous float32 (N / 8, ", groups, ", 2, 8) with N = ", n);
-  const at::Tensor xc = x.contiguous();
-  const Int8Rows xq = quantize_rows(xc.data_ptr<float>(), rows, k);
-  auto y = at::empty({rows, n}, x.options());
-  float* yp = y.data_ptr<float>();
   const uint8_t* np = nibbles.data_ptr<uint8_t>();
   const float* kp = consts.data_ptr<float>();
-  for_blocks(rows, blocks, [&](int64_t b, int64_t m, auto tile) {
+  return on_int8_rows(x, n, [&](const Int8Rows& xq, int64_t b, int64_t m, auto tile, float* y) {
     q4q8_block<decltype(tile)::value>(np + b * OUT_BLOCK * k / 2, kp + b * OUT_BLOCK * groups * 2, groups,
-                                      xq.q.data() + m * k, xq.f.data() + m * groups * 2, k, yp + m * n + b * OUT_BLOCK,
-                                      n);
+                                      xq.q.data() + m * k, xq.f.data() + m * groups * 2, k, y, n);
   });
-  return y;
 }
 
 at::Tensor q8_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
   check_input("q8_linear_q8", x);
-  const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0), groups = k / GROUP, blocks = n / OUT_BLOCK;
+  const int64_t k = x.size(1), n = codes.size(0), groups = k / GROUP;
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.size(1) == k && n % OUT_BLOCK == 0 &&
                   codes.is_contiguous(),
               "q8_linear_q8: codes must be contiguous uint8 (N, ", k, ") with N a multiple of ", OUT_BLOCK, ", got ",
               codes.sizes(), " ", codes.scalar_type());
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n * groups,
               "q8_linear_q8: scales must be contiguous float32 (N / 8, ", groups, ", 8) with N = ", n);
-  const at::Tensor xc = x.contiguous();
-  const Int8Rows xq = quantize_rows(xc.data_ptr<float>(), rows, k);
-  auto y = at::empty({rows, n}, x.options());
-  float* yp = y.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
-  for_blocks(rows, blocks, [&](int64_t b, int64_t m, auto tile) {
+  return on_int8_rows(x, n, [&](const Int8Rows& xq, int64_t b, int64_t m, auto tile, float* y) {
     q8q8_block<decltype(tile)::value>(cp + b * OUT_BLOCK * k, sp + b * OUT_BLOCK * groups, groups,
                                       xq.q.data() + m * k, xq.f.data() + m * groups * 2, xq.s.data() + m * groups, k,
-                                      yp + m * n + b * OUT_BLOCK, n);
+                                      y, n);
   });
-  return y;
 }
 
 }  // namespace kvserve_ops
