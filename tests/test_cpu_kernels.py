@@ -1,5 +1,5 @@
-"""The compiled CPU kernels' build cache: a lock left by a killed build does not hang later starts, and a
-build running in another process is waited for, its lock left alone."""
+"""The compiled CPU kernels' build cache: a lock left by a killed build does not hang later starts, a build
+running in another process is waited for, its lock left alone, and ``KVSERVE_KERNEL_ARCH`` builds apart."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from kvserve.cpu_kernels import build_lock
+from kvserve.cpu_kernels import build_lock, build_name, cflags
 
 # Another process building: it holds the build lock, makes torch's lock file, builds for a while, and fails if
 # that file was taken from under it.
@@ -43,3 +43,14 @@ def test_a_build_in_another_process_is_waited_for(tmp_path) -> None:
         waited = time.monotonic() - start
     assert builder.wait(timeout=30) == 0  # its lock file was still there when it finished
     assert waited > 0.5
+
+
+def test_kernel_arch_chooses_the_march_and_its_own_build(monkeypatch) -> None:
+    """``KVSERVE_KERNEL_ARCH`` builds for another instruction set (e.g. AVX2 on an AVX-512 CPU) in a build of its
+    own: the flag reaches g++ and the build's name, so the native build is never loaded in its place."""
+    monkeypatch.delenv("KVSERVE_KERNEL_ARCH", raising=False)
+    native = build_name()
+    assert "-march=native" in cflags()
+    monkeypatch.setenv("KVSERVE_KERNEL_ARCH", "haswell")
+    assert "-march=haswell" in cflags() and "-march=native" not in cflags()
+    assert build_name() != native
