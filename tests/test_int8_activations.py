@@ -53,20 +53,21 @@ def reference(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     """What ``q4_linear_q8`` computes, written out: x rounded to int8 per row and group of 32 (scale max|x| / 127),
     each group's integer dot product with the codes, times both scales; the offsets times the scaled group sums."""
     q, d = rounded(x)
-    codes = weight.codes.reshape(weight.shape[0], -1, 32).double()  # (N, G, 32)
-    dots = torch.einsum("mgj,ngj->mng", q, codes)  # exact integers
-    products = (dots * d.unsqueeze(1) * weight.scale.double()).sum(-1)
     offsets = (q.sum(-1) * d) @ weight.offset.double().T
-    return products + offsets
+    return scaled_dots(q, d, weight.codes, weight.scale) + offsets
+
+
+def scaled_dots(q: torch.Tensor, d: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Each group's exact integer dot product of rounded rows q (M, G, 32) with codes (N, K), times both scales
+    (the rows' d (M, G), the codes' scale (N, G)), summed over groups: (M, N) float64."""
+    dots = torch.einsum("mgj,ngj->mng", q, codes.reshape(codes.shape[0], -1, 32).double())  # exact integers
+    return (dots * d.unsqueeze(1) * scale.double()).sum(-1)
 
 
 def head_reference(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     """What ``q8_linear_q8`` computes, written out: each group's integer dot product of the rounded x with the
     int8 codes, times both scales."""
-    q, d = rounded(x)
-    codes = weight.codes.reshape(weight.codes.shape[0], -1, 32).double()
-    dots = torch.einsum("mgj,ngj->mng", q, codes)  # exact integers
-    return (dots * d.unsqueeze(1) * weight.scale.double()).sum(-1)
+    return scaled_dots(*rounded(x), weight.codes, weight.scale)
 
 
 def int8_head(shape: tuple[int, int], seed: int = 0, dense: bool = False) -> tuple[Q8Linear, Int8Weight]:
@@ -139,7 +140,7 @@ def test_head_layout_round_trips_and_the_switch_drops_the_dense_copy() -> None:
     # Block 1, group 2, v = 5, row 3, byte 2: input 2 * 32 + 4 * 5 + 2 of row 11, plus 128.
     assert int(head.offset_codes.view(5, 3, 8, 8, 4)[1, 2, 5, 3, 2]) == int(weight.codes[11, 86]) + 128
     assert float(head.scales[1, 2, 3]) == float(weight.scale[11, 2])
-    back = head.int8_weight()
+    back = Int8Weight.from_interleaved(head.offset_codes, head.scales)
     assert torch.equal(back.codes, weight.codes) and torch.equal(back.scale, weight.scale)
     assert head.dense is None and not hasattr(head, "codes") and not head.round_activations_to_int8()
     many = torch.randn(300, 96)

@@ -383,12 +383,6 @@ class Q8Linear(nn.Module):
         self.int8_activations, self.max_rows = True, sys.maxsize
         return True
 
-    def int8_weight(self) -> Int8Weight:
-        """The float32 kernels' weight as int8 codes and scales."""
-        if self.int8_activations:
-            return Int8Weight.from_interleaved(self.offset_codes, self.scales)
-        return Int8Weight(self.codes, self.scale)
-
     def code_tensors(self) -> list[torch.Tensor]:
         """What a product on the codes reads (for byte counts)."""
         if self.planes is not None:
