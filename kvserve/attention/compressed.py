@@ -47,7 +47,7 @@ from kvserve.attention.paged import PagedKVCache, attend_prefill
 from kvserve.attention.step_layout import pad_tables, row_starts, slot_ids
 from kvserve.kv.tiers import KVTier, RowSpec
 from kvserve.policies.base import SCORES_NONE, KVPolicy
-from kvserve.policies.scoring import update_scores
+from kvserve.policies.scoring import attend_voting_rows, update_scores
 
 if TYPE_CHECKING:
     from kvserve.scheduler import SchedulerOutput
@@ -296,12 +296,19 @@ class CompressedKVCache(AttentionBackend):
             keys, values = torch.cat((cached_k.to(q.dtype), k)), torch.cat((cached_v.to(q.dtype), v))  # (h + m, Hkv, D)
         else:
             keys, values = k, v
-        out = attend_prefill(q, keys, values, held, window)  # a window layer's slots are its latest positions
         num_candidates = held + m
         num_tokens = meta.context_lens[i] + meta.query_lens[i]
-        scoring = policy.scores != SCORES_NONE and window is None
-        previous = self.scores.index_select(0, ctx) if held and scoring else None
-        scores = policy.prefill_scores(q, keys, held, num_tokens, previous) if scoring else None
+        votes = policy.votes(m, num_tokens) if window is None else None
+        if votes is None:
+            out, scores = attend_prefill(q, keys, values, held, window), None  # a window's slots: its latest
+        else:  # the voting rows' attention weights are formed once, for their output and for the scores
+            first, row_weights = votes
+            out = torch.empty_like(q)
+            if first:
+                out[:first] = attend_prefill(q[:first], keys[: held + first], values[: held + first], held)
+            out[first:], head_sums = attend_voting_rows(q, keys, values, held, first, row_weights)
+            previous = self.scores.index_select(0, ctx) if held else None
+            scores = policy.scores_from(head_sums, held, previous)
         if scores is not None and scores.dim() == 1 and self.rank_mean is not None:  # the same on every rank
             scores = self.rank_mean(scores)
         if num_candidates <= target:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.policies.scoring import column_sums, head_column_sums
+from kvserve.policies.scoring import head_column_sums
 
 # What attention weights a policy scores slots by (see ``KVPolicy.scores``).
 SCORES_NONE = "none"  # positional policies (full cache, local window)
@@ -112,9 +112,14 @@ class KVPolicy:
         votes = self.votes(q.shape[0], num_tokens)
         if votes is None:
             return None
+        return self.scores_from(head_column_sums(q, keys, held, *votes), held, previous)
+
+    def scores_from(self, head_sums: torch.Tensor, held: int, previous: torch.Tensor | None) -> torch.Tensor:
+        """``prefill_scores`` from the votes' attention summed per KV head, ``head_sums`` (h + m, Hkv) float32
+        (``scoring.head_column_sums``, or ``attend_voting_rows`` where the attention pass forms it)."""
         if self.per_head:  # (h + m, Hkv); a per-head policy ranks afresh each chunk
-            return head_column_sums(q, keys, held, *votes)
-        total = column_sums(q, keys, held, *votes)
+            return head_sums
+        total = head_sums.mean(dim=1)
         if previous is not None and self.scores == SCORES_ACCUMULATED:
             total[:held] += previous
         return total

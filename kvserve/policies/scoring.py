@@ -7,7 +7,7 @@ so each is tested alone on hand-made tensors; the compressed cache calls them wi
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,12 +16,6 @@ if TYPE_CHECKING:
     from kvserve.policies.base import KVPolicy
 
 SCORE_CHUNK = 256  # query rows per chunk when scoring a prefill (bounds the (H, rows, keys) weights)
-
-
-def scaled_logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q k^T / sqrt(D) as float32, multiplied in the cache dtype (bfloat16 runs on AMX; the scores that
-    rank tokens need no more precision). q (..., r, D), k (..., n, D) -> (..., r, n)."""
-    return torch.matmul(q, k.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])
 
 
 def column_sums(q: torch.Tensor, keys: torch.Tensor, held: int, first: int, row_weights: torch.Tensor) -> torch.Tensor:
@@ -37,23 +31,61 @@ def head_column_sums(
     q: torch.Tensor, keys: torch.Tensor, held: int, first: int, row_weights: torch.Tensor
 ) -> torch.Tensor:
     """``column_sums`` per KV head: (n, Hkv) float32, each the mean over the query heads that read it (GQA)."""
+    total = keys.new_zeros(keys.shape[1], keys.shape[0], dtype=torch.float32)
+    for begin, end, weights in _voting_chunks(q, keys, held, first):
+        _add_column_sums(total, weights, row_weights[begin - first : end - first])
+    return total.T
+
+
+def attend_voting_rows(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, held: int, first: int, row_weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of a chunk's voting queries first.. and ``head_column_sums`` from the same softmax.
+
+    q (m, H, D) at candidate indices held..; keys/values (held + m, Hkv, D). Returns the rows' output
+    (m - first, H, D) in q's dtype and the sums (n, Hkv) float32. The weights are formed once and serve both,
+    so a scoring prefill multiplies q by k once for these rows instead of in SDPA and again to score.
+    """
     m, num_heads, head_dim = q.shape
-    n, num_kv_heads = keys.shape[:2]
+    num_kv_heads = keys.shape[1]
+    vh = values.transpose(0, 1)[:, None].float()  # (Hkv, 1, n, D): the weights stay float32
+    total = keys.new_zeros(num_kv_heads, keys.shape[0], dtype=torch.float32)
+    out = q.new_empty(m - first, num_heads, head_dim)
+    for begin, end, weights in _voting_chunks(q, keys, held, first):
+        rows = torch.matmul(weights, vh[:, :, : weights.shape[-1]])  # (Hkv, G, c, D)
+        out[begin - first : end - first] = rows.reshape(num_heads, end - begin, head_dim).transpose(0, 1)
+        _add_column_sums(total, weights, row_weights[begin - first : end - first])
+    return out, total.T
+
+
+def _voting_chunks(
+    q: torch.Tensor, keys: torch.Tensor, held: int, first: int
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Queries first.. of a chunk in pieces of SCORE_CHUNK rows: (begin, end, attention weights (Hkv, G, c,
+    held + end) float32), query head h = kv * G + g reading KV head kv."""
+    m, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
     group = num_heads // num_kv_heads
     kh = keys.transpose(0, 1)[:, None]  # (Hkv, 1, n, D): query head h reads KV head h // group
-    total = torch.zeros(num_kv_heads, n, dtype=torch.float32, device=q.device)
+    scale = 1 / math.sqrt(head_dim)  # on the (c, D) queries, not the (c, width) logits
     for begin in range(first, m, SCORE_CHUNK):
         end = min(begin + SCORE_CHUNK, m)
-        qh = q[begin:end].transpose(0, 1).reshape(num_kv_heads, group, end - begin, head_dim)  # (Hkv, G, c, D)
+        qh = q[begin:end].transpose(0, 1).reshape(num_kv_heads, group, end - begin, head_dim) * scale  # (Hkv, G, c, D)
         # Query j of the chunk sits at candidate index held + j and sees keys up to there: the chunk reads the
         # first held + end keys, and only among its own (the last end - begin) does it need a causal mask.
-        width = held + end
-        logits = scaled_logits(qh, kh[:, :, :width])  # (Hkv, G, c, width) float32
+        # Multiplied in the cache dtype (bfloat16 runs on AMX/avx512_bf16), accumulated in float32 by the matmul.
+        logits = torch.matmul(qh, kh[:, :, : held + end].transpose(-1, -2)).float()  # (Hkv, G, c, width)
         future = torch.ones(end - begin, end - begin, dtype=torch.bool, device=q.device).triu(1)
         logits[..., held + begin :].masked_fill_(future, float("-inf"))
-        weights = torch.softmax(logits, dim=-1).mean(dim=1)  # (Hkv, c, width)
-        total[:, :width] += row_weights[begin - first : end - first].to(weights.device) @ weights
-    return total.T
+        yield begin, end, torch.softmax(logits, dim=-1)
+
+
+def _add_column_sums(total: torch.Tensor, weights: torch.Tensor, row_weights: torch.Tensor) -> None:
+    """total (Hkv, n) += the chunk's ``weights`` (Hkv, G, c, width) summed over its rows by ``row_weights`` (c,),
+    averaged over each KV head's G query heads: one batched product, no (Hkv, c, width) mean."""
+    num_kv_heads, group, rows, width = weights.shape
+    per_row = row_weights.to(weights.device).repeat(group) / group  # (G * c,), g-major like the weights
+    total[:, :width] += torch.matmul(per_row, weights.view(num_kv_heads, group * rows, width))
 
 
 def update_scores(policies: Sequence[KVPolicy], scores: torch.Tensor, step_weights: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from kvserve.attention.decode import paged_decode, paged_decode_reference
+from kvserve.attention.paged import attend_prefill
 from kvserve.policies import HeavyHitters, InfiniGen, LocalWindow, PyramidInfer
-from kvserve.policies.scoring import SCORE_CHUNK, column_sums, update_scores
+from kvserve.policies.scoring import SCORE_CHUNK, attend_voting_rows, column_sums, head_column_sums, update_scores
 
 H, HKV, D = 4, 2, 8  # GQA: query heads 0, 1 read KV head 0; 2, 3 read KV head 1
 
@@ -40,6 +41,25 @@ def test_column_sums_are_the_weighted_attention_each_candidate_receives(m, held)
     row_weights = torch.linspace(1, 2, m - first)
     expected = row_weights @ _weights(q, keys, held)[first:]
     assert torch.allclose(column_sums(q, keys, held, first, row_weights), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize(("m", "held", "first"), [(1, 0, 0), (7, 0, 3), (6, 9, 0), (SCORE_CHUNK + 5, 3, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_voting_rows_attend_and_score_from_one_softmax(m, held, first, dtype) -> None:
+    """The voting rows' output is causal attention (SDPA's within rounding) and their scores are the same
+    weighted column sums as scoring alone: across chunk boundaries, after cached slots, in both dtypes."""
+    q, keys = _case(m, held, seed=m + held)
+    values = torch.randn_like(keys)
+    q, keys, values = q.to(dtype), keys.to(dtype), values.to(dtype)
+    row_weights = torch.linspace(1, 2, m - first)
+    out, sums = attend_voting_rows(q, keys, values, held, first, row_weights)
+    expected = attend_prefill(q, keys, values, held)[first:]
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out.dtype == dtype and out.shape == (m - first, H, D)
+    assert torch.allclose(out.float(), expected.float(), atol=tolerance)
+    assert torch.allclose(sums, head_column_sums(q, keys, held, first, row_weights), atol=1e-6)
+    if dtype == torch.float32:
+        assert torch.allclose(sums.mean(dim=1), row_weights @ _weights(q, keys, held)[first:], atol=1e-5)
 
 
 def test_pyramid_scores_by_its_recent_queries_weighted_towards_the_newest() -> None:
