@@ -68,7 +68,8 @@ def prefix_table() -> str:
 
 def compression_table() -> str:
     result = {"policy": "full", "budget": 1.0, "kv_bytes_per_seq": 3e7 + X, "prefill_reserved_bytes_per_seq": 4e7 + X,
-              "peak_running": 9, "output_tokens_per_s": 40 + X, "decode_tokens_per_s": 50 + X}  # fmt: skip
+              "peak_running": 9, "preemptions": 2, "output_tokens_per_s": 40 + X,
+              "decode_tokens_per_s": 50 + X}  # fmt: skip
     report = {**HEAD, "kv_cache_memory": "400MiB", "workload": "32 requests", "results": [result, {**result,
               "policy": "pyramid", "budget": 0.5}]}  # fmt: skip
     return compression.markdown(report)

@@ -9,7 +9,9 @@ batch at that memory. Measured per policy:
   its prompt ran) and during that step (the blocks reserved for it: a compressing policy never reserves
   the whole prompt);
 - peak sequences running at once;
-- output tokens/s end to end (prefills included) and in decode-only steps.
+- output tokens/s end to end (prefills included) and in decode-only steps;
+- preemptions: a sequence that outgrows the pool while decoding is preempted and its prompt recomputed
+  later, time that shows in the end-to-end figure but not in the decode-only one.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class CompressionResult:
     mean_running_in_decode: float
     kv_bytes_per_seq: float  # after the prefill step, averaged over sequences
     prefill_reserved_bytes_per_seq: float  # blocks reserved for the prefill step, averaged
+    preemptions: int = 0  # sequences preempted for memory (recomputed or swapped back later)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -79,6 +82,7 @@ def run_policy(
         return out
 
     engine.scheduler.schedule = spy
+    preempted_before = engine.scheduler.num_preemptions
     start = time.perf_counter()
     try:
         while engine.has_unfinished_requests():
@@ -115,6 +119,7 @@ def run_policy(
         mean_running_in_decode=sum(running_in_decode) / max(len(running_in_decode), 1),
         kv_bytes_per_seq=sum(after_prefill) / max(len(after_prefill), 1),
         prefill_reserved_bytes_per_seq=sum(reserved) / max(len(reserved), 1),
+        preemptions=engine.scheduler.num_preemptions - preempted_before,
     )
 
 
@@ -140,13 +145,13 @@ def markdown(report: dict) -> str:
         f"KV memory {report['kv_cache_memory']} for every policy.",
         "",
         "| policy | budget | KV/seq after prefill (MB) | KV reserved in prefill (MB) | peak batch | "
-        "output tok/s | decode tok/s | vs full (out / decode) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "preemptions | output tok/s | decode tok/s | vs full (out / decode) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         lines.append(
             f"| {r['policy']} | {r['budget']:g} | {r['kv_bytes_per_seq'] / 1e6:.1f} | "
-            f"{r['prefill_reserved_bytes_per_seq'] / 1e6:.1f} | {r['peak_running']} | "
+            f"{r['prefill_reserved_bytes_per_seq'] / 1e6:.1f} | {r['peak_running']} | {r.get('preemptions', '')} | "
             f"{r['output_tokens_per_s']:.1f} | {r['decode_tokens_per_s']:.1f} | "
             f"{r['output_tokens_per_s'] / full['output_tokens_per_s']:.2f}x / "
             f"{r['decode_tokens_per_s'] / max(full['decode_tokens_per_s'], 1e-9):.2f}x |"

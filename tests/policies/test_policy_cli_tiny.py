@@ -42,6 +42,7 @@ def test_generate_and_bench_compression(tmp_path, capsys) -> None:
     full, pyramid, h2o = report["results"]
     assert [r["policy"] for r in (full, pyramid, h2o)] == ["full", "pyramid", "h2o"]
     assert all(r["output_tokens"] == 6 * 8 for r in report["results"])
+    assert all(isinstance(r["preemptions"], int) and r["preemptions"] >= 0 for r in report["results"])
     assert pyramid["kv_bytes_per_seq"] < 0.6 * full["kv_bytes_per_seq"]
     assert pyramid["peak_running"] > full["peak_running"]
     assert out.with_suffix(".png").stat().st_size > 0 and "| pyramid | 0.5 |" in out.with_suffix(".md").read_text()
