@@ -19,6 +19,7 @@ from kvserve.bench.prefill import METHODS as PREFILL_METHODS
 from kvserve.bench.report import new_report, write_report
 from kvserve.bench.results_dir import add_output_arg, output_path
 from kvserve.bench.workload import AUSTEN
+from kvserve.config import PREEMPTION_MODES
 from kvserve.engine_args import add_kv_policy_args, kv_policy_options
 from kvserve.errors import KVServeError
 from kvserve.extras import extra_imports
@@ -129,6 +130,9 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     cmp.add_argument("--prompt-tokens", default="1024,2048", help="prompt lengths drawn uniformly from MIN,MAX")
     cmp.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     cmp.add_argument("--max-num-seqs", type=int, default=128)
+    cmp.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute",
+                     help="how a sequence that outgrows the pool gives way: its prompt recomputed later, or its blocks "
+                     "swapped to host memory")  # fmt: skip
     add_output_arg(cmp, "compression", "efficiency")
     cmp.set_defaults(func=cmd_bench_compression)
 
@@ -692,7 +696,7 @@ def cmd_bench_compression(args: argparse.Namespace) -> int:
         config = EngineConfig(
             dtype=args.dtype, device=args.device, weights=args.weights, kv_cache_memory=args.kv_cache_memory,
             max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, kv_policy=policy, kv_budget=budget,
-            int8_activations=args.int8_activations,
+            int8_activations=args.int8_activations, preemption_mode=args.preemption_mode,
         )  # fmt: skip
         engine = LLMEngine(config, loaded)
         log(f"bench compression: {engine.kv_summary}")
@@ -706,7 +710,7 @@ def cmd_bench_compression(args: argparse.Namespace) -> int:
         "compression", model=loaded.path.name, dtype=args.dtype, weights=args.weights,
         int8_activations=args.int8_activations,
         threads=torch.get_num_threads(), kv_cache_memory=args.kv_cache_memory,
-        workload=f"{len(prompts)} requests, prompts {low}-{high} tokens (Austen), {args.max_tokens} output tokens",
+        workload=f"{len(prompts)} requests, prompts {low}-{high} tokens (Austen), {args.max_tokens} output tokens, preemption by {args.preemption_mode}",
         results=results,
     )  # fmt: skip
     out = output_path(args, "efficiency")
