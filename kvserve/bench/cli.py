@@ -710,7 +710,8 @@ def cmd_bench_compression(args: argparse.Namespace) -> int:
         "compression", model=loaded.path.name, dtype=args.dtype, weights=args.weights,
         int8_activations=args.int8_activations,
         threads=torch.get_num_threads(), kv_cache_memory=args.kv_cache_memory,
-        workload=f"{len(prompts)} requests, prompts {low}-{high} tokens (Austen), {args.max_tokens} output tokens, preemption by {args.preemption_mode}",
+        workload=f"{len(prompts)} requests, prompts {low}-{high} tokens (Austen), {args.max_tokens} output tokens, "
+        f"preemption by {args.preemption_mode}",
         results=results,
     )  # fmt: skip
     out = output_path(args, "efficiency")
