@@ -11,8 +11,9 @@ Per step and layer, for each sequence holding ``h`` slots and receiving ``m`` ro
 1. attention of the rows over the ``h`` cached slots plus their own new keys (causal). A prefill writes
    no key before choosing, so it never needs more slots than it keeps; a decode writes its one new key
    at slot ``h`` first (the scheduler reserves that slot) so a single gather reads every candidate;
-2. the policy scores the ``h + m`` candidates (when it scores), and if they exceed the group's target
-   for the step (``ScheduledSequence.group_targets``), chooses which to keep;
+2. the policy scores the ``h + m`` candidates (when it scores: a prefill's voting rows are attended explicitly,
+   so one softmax gives their output and the scores, ``scoring.attend_voting_rows``), and if they exceed the
+   group's target for the step (``ScheduledSequence.group_targets``), chooses which to keep;
 3. the kept keys, values and scores are written to the group's first slots, in position order (or,
    with nothing to drop, the new rows are appended at slot ``h``);
 4. for a row-dropping policy (PyramidInfer), rows whose key the layer dropped leave the hidden states,
