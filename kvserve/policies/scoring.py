@@ -66,15 +66,15 @@ def _voting_chunks(
     m, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
     group = num_heads // num_kv_heads
-    kh = keys.transpose(0, 1)[:, None]  # (Hkv, 1, n, D): query head h reads KV head h // group
+    # float32 throughout: the weights are also the voting rows' attention (a bfloat16 product would round the logits).
+    kh = keys.transpose(0, 1)[:, None].float()  # (Hkv, 1, n, D): query head h reads KV head h // group
     scale = 1 / math.sqrt(head_dim)  # on the (c, D) queries, not the (c, width) logits
     for begin in range(first, m, SCORE_CHUNK):
         end = min(begin + SCORE_CHUNK, m)
-        qh = q[begin:end].transpose(0, 1).reshape(num_kv_heads, group, end - begin, head_dim) * scale  # (Hkv, G, c, D)
+        qh = q[begin:end].transpose(0, 1).reshape(num_kv_heads, group, end - begin, head_dim).float() * scale
         # Query j of the chunk sits at candidate index held + j and sees keys up to there: the chunk reads the
         # first held + end keys, and only among its own (the last end - begin) does it need a causal mask.
-        # Multiplied in the cache dtype (bfloat16 runs on AMX/avx512_bf16), accumulated in float32 by the matmul.
-        logits = torch.matmul(qh, kh[:, :, : held + end].transpose(-1, -2)).float()  # (Hkv, G, c, width)
+        logits = torch.matmul(qh, kh[:, :, : held + end].transpose(-1, -2))  # (Hkv, G, c, width)
         future = torch.ones(end - begin, end - begin, dtype=torch.bool, device=q.device).triu(1)
         logits[..., held + begin :].masked_fill_(future, float("-inf"))
         yield begin, end, torch.softmax(logits, dim=-1)
