@@ -10,8 +10,8 @@ batch at that memory. Measured per policy:
   the whole prompt);
 - peak sequences running at once;
 - output tokens/s end to end (prefills included) and in decode-only steps;
-- preemptions: a sequence that outgrows the pool while decoding is preempted and its prompt recomputed
-  later, time that shows in the end-to-end figure but not in the decode-only one.
+- preemptions: a sequence that outgrows the pool while decoding is preempted, and later recomputed (or, with
+  ``--preemption-mode swap``, swapped back in): time that shows in the end-to-end figure, not in the decode-only one.
 """
 
 from __future__ import annotations
