@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvserve.cli import main
 from tests.tiny_models import TinySpec, write_tiny_model
 
@@ -57,3 +59,10 @@ def test_bench_compression_runs_each_budget_and_the_full_cache_once(tmp_path) ->
     results = json.loads(out.with_suffix(".json").read_text())["results"]
     assert [(r["policy"], r["budget"]) for r in results] == [("full", 1.0), ("snapkv", 0.25), ("snapkv", 0.75)]
     assert results[1]["kv_bytes_per_seq"] < results[2]["kv_bytes_per_seq"] < results[0]["kv_bytes_per_seq"]
+
+
+def test_bench_compression_refuses_an_unknown_preemption_mode(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:  # argparse: not one of the choices, before any model loads
+        main(["bench", "compression", "--preemption-mode", "evict"])
+    assert exit_.value.code == 2
+    assert "invalid choice: 'evict'" in capsys.readouterr().err
