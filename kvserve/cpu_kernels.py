@@ -5,7 +5,8 @@ rotary embedding and SwiGLU's product, one op each (``models/fused.py``); ``spec
 speculation for a decode batch (``policies/infinigen.py``); ``quant_gemv.cpp``: products with GGUF's
 4-bit and 8-bit codes for decode-sized batches in float32, and both with activations rounded to int8
 (``models/quant_linear.py``); ``decode_layers.cpp``:
-a plain decode step's decoder layers as one call of the above (``models/decode_chain.py``).
+a plain decode step's decoder layers as one call of the above (``models/decode_chain.py``); ``flash_prefill.cpp``:
+causal prefill attention in bfloat16 with AVX512-BF16 products (``attention/flash_prefill.py``).
 
 The build uses ``torch.utils.cpp_extension`` (g++ and ninja) with ``-march=native``, so it is keyed by a hash
 of the sources, the flags, the torch version and the CPU's flags: a cached build made on another CPU is never loaded.
@@ -33,7 +34,14 @@ from kvserve.log import get_logger
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(
     CSRC / name
-    for name in ("paged_decode.cpp", "fused_ops.cpp", "speculate.cpp", "quant_gemv.cpp", "decode_layers.cpp")
+    for name in (
+        "paged_decode.cpp",
+        "fused_ops.cpp",
+        "speculate.cpp",
+        "quant_gemv.cpp",
+        "decode_layers.cpp",
+        "flash_prefill.cpp",
+    )
 )
 HEADERS = (CSRC / "cpu_vec.h", CSRC / "ops.h")
 OPS = (
@@ -47,6 +55,7 @@ OPS = (
     "q4_linear_q8",
     "q8_linear_q8",
     "decode_layers",
+    "flash_prefill",
 )
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # ``KVSERVE_KERNEL_ARCH`` (a g++ -march value, default native) builds for an older instruction set, e.g.

@@ -18,8 +18,9 @@ layer block-major, then token-major inside a block. Why this and not (.., Hkv, b
 
 Decode sequences (query length 1) of a step are batched into one ``paged_decode`` call (``decode.py``),
 which reads each sequence's blocks in place through its block table: the compiled CPU kernel, or the torch
-reference (a gather and one masked SDPA) elsewhere. Prefills (fresh or chunked) run one SDPA per sequence
-with a causal mask offset by the context length.
+reference (a gather and one masked SDPA) elsewhere. Prefills (fresh or chunked) run one causal attention per
+sequence offset by the context length: SDPA, or in bfloat16 on CPUs with AVX512-BF16 and no AMX kvserve's
+own kernel (``flash_prefill.py``).
 
 Padding entries of a block table point at block 0; the attention masks keep them out, and the cache
 is zero-initialised so that no slot ever holds NaN (0 * NaN would leak through a mask).
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata, InPlaceDecode
 from kvserve.attention.decode import paged_decode
+from kvserve.attention.flash_prefill import flash_prefill, use_flash_prefill
 from kvserve.attention.masks import causal_mask, window_binds
 from kvserve.attention.row_invariant import RowPlan, attend_row_calls, plan_row_calls
 from kvserve.attention.step_layout import padded_table, row_starts, token_positions
@@ -471,6 +473,8 @@ def attend_prefill(
     """q (T, H, D) at cache positions ctx_len.. over k, v (ctx_len + T, Hkv, D) -> (T, H, D); with a
     ``window``, each query sees only the last ``window`` positions (its own included)."""
     q_len = q.shape[0]
+    if q_len > 1 and use_flash_prefill(q, k):
+        return flash_prefill(q, k, v, ctx_len, window)
     if window_binds(window, ctx_len + q_len):
         return _attend_windowed(q, k, v, ctx_len, window)
     qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, T, D)

@@ -1,0 +1,309 @@
+// Causal prefill attention in bfloat16 on CPUs with AVX512-BF16 (vdpbf16ps): q (T, H, D) at cache positions
+// ctx_len.. over k, v (ctx_len + T, Hkv, D) -> (T, H, D), optionally over a sliding window.
+//
+// Why: torch's CPU flash attention runs bfloat16 at its float32 speed on a CPU without AMX (2,048 causal
+// queries x 9 heads x 64: 116 GFLOP/s on an AMD EPYC Zen 4, 2 threads), about half of a bfloat16 prefill.
+// Here both products are bfloat16 dot products with float32 accumulation, as in a flash attention kernel:
+// a tile of rows (query tokens x the query heads sharing a KV head, so each key is read once for the group)
+// against blocks of KB keys, an online softmax in float32 between them, the probabilities rounded to
+// bfloat16 for the product with V (as torch's kernel does). K and V are first repacked per KV head into the
+// instruction's pair layout: K as [key block of 16][d pair][16 keys][2], V as [key pair][d][2].
+//
+// The op exists on every CPU; flash_prefill_available() says whether this build has the kernel: compiled where
+// -march=native enables AVX512-BF16, except with AMX, where torch's kernel runs its products on the tiles
+// (far above what vdpbf16ps reaches). Callers keep torch's kernel where it is absent.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
+#define KVSERVE_FLASH_PREFILL 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+bool flash_prefill_available() {
+#if defined(KVSERVE_FLASH_PREFILL)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(KVSERVE_FLASH_PREFILL)
+
+constexpr int64_t KB = 64;        // keys per block: 4 vectors of 16
+constexpr int64_t TILE_ROWS = 32;  // rows (query token x grouped head) per work item, rounded to whole tokens
+constexpr int64_t SUB = 4;         // rows per register sub-tile
+constexpr float NONE = -1e30f;     // a row's running max before its first key (finite: built with -ffast-math)
+
+// exp(x) for 16 floats (x <= 0 here): 2^n * p(r) with r = x - n ln 2 in [-ln2/2, ln2/2] and p its degree-6
+// Taylor polynomial (relative error ~2e-7, far below the bfloat16 rounding the probabilities get next).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+struct Problem {
+  const uint16_t* q;  // (T, H, D) with strides
+  int64_t q_tok, q_head;
+  int64_t T, H, Hkv, G, D, N;  // N = ctx_len + T keys
+  int64_t ctx, window;          // window <= 0: none
+  float scale;
+  const uint16_t* kp;  // per KV head: [N16 / 16][D / 2][16][2]
+  const uint16_t* vp;  // per KV head: [NP / 2][D][2]
+  int64_t kp_head, vp_head;
+  uint16_t* out;  // (T, H, D) contiguous
+};
+
+// First key row r's query may see (inclusive) and the key after its last.
+inline int64_t key_lo(const Problem& p, int64_t t) {
+  return p.window > 0 ? std::max<int64_t>(0, p.ctx + t - p.window + 1) : 0;
+}
+inline int64_t key_hi(const Problem& p, int64_t t) { return p.ctx + t + 1; }
+
+// S[r][0..KB) = scale * q_r . k_j for the R rows at `rows` and the KB keys of the block at kblk (16-key units).
+template <int R>
+inline void scores(const Problem& p, const uint32_t* const* qrows, const uint16_t* kblock, float* S, int64_t lds) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t pairs = p.D / 2;
+  const int64_t block_stride = pairs * 32;  // bf16 per 16-key block
+  for (int64_t d = 0; d < pairs; ++d) {
+    __m512bh k[4];
+    for (int j = 0; j < 4; ++j)
+      k[j] = (__m512bh)_mm512_loadu_si512(kblock + j * block_stride + d * 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh q = (__m512bh)_mm512_set1_epi32(static_cast<int>(qrows[r][d]));
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], q, k[j]);
+    }
+  }
+  const __m512 s = _mm512_set1_ps(p.scale);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(S + r * lds + j * 16, _mm512_mul_ps(acc[r][j], s));
+}
+
+// O[r][d0..d0+64) += P_r . V[block keys][d0..d0+64) for R rows; P as bfloat16 pairs (KB / 2 per row).
+template <int R>
+inline void accumulate(const uint32_t* P, int64_t ldp, const uint16_t* vblock, int64_t D, float* O, int64_t ldo,
+                       int64_t pairs) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_loadu_ps(O + r * ldo + d0 + j * 16);
+    for (int64_t kp = 0; kp < pairs; ++kp) {
+      __m512bh v[4];
+      const uint16_t* row = vblock + kp * D * 2 + d0 * 2;
+      for (int j = 0; j < 4; ++j) v[j] = (__m512bh)_mm512_loadu_si512(row + j * 32);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(P[r * ldp + kp]));
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], w, v[j]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(O + r * ldo + d0 + j * 16, acc[r][j]);
+  }
+}
+
+// Rows [r0, r0 + n) in sub-tiles of SUB, the last one narrower.
+template <typename Fn>
+inline void for_subtiles(int64_t n, Fn&& fn) {
+  int64_t r = 0;
+  for (; r + SUB <= n; r += SUB) fn(r, std::integral_constant<int, SUB>{});
+  switch (n - r) {
+    case 3: fn(r, std::integral_constant<int, 3>{}); break;
+    case 2: fn(r, std::integral_constant<int, 2>{}); break;
+    case 1: fn(r, std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
+}
+
+// One work item: tokens [t0, t1) of KV head h's query group.
+void attend_tile(const Problem& p, int64_t h, int64_t t0, int64_t t1, float* S, float* O, uint32_t* P, float* m,
+                 float* l) {
+  const int64_t rows = (t1 - t0) * p.G, D = p.D;
+  std::vector<const uint32_t*> qrows(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = t0 + r / p.G, head = h * p.G + r % p.G;
+    qrows[r] = reinterpret_cast<const uint32_t*>(p.q + t * p.q_tok + head * p.q_head);
+    m[r] = NONE;
+    l[r] = 0.f;
+  }
+  std::fill(O, O + rows * D, 0.f);
+  const uint16_t* kp = p.kp + h * p.kp_head;
+  const uint16_t* vp = p.vp + h * p.vp_head;
+  const int64_t first = key_lo(p, t0) / KB * KB, last = key_hi(p, t1 - 1);
+  for (int64_t k0 = first; k0 < last; k0 += KB) {
+    const uint16_t* kblock = kp + (k0 / 16) * (D / 2) * 32;
+    for_subtiles(rows, [&](int64_t r, auto R) {
+      scores<decltype(R)::value>(p, qrows.data() + r, kblock, S + r * KB, KB);
+    });
+    // Online softmax per row over the keys it may see in this block; the others get probability 0.
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = t0 + r / p.G;
+      const int64_t a = std::max<int64_t>(key_lo(p, t) - k0, 0), b = std::min<int64_t>(key_hi(p, t) - k0, KB);
+      uint32_t* pr = P + r * (KB / 2);
+      if (a >= b) {
+        std::memset(pr, 0, sizeof(uint32_t) * (KB / 2));
+        continue;
+      }
+      float* s = S + r * KB;
+      __mmask16 valid[4];
+      __m512 mx = _mm512_set1_ps(m[r]);
+      for (int j = 0; j < 4; ++j) {
+        const int64_t lo = std::clamp<int64_t>(a - 16 * j, 0, 16), hi = std::clamp<int64_t>(b - 16 * j, 0, 16);
+        valid[j] = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+        mx = _mm512_mask_max_ps(mx, valid[j], mx, _mm512_loadu_ps(s + 16 * j));
+      }
+      const float row_max = _mm512_reduce_max_ps(mx);
+      const float correction = std::exp(m[r] - row_max);  // 0 on the row's first block (m = NONE)
+      const __m512 shift = _mm512_set1_ps(row_max);
+      __m512 sum = _mm512_setzero_ps();
+      __m512 e[4];
+      for (int j = 0; j < 4; ++j) {
+        e[j] = _mm512_maskz_mov_ps(valid[j], exp16(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * j), shift)));
+        sum = _mm512_add_ps(sum, e[j]);
+      }
+      l[r] = l[r] * correction + _mm512_reduce_add_ps(sum);
+      m[r] = row_max;
+      if (correction != 1.f) {
+        float* o = O + r * D;
+        const __m512 c = _mm512_set1_ps(correction);
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), c));
+      }
+      for (int j = 0; j < 4; j += 2)  // 32 floats -> 32 bfloat16 in key order: a lane holds a key pair
+        _mm512_storeu_si512(pr + 8 * j, (__m512i)_mm512_cvtne2ps_pbh(e[j + 1], e[j]));
+    }
+    const uint16_t* vblock = vp + (k0 / 2) * D * 2;
+    for_subtiles(rows, [&](int64_t r, auto R) {
+      accumulate<decltype(R)::value>(P + r * (KB / 2), KB / 2, vblock, D, O + r * D, D, KB / 2);
+    });
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = t0 + r / p.G, head = h * p.G + r % p.G;
+    const float inv = 1.f / l[r];
+    uint16_t* dst = p.out + (t * p.H + head) * D;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256bh v = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(O + r * D + d), _mm512_set1_ps(inv)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)v);
+    }
+  }
+}
+
+// K of KV head h as [N16 / 16][D / 2][16][2] and V as [NP / 2][D][2], zero past the N keys.
+void pack(const at::Tensor& k, const at::Tensor& v, int64_t NP, at::Tensor& kp, at::Tensor& vp) {
+  const int64_t N = k.size(0), Hkv = k.size(1), D = k.size(2);
+  const uint16_t* kd = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  const uint16_t* vd = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  uint16_t* kpd = reinterpret_cast<uint16_t*>(kp.data_ptr<at::BFloat16>());
+  uint16_t* vpd = reinterpret_cast<uint16_t*>(vp.data_ptr<at::BFloat16>());
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  const int64_t blocks = NP / 16;
+  at::parallel_for(0, Hkv * blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / blocks, b = item % blocks;
+      uint32_t* kdst = reinterpret_cast<uint32_t*>(kpd + h * NP * D + b * 16 * D);  // [D / 2][16]
+      uint16_t* vdst = vpd + h * NP * D + b * 16 * D;                               // [8 pairs][D][2]
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t n = b * 16 + i;
+        if (n < N) {
+          const uint32_t* ksrc = reinterpret_cast<const uint32_t*>(kd + n * ks0 + h * ks1);
+          for (int64_t d = 0; d < D / 2; ++d) kdst[d * 16 + i] = ksrc[d];
+          const uint16_t* vsrc = vd + n * vs0 + h * vs1;
+          uint16_t* vrow = vdst + (i / 2) * D * 2 + (i % 2);
+          for (int64_t d = 0; d < D; ++d) vrow[d * 2] = vsrc[d];
+        } else {
+          for (int64_t d = 0; d < D / 2; ++d) kdst[d * 16 + i] = 0;
+          uint16_t* vrow = vdst + (i / 2) * D * 2 + (i % 2);
+          for (int64_t d = 0; d < D; ++d) vrow[d * 2] = 0;
+        }
+      }
+    }
+  });
+}
+
+#endif  // KVSERVE_FLASH_PREFILL
+
+at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t ctx_len,
+                         int64_t window, double scale) {
+  TORCH_CHECK(flash_prefill_available(), "flash_prefill: this build has no AVX512-BF16 kernel");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "flash_prefill: q, k, v must be (tokens, heads, dim)");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16,
+              "flash_prefill: bfloat16 only");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), N = k.size(0), Hkv = k.size(1);
+  TORCH_CHECK(D % 64 == 0, "flash_prefill: head dim ", D, " is not a multiple of 64");
+  TORCH_CHECK(k.size(2) == D && v.sizes() == k.sizes(), "flash_prefill: k and v must be (", N, ", Hkv, ", D, ")");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "flash_prefill: ", H, " query heads do not group over ", Hkv, " KV heads");
+  TORCH_CHECK(N == ctx_len + T, "flash_prefill: ", N, " keys for ", ctx_len, " cached + ", T, " new tokens");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "flash_prefill: the head dim must be dense");
+  at::Tensor out = at::empty({T, H, D}, q.options());
+#if defined(KVSERVE_FLASH_PREFILL)
+  if (T == 0) return out;
+  const int64_t NP = (N + KB - 1) / KB * KB;
+  at::Tensor kp = at::empty({Hkv, NP, D}, k.options()), vp = at::empty({Hkv, NP, D}, v.options());
+  pack(k, v, NP, kp, vp);
+  Problem p{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
+            q.stride(0),
+            q.stride(1),
+            T,
+            H,
+            Hkv,
+            H / Hkv,
+            D,
+            N,
+            ctx_len,
+            window,
+            static_cast<float>(scale),
+            reinterpret_cast<const uint16_t*>(kp.data_ptr<at::BFloat16>()),
+            reinterpret_cast<const uint16_t*>(vp.data_ptr<at::BFloat16>()),
+            NP * D,
+            NP * D,
+            reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())};
+  const int64_t tile_tokens = std::max<int64_t>(1, TILE_ROWS / p.G);
+  const int64_t tiles = (T + tile_tokens - 1) / tile_tokens, items = tiles * Hkv;
+  // Later tiles see more keys: hand them out first, one at a time, so the threads finish together.
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    const int64_t rows = tile_tokens * p.G;
+    std::vector<float> S(rows * KB), O(rows * D), m(rows), l(rows);
+    std::vector<uint32_t> P(rows * KB / 2);
+    for (int64_t item = next++; item < items; item = next++) {
+      const int64_t tile = tiles - 1 - item / Hkv, h = item % Hkv;
+      const int64_t t0 = tile * tile_tokens, t1 = std::min(T, t0 + tile_tokens);
+      attend_tile(p, h, t0, t1, S.data(), O.data(), P.data(), m.data(), l.data());
+    }
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("flash_prefill(Tensor q, Tensor k, Tensor v, int ctx_len, int window, float scale) -> Tensor");
+  m.def("flash_prefill_available() -> bool", &flash_prefill_available);  // no tensors: one kernel for all
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("flash_prefill", &flash_prefill); }

@@ -1,0 +1,135 @@
+"""The bfloat16 prefill kernel (``csrc/flash_prefill.cpp``) against float32 attention over the same bfloat16
+inputs: odd lengths, key-block and tile boundaries, cached context, sliding windows, GQA ratios and head sizes;
+``attend_prefill`` taking it for bfloat16 and keeping SDPA otherwise; and on the real default model, a
+2,000-token bfloat16 prefill through the engine against the same prefill with torch's kernel."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.attention import flash_prefill as flash_module
+from kvserve.attention import paged as paged_module
+from kvserve.attention.flash_prefill import flash_prefill, flash_prefill_available
+from kvserve.attention.paged import attend_prefill
+
+needs_kernel = pytest.mark.skipif(
+    not flash_prefill_available(), reason="the kernel is built only on CPUs with AVX512-BF16 and without AMX"
+)
+
+# bfloat16 inputs, float32 reference: the kernel rounds the probabilities to bfloat16 before the product with
+# V (as torch's kernel does) and its output to bfloat16; SDPA in bfloat16 is as far from the reference.
+TOLERANCE = 1.6e-2
+
+
+def reference(q, k, v, ctx_len, window):
+    """Causal (optionally windowed) attention in float32 with an explicit mask."""
+    tokens, heads, dim = q.shape
+    group = heads // k.shape[1]
+    qf = q.float().transpose(0, 1)
+    kf, vf = (x.float().repeat_interleave(group, 1).transpose(0, 1) for x in (k, v))
+    logits = qf @ kf.transpose(1, 2) / math.sqrt(dim)
+    pos = torch.arange(tokens)[:, None] + ctx_len
+    key = torch.arange(k.shape[0])[None, :]
+    visible = key <= pos
+    if window:
+        visible &= key > pos - window
+    return (logits.masked_fill(~visible, float("-inf")).softmax(-1) @ vf).transpose(0, 1)
+
+
+def _inputs(tokens, ctx_len, heads, kv_heads, dim, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(tokens, heads, dim, generator=gen).bfloat16()
+    k = torch.randn(ctx_len + tokens, kv_heads, dim, generator=gen).bfloat16()
+    v = torch.randn(ctx_len + tokens, kv_heads, dim, generator=gen).bfloat16()
+    return q, k, v
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"),
+    [(9, 3, 64), (8, 8, 128), (4, 1, 256), (2, 2, 64), (16, 2, 64)],
+    ids=["smollm2-g3", "mha-d128", "gemma3-d256", "mha-2", "g8"],
+)
+@pytest.mark.parametrize(
+    ("tokens", "ctx_len", "window"),
+    # One query; a tile boundary (32 rows); either side of a 64-key block; cached context mid-block; windows
+    # shorter than a block and longer than one, with and without cached context.
+    [
+        (1, 0, None),
+        (2, 0, None),
+        (11, 0, None),
+        (63, 0, None),
+        (64, 1, None),
+        (65, 0, None),
+        (130, 45, None),
+        (200, 128, None),
+        (333, 0, 50),
+        (100, 300, 128),
+        (97, 31, 70),
+    ],
+)
+def test_kernel_matches_float32_attention(heads, kv_heads, dim, tokens, ctx_len, window):
+    q, k, v = _inputs(tokens, ctx_len, heads, kv_heads, dim)
+    got = flash_prefill(q, k, v, ctx_len, window)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    assert (got.float() - reference(q, k, v, ctx_len, window)).abs().max().item() <= TOLERANCE
+
+
+@needs_kernel
+def test_kernel_reads_strided_inputs():
+    """q, k, v as the model hands them over: views into a fused (T, ...) projection, rows not contiguous."""
+    q, k, v = _inputs(70, 0, 9, 3, 64)
+    fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    qv, kv, vv = fused[:, :576].view(70, 9, 64), fused[:, 576:768].view(70, 3, 64), fused[:, 768:].view(70, 3, 64)
+    assert not qv.is_contiguous()
+    assert torch.equal(flash_prefill(qv, kv, vv, 0), flash_prefill(q, k, v, 0))
+
+
+@needs_kernel
+def test_kernel_refuses_what_it_cannot_take():
+    q, k, v = _inputs(4, 0, 4, 2, 32)
+    with pytest.raises(RuntimeError, match="head dim 32 is not a multiple of 64"):
+        torch.ops.kvserve.flash_prefill(q, k, v, 0, 0, 0.125)
+    q, k, v = _inputs(4, 2, 4, 2, 64)
+    with pytest.raises(RuntimeError, match="6 keys for 0 cached \\+ 4 new tokens"):
+        torch.ops.kvserve.flash_prefill(q, k, v, 0, 0, 0.125)
+
+
+@needs_kernel
+def test_attend_prefill_takes_the_kernel_for_bfloat16_only(monkeypatch):
+    calls = []
+    kernel = flash_module.flash_prefill
+    monkeypatch.setattr(paged_module, "flash_prefill", lambda *a: calls.append(a[0].dtype) or kernel(*a))
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (x.to(dtype) for x in _inputs(40, 24, 9, 3, 64))
+        out = attend_prefill(q, k, v, 24)
+        assert (out.float() - reference(q, k, v, 24, None)).abs().max().item() <= TOLERANCE
+    assert calls == [torch.bfloat16]
+
+
+@pytest.mark.real_model
+@needs_kernel
+def test_real_model_bfloat16_prefill_matches_torch_kernel(monkeypatch):
+    """A 2,000-token prompt through the paged engine in bfloat16: the kernel's prompt log-probabilities against
+    the same run with torch's flash attention, and the same greedy continuation."""
+    llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", swap_space=0)
+    ids = llm.engine.tokenizer.encode(" ".join(f"item {i} costs {i * 7 % 97} coins;" for i in range(400)))[:2000]
+    params = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=1)
+
+    def run():
+        (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        logprobs = [entry[token] for entry, token in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
+        return torch.tensor(logprobs), out.outputs[0].token_ids
+
+    kernel_lp, kernel_tokens = run()
+    monkeypatch.setattr(paged_module, "use_flash_prefill", lambda q, k: False)
+    torch_lp, torch_tokens = run()
+    assert len(kernel_lp) == len(ids) - 1
+    # bfloat16 rounding differs between the two kernels; the model's predictions must not.
+    assert (kernel_lp - torch_lp).abs().mean().item() < 0.03
+    assert abs(kernel_lp.mean().item() - torch_lp.mean().item()) < 0.005
+    assert kernel_tokens == torch_tokens
