@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.attention import blend
 from kvserve.attention import flash_prefill as flash_module
 from kvserve.attention import paged as paged_module
 from kvserve.attention.flash_prefill import flash_prefill, flash_prefill_available
-from kvserve.attention.paged import attend_prefill
+from kvserve.attention.paged import PagedKVCache, attend_prefill
 
 needs_kernel = pytest.mark.skipif(
     not flash_prefill_available(), reason="the kernel is built only on CPUs with AVX512-BF16 and without AMX"
@@ -80,6 +81,28 @@ def test_kernel_matches_float32_attention(heads, kv_heads, dim, tokens, ctx_len,
 
 
 @needs_kernel
+@pytest.mark.parametrize("window", [None, 40])
+def test_kernel_with_key_ends_matches_a_prefix_mask(window):
+    """Each query over the first key_ends[t] keys (Prompt Cache's recompute): any order, repeats, one key."""
+    q, k, v = _inputs(90, 210, 9, 3, 64)
+    k, v = k[:150], v[:150]
+    ends = torch.randint(1, 151, (90,), generator=torch.Generator().manual_seed(3))
+    ends[:3] = torch.tensor([1, 150, 150])
+    got = flash_prefill(q, k, v, 0, window, key_ends=ends)
+    qf = q.float().transpose(0, 1)
+    kf, vf = (x.float().repeat_interleave(3, 1).transpose(0, 1) for x in (k, v))
+    key = torch.arange(150)[None, :]
+    visible = key < ends[:, None]
+    if window:
+        visible &= key >= ends[:, None] - window
+    logits = (qf @ kf.transpose(1, 2) / 8).masked_fill(~visible, float("-inf"))
+    want = (logits.softmax(-1) @ vf).transpose(0, 1)
+    assert (got.float() - want).abs().max().item() <= TOLERANCE
+    with pytest.raises(RuntimeError, match=r"key_ends must lie in \[0, 150\]"):
+        flash_prefill(q, k, v, 0, key_ends=ends + 1)
+
+
+@needs_kernel
 def test_kernel_reads_strided_inputs():
     """q, k, v as the model hands them over: views into a fused (T, ...) projection, rows not contiguous."""
     q, k, v = _inputs(70, 0, 9, 3, 64)
@@ -109,6 +132,27 @@ def test_attend_prefill_takes_the_kernel_for_bfloat16_only(monkeypatch):
         out = attend_prefill(q, k, v, 24)
         assert (out.float() - reference(q, k, v, 24, None)).abs().max().item() <= TOLERANCE
     assert calls == [torch.bfloat16]
+
+
+@needs_kernel
+def test_blend_attention_takes_the_kernel_by_position(monkeypatch):
+    """Selective recompute's attention in bfloat16: keys out of position order (modules out of schema order)
+    and gaps; the kernel's answer against the masked SDPA the other dtypes take."""
+    cache = PagedKVCache(1, 12, 16, 3, 64, torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
+    positions = torch.cat([torch.arange(60, 130), torch.arange(0, 50), torch.arange(140, 170)])  # C = 150
+    slots = torch.randperm(190, generator=gen)[:150]
+    chosen = torch.tensor([0, 5, 69, 70, 99, 120, 149])
+    metadata = blend._metadata(0, positions, slots, chosen, write=False)
+    q = torch.randn(len(chosen), 9, 64, generator=gen).bfloat16()
+    k = v = torch.zeros(len(chosen), 3, 64, dtype=torch.bfloat16)  # not written: write=False
+    attention = blend.BlendAttention(cache)
+    got = attention.forward(0, q, k, v, metadata)
+    monkeypatch.setattr(blend, "use_flash_prefill", lambda q, k: False)
+    want = attention.forward(0, q, k, v, metadata)
+    assert (got.float() - want.float()).abs().max().item() <= 2 * TOLERANCE
 
 
 @pytest.mark.real_model

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata, UnsupportedKVOperation
+from kvserve.attention.flash_prefill import flash_prefill, use_flash_prefill
 from kvserve.attention.paged import PagedKVCache
 from kvserve.scheduler import ModuleRecompute
 
@@ -43,6 +44,9 @@ class BlendMetadata(AttentionMetadata):
     # (first query, end query, keys it may see): queries in chunks over the key prefix they reach (keys in
     # position order), so the step does about half of the (N, C) rectangle; one chunk over every key otherwise.
     chunks: tuple[tuple[int, int, int], ...] = ()
+    # The same keys in position order, and how many of them each query sees: for the prefill kernel.
+    sorted_slots: torch.Tensor | None = None  # (C,) long
+    key_ends: torch.Tensor | None = None  # (N,) long
 
 
 QUERY_CHUNK = 128  # queries per attention call: each call reads only the keys its last query may see
@@ -80,6 +84,9 @@ class BlendAttention(AttentionBackend):
         if md.write:
             k_cache.index_copy_(0, md.query_slots, k)
             v_cache.index_copy_(0, md.query_slots, v)
+        if use_flash_prefill(q, k_cache):  # bfloat16 on AVX512-BF16: visible keys are a prefix in position order
+            keys, values = k_cache.index_select(0, md.sorted_slots), v_cache.index_select(0, md.sorted_slots)
+            return flash_prefill(q, keys, values, 0, key_ends=md.key_ends)
         keys = k_cache.index_select(0, md.context_slots).transpose(0, 1).unsqueeze(0)  # (1, Hkv, C, D)
         values = v_cache.index_select(0, md.context_slots).transpose(0, 1).unsqueeze(0)
         qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, N, D)
@@ -143,10 +150,12 @@ def _metadata(
     query_positions = positions[chosen]
     visible = positions.unsqueeze(0) <= query_positions.unsqueeze(1)  # (N, C): causal by position
     bias = torch.zeros(visible.shape, dtype=torch.float32, device=positions.device).masked_fill_(~visible, -math.inf)
+    order = positions.argsort(stable=True)
     return BlendMetadata(
         (seq_id,), (len(chosen),), (len(slots),), context_slots=slots, context_positions=positions,
         query_slots=slots[chosen], query_positions=query_positions, write=write, stop_at=stop_at, bias=bias,
-        chunks=_query_chunks(positions, query_positions),
+        chunks=_query_chunks(positions, query_positions), sorted_slots=slots[order],
+        key_ends=torch.searchsorted(positions[order], query_positions, right=True),
     )  # fmt: skip
 
 

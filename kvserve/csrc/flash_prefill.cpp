@@ -1,5 +1,6 @@
 // Causal prefill attention in bfloat16 on CPUs with AVX512-BF16 (vdpbf16ps): q (T, H, D) at cache positions
-// ctx_len.. over k, v (ctx_len + T, Hkv, D) -> (T, H, D), optionally over a sliding window.
+// ctx_len.. over k, v (ctx_len + T, Hkv, D) -> (T, H, D), optionally over a sliding window; or, with key_ends,
+// query t over keys [0, key_ends[t]) of k, v (N, Hkv, D) (Prompt Cache's recompute: keys in position order).
 //
 // Why: torch's CPU flash attention runs bfloat16 at its float32 speed on a CPU without AMX (2,048 causal
 // queries x 9 heads x 64: 116 GFLOP/s on an AMD EPYC Zen 4, 2 threads), about half of a bfloat16 prefill.
@@ -22,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
@@ -68,6 +70,7 @@ struct Problem {
   int64_t q_tok, q_head;
   int64_t T, H, Hkv, G, D, N;  // N = ctx_len + T keys
   int64_t ctx, window;          // window <= 0: none
+  const int64_t* ends;          // (T,) keys each query sees (a prefix), or null: ctx + t + 1 (causal)
   float scale;
   const uint16_t* kp;  // per KV head: [N16 / 16][D / 2][16][2]
   const uint16_t* vp;  // per KV head: [NP / 2][D][2]
@@ -75,11 +78,11 @@ struct Problem {
   uint16_t* out;  // (T, H, D) contiguous
 };
 
-// First key row r's query may see (inclusive) and the key after its last.
+// The key after the last one query token t sees, and its first.
+inline int64_t key_hi(const Problem& p, int64_t t) { return p.ends ? p.ends[t] : p.ctx + t + 1; }
 inline int64_t key_lo(const Problem& p, int64_t t) {
-  return p.window > 0 ? std::max<int64_t>(0, p.ctx + t - p.window + 1) : 0;
+  return p.window > 0 ? std::max<int64_t>(0, key_hi(p, t) - p.window) : 0;
 }
-inline int64_t key_hi(const Problem& p, int64_t t) { return p.ctx + t + 1; }
 
 // S[r][0..KB) = scale * q_r . k_j for the R rows at `rows` and the KB keys of the block at kblk (16-key units).
 template <int R>
@@ -152,7 +155,9 @@ void attend_tile(const Problem& p, int64_t h, int64_t t0, int64_t t1, float* S, 
   std::fill(O, O + rows * D, 0.f);
   const uint16_t* kp = p.kp + h * p.kp_head;
   const uint16_t* vp = p.vp + h * p.vp_head;
-  const int64_t first = key_lo(p, t0) / KB * KB, last = key_hi(p, t1 - 1);
+  int64_t first = key_lo(p, t0), last = key_hi(p, t0);
+  for (int64_t t = t0 + 1; t < t1; ++t) first = std::min(first, key_lo(p, t)), last = std::max(last, key_hi(p, t));
+  first = first / KB * KB;
   for (int64_t k0 = first; k0 < last; k0 += KB) {
     const uint16_t* kblock = kp + (k0 / 16) * (D / 2) * 32;
     for_subtiles(rows, [&](int64_t r, auto R) {
@@ -201,7 +206,7 @@ void attend_tile(const Problem& p, int64_t h, int64_t t0, int64_t t1, float* S, 
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = t0 + r / p.G, head = h * p.G + r % p.G;
-    const float inv = 1.f / l[r];
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;  // a query that sees no key gets zeros
     uint16_t* dst = p.out + (t * p.H + head) * D;
     for (int64_t d = 0; d < D; d += 16) {
       const __m256bh v = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(O + r * D + d), _mm512_set1_ps(inv)));
@@ -245,7 +250,7 @@ void pack(const at::Tensor& k, const at::Tensor& v, int64_t NP, at::Tensor& kp, 
 #endif  // KVSERVE_FLASH_PREFILL
 
 at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t ctx_len,
-                         int64_t window, double scale) {
+                         int64_t window, double scale, const std::optional<at::Tensor>& key_ends) {
   TORCH_CHECK(flash_prefill_available(), "flash_prefill: this build has no AVX512-BF16 kernel");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "flash_prefill: q, k, v must be (tokens, heads, dim)");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
@@ -255,7 +260,17 @@ at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k, const at::Ten
   TORCH_CHECK(D % 64 == 0, "flash_prefill: head dim ", D, " is not a multiple of 64");
   TORCH_CHECK(k.size(2) == D && v.sizes() == k.sizes(), "flash_prefill: k and v must be (", N, ", Hkv, ", D, ")");
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "flash_prefill: ", H, " query heads do not group over ", Hkv, " KV heads");
-  TORCH_CHECK(N == ctx_len + T, "flash_prefill: ", N, " keys for ", ctx_len, " cached + ", T, " new tokens");
+  const int64_t* ends = nullptr;
+  if (key_ends.has_value()) {  // query t sees keys [0, key_ends[t]) (a window's last ones): any order of positions
+    const at::Tensor& e = *key_ends;
+    TORCH_CHECK(e.scalar_type() == at::kLong && e.dim() == 1 && e.size(0) == T && e.is_contiguous(),
+                "flash_prefill: key_ends must be ", T, " contiguous int64 values");
+    TORCH_CHECK(T == 0 || (e.min().item<int64_t>() >= 0 && e.max().item<int64_t>() <= N),
+                "flash_prefill: key_ends must lie in [0, ", N, "]");
+    ends = e.data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK(N == ctx_len + T, "flash_prefill: ", N, " keys for ", ctx_len, " cached + ", T, " new tokens");
+  }
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "flash_prefill: the head dim must be dense");
   at::Tensor out = at::empty({T, H, D}, q.options());
 #if defined(KVSERVE_FLASH_PREFILL)
@@ -274,6 +289,7 @@ at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k, const at::Ten
             N,
             ctx_len,
             window,
+            ends,
             static_cast<float>(scale),
             reinterpret_cast<const uint16_t*>(kp.data_ptr<at::BFloat16>()),
             reinterpret_cast<const uint16_t*>(vp.data_ptr<at::BFloat16>()),
@@ -302,7 +318,9 @@ at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k, const at::Ten
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
-  m.def("flash_prefill(Tensor q, Tensor k, Tensor v, int ctx_len, int window, float scale) -> Tensor");
+  m.def(
+      "flash_prefill(Tensor q, Tensor k, Tensor v, int ctx_len, int window, float scale, Tensor? key_ends=None) -> "
+      "Tensor");
   m.def("flash_prefill_available() -> bool", &flash_prefill_available);  // no tensors: one kernel for all
 }
 
