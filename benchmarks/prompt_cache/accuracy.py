@@ -11,7 +11,7 @@ With ``--modules N`` each document is cut into N modules encoded alone (they no 
 other either), and plain prompts, Prompt Cache and Prompt Cache with ``--recompute R`` (selective
 recompute, CacheBlend) answer the same questions; besides option accuracy, the first answer token's
 distribution is compared with the plain prompt's (L1 distance over the union of both top-20 tokens, and
-whether the top token agrees). Writes accuracy-recompute.json and .md.
+whether the top token agrees). Writes accuracy-recompute.json and .md (``--output`` names another stem).
 
     .venv/bin/python benchmarks/prompt_cache/accuracy.py --threads 2 --modules 4 --recompute 0.15 --limit 3
 """
@@ -58,6 +58,9 @@ def main() -> None:
     parser.add_argument("--modules", type=int, default=0, help="cut each document into N modules (recompute run)")
     parser.add_argument("--recompute", type=float, default=0.15, help="share recomputed in the --modules run")
     parser.add_argument("--context", type=int, default=2048, help="prompt tokens at most in the --modules run")
+    parser.add_argument(
+        "--output", default="accuracy-recompute", help="the --modules run's file stem beside this script"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -176,13 +179,14 @@ def recompute_run(loaded: LoadedModel, args: argparse.Namespace, dtype: torch.dt
         "machine": describe_machine(), "documents": len(documents), "questions": len(golds),
         "context": args.context, "modules": args.modules, "recompute": args.recompute, "results": summary,
     }  # fmt: skip
-    (HERE / "accuracy-recompute.json").write_text(json.dumps(report, indent=2) + "\n")
+    (HERE / f"{args.output}.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [
         f"# L-Eval QuALITY, document cut into {args.modules} modules: selective recompute, {report['model']}, "
         f"{report['dtype']}",
         "",
-        f"`python benchmarks/prompt_cache/accuracy.py --threads {args.threads} --modules {args.modules} --recompute "
-        f"{args.recompute} --limit {args.limit} --context {args.context}`: {len(golds)} questions over "
+        f"`python benchmarks/prompt_cache/accuracy.py --threads {args.threads} --dtype {args.dtype} --modules "
+        f"{args.modules} --recompute {args.recompute} --limit {args.limit} --context {args.context} --output "
+        f"{args.output}`: {len(golds)} questions over "
         f"{len(documents)} documents, greedy.",
         "",
         "| prompts | option accuracy | first-token L1 to plain (top-20) | top-1 = plain | answer = plain | time (s) |",
@@ -193,7 +197,7 @@ def recompute_run(loaded: LoadedModel, args: argparse.Namespace, dtype: torch.dt
             f"| {variant} | {r['option_acc']:.3f} | {r['l1_to_plain']:.4f} | {r['top1_agrees_with_plain']:.3f} | "
             f"{r['answer_agrees_with_plain']:.3f} | {r['seconds']:.0f} |"
         )
-    (HERE / "accuracy-recompute.md").write_text("\n".join(lines) + "\n")
+    (HERE / f"{args.output}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
