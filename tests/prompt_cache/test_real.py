@@ -2,8 +2,9 @@
 
 A document imported as the schema's only module and a question as new text give the same greedy
 tokens as the plain prompt computed from scratch; a system prompt, a document and a parameterised
-module in one prompt give transformers' next-token distribution under the Prompt Cache mask; and the
-offline ``LLM`` API registers a schema and answers with the module tokens served from the cache.
+module in one prompt give transformers' next-token distribution under the Prompt Cache mask; the
+offline ``LLM`` API registers a schema and answers with the module tokens served from the cache; and selective
+recompute moves a multi-module prompt towards the plain prompt, in float32 and in bfloat16.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 
 import kvserve.llm
 from kvserve import LLM, SamplingParams
+from kvserve.attention.flash_prefill import flash_prefill_available
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine
 from tests.prompt_cache.reference import plain_reference, prompt_cache_reference
@@ -88,10 +90,8 @@ def test_offline_api_registers_a_schema_and_reuses_its_modules(default_model, pa
         assert out.num_cached_tokens >= info["modules"]["doc"]["tokens"] and out.outputs[0].text.strip()
 
 
-def test_selective_recompute_moves_a_multi_module_prompt_towards_the_plain_prompt(
-    default_model, hf_default_model, passage, monkeypatch
-):
-    monkeypatch.setattr(kvserve.llm, "LLMEngine", lambda config: LLMEngine(config, default_model))
+def recompute_distances(hf_default_model, passage, dtype: str) -> dict[float, float]:
+    """L1 distance of the first-token distribution to transformers' plain prompt, without and with recompute."""
     parts = [passage[i * 400 : (i + 1) * 400] for i in range(3)]
     modules = "".join(f'<module name="p{i}">{part}</module>' for i, part in enumerate(parts))
     schema = f'<schema name="parts"><system>Be brief.</system><user>{modules}</user></schema>'
@@ -99,10 +99,26 @@ def test_selective_recompute_moves_a_multi_module_prompt_towards_the_plain_promp
     first = SamplingParams(max_tokens=1, temperature=0, logprobs=20)
     distances = {}
     for share in (0.0, 0.3):
-        llm = LLM(dtype="float32", kv_cache_memory="64MiB", swap_space=0, prompt_cache_recompute=share)
+        llm = LLM(dtype=dtype, kv_cache_memory="64MiB", swap_space=0, prompt_cache_recompute=share)
         llm.register_schema(schema)
         reference = plain_reference(llm.engine, hf_default_model, prompt).exp()
         (out,) = llm.generate([prompt], first, use_tqdm=False)
         probs = {t: math.exp(lp) for t, lp in out.outputs[0].logprobs[0].items()}
         distances[share] = sum(abs(p - float(reference[t])) for t, p in probs.items())
+    return distances
+
+
+def test_selective_recompute_moves_a_multi_module_prompt_towards_the_plain_prompt(
+    default_model, hf_default_model, passage, monkeypatch
+):
+    monkeypatch.setattr(kvserve.llm, "LLMEngine", lambda config: LLMEngine(config, default_model))
+    distances = recompute_distances(hf_default_model, passage, "float32")
+    assert distances[0.3] < distances[0.0]
+
+
+@pytest.mark.skipif(not flash_prefill_available(), reason="bfloat16 prefill kernel: AVX512-BF16 without AMX only")
+def test_selective_recompute_in_bfloat16_through_the_prefill_kernel(hf_default_model, passage):
+    """bfloat16 recompute attends through kvserve's prefill kernel by position: it still moves the prompt towards
+    the plain one (distances against transformers' float32 prompt)."""
+    distances = recompute_distances(hf_default_model, passage, "bfloat16")
     assert distances[0.3] < distances[0.0]
