@@ -1,7 +1,8 @@
 """The decoder layers as one compiled call for decode steps (``models/decode_chain.py``): bit-identical hidden
-states and caches to the eager layers, for weights on 4-bit codes and dense float32, with and without a q/k/v
-bias, over several sequences whose lengths cross block boundaries; the steps and models it must leave to the
-eager layers; its refusals; and the real model's greedy tokens and logprobs with the chain on and off."""
+states and caches to the eager layers, for weights on 4-bit codes and dense float32 and for bfloat16 on torch's
+packed int4 codes, with and without a q/k/v bias, over several sequences whose lengths cross block boundaries;
+the steps and models it must leave to the eager layers; its refusals; and the real model's greedy tokens and
+logprobs with the chain on and off, in float32 and bfloat16."""
 
 from __future__ import annotations
 
@@ -87,6 +88,49 @@ def test_chain_is_bit_identical_to_the_eager_layers(tiny) -> None:
     for step, (got, want) in enumerate(zip(chain_hidden, eager_hidden, strict=True)):
         assert torch.equal(got, want), f"step {step}"
     assert torch.equal(chain_cache.k, eager_cache.k) and torch.equal(chain_cache.v, eager_cache.v)
+
+
+@pytest.fixture(scope="module", params=["q4_1-gqa", "q4_0-mha-bias"])
+def tiny_bf16(request, tmp_path_factory):
+    """bfloat16 activations on 4-bit codes (``--weights native``): torch's packed int4 kernel for decode rows."""
+    spec = TinySpec(num_heads=4, num_kv_heads=4, attention_bias=True, seed=5) if "mha" in request.param else None
+    spec = spec or TinySpec(num_heads=4, num_kv_heads=2, seed=6)
+    tmp = tmp_path_factory.mktemp(request.param + "-bf16")
+    _, state = checkpoint(tmp, spec)
+    path = tmp / "tiny.gguf"
+    qtype = GGMLQuantizationType.Q4_1 if request.param.startswith("q4_1") else GGMLQuantizationType.Q4_0
+    write_gguf(path, spec, state, qtype=qtype)
+    return load_model(path, torch.bfloat16, weights="native")
+
+
+def test_bfloat16_chain_is_bit_identical_to_the_eager_layers(tiny_bf16) -> None:
+    chain_hidden, chain_cache = run_steps(tiny_bf16, chain=True, kv_dtype=torch.bfloat16)
+    chain = tiny_bf16.model.decode_chain
+    assert isinstance(chain, DecodeChain) and chain.dtype == torch.bfloat16  # it ran, on the packed int4 codes
+    assert chain.weights[1].dtype == torch.uint8 and chain.weights[2].dtype == torch.bfloat16
+    eager_hidden, eager_cache = run_steps(tiny_bf16, chain=False, kv_dtype=torch.bfloat16)
+    for step, (got, want) in enumerate(zip(chain_hidden, eager_hidden, strict=True)):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), f"step {step}"
+    assert torch.equal(chain_cache.k, eager_cache.k) and torch.equal(chain_cache.v, eager_cache.v)
+    assert not chain.runs(torch.zeros(1, tiny_bf16.config.hidden_size))  # float32 rows: not this chain's
+
+
+def test_the_op_refuses_codes_of_another_dtype(tiny_bf16) -> None:
+    """float32 x through a bfloat16 chain is refused by name, not computed: first by its norms, then (norms made
+    float32) by the packed int4 codes."""
+    cfg = tiny_bf16.config
+    cache = PagedKVCache(cfg.num_layers, 8, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16)
+    decode = cache.in_place_decode(PagedAttentionMetadata.build([0], [1], [2], [[1]], BLOCK))
+    chain = DecodeChain.of(tiny_bf16.model.layers, DecoderLayer)
+    rope = tiny_bf16.model.rotary.table(torch.tensor([2]), torch.float32)
+    x = torch.zeros(1, cfg.hidden_size)
+    as_float32 = DecodeChain(chain.weights, 1, chain.num_heads, chain.num_kv_heads, chain.eps)
+    with pytest.raises(RuntimeError, match="norm weights must be Float as x"):
+        as_float32(x, rope, decode)
+    weights = [w.float() if w.dim() == 1 else w for w in chain.weights]  # the norms
+    as_float32 = DecodeChain(weights, 1, chain.num_heads, chain.num_kv_heads, chain.eps)
+    with pytest.raises(RuntimeError, match="packed int4 codes take x of their scales' dtype BFloat16"):
+        as_float32(x, rope, decode)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -181,6 +225,12 @@ def test_the_op_names_a_bad_weight_list(tiny) -> None:
 @pytest.mark.real_model
 def test_real_model_tokens_and_logprobs_do_not_change() -> None:
     llm = LLM(dtype="float32", kv_cache_memory="64MiB", swap_space=0, enable_prefix_caching=False)
+    assert_the_chain_changes_nothing(llm, ["Tell me a story.", "What is 2+2? Explain in detail, please.", "Hi"], 24)
+
+
+@pytest.mark.real_model
+def test_real_model_bfloat16_tokens_and_logprobs_do_not_change() -> None:
+    llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", swap_space=0, enable_prefix_caching=False)
     assert_the_chain_changes_nothing(llm, ["Tell me a story.", "What is 2+2? Explain in detail, please.", "Hi"], 24)
 
 

@@ -7,9 +7,11 @@
 // weights: WEIGHTS_PER_LAYER tensors per layer, in order
 //   input norm, qkv weight, qkv consts, qkv bias, o weight, o consts, o bias,
 //   post-attention norm, gate_up weight, gate_up consts, down weight, down consts.
-// A projection's weight is 4-bit codes (int32 lane words, with float32 consts: q4_linear; or uint8 nibbles,
-// for activations rounded to int8: q4_linear_q8) or a dense float32 (N, K) matrix (consts empty); an empty
-// bias means none. Caches: k_cache, v_cache (rows, blocks, block_size, Hkv, D); layer i writes and reads block
+// Activations are float32 or bfloat16 (x's dtype; the norms' weights too). A projection's weight is 4-bit
+// codes (float32: int32 lane words with float32 consts, q4_linear; or uint8 nibbles with float32 consts, for
+// activations rounded to int8, q4_linear_q8; bfloat16: torch's packed int4 layout, uint8, with bfloat16 scales
+// and zeros, _weight_int4pack_mm_for_cpu, as QuantLinear calls it) or a dense (N, K) matrix of x's dtype
+// (consts empty); an empty bias means none. Caches: k_cache, v_cache (rows, blocks, block_size, Hkv, D); layer i writes and reads block
 // row layer_rows[i]. slots (B,) int64 are the new tokens' slots in a row; tables, starts and ends are
 // paged_decode's (one query row per sequence). A cache whose layers hold different slots (compressed: one KV
 // group per layer) passes them per layer instead: slots (L, B), tables (L, B, W), starts and ends (L, B). With
@@ -29,24 +31,42 @@
 namespace {
 
 constexpr int64_t WEIGHTS_PER_LAYER = 12;
+constexpr int64_t INT4_GROUP = 32;  // torch's packed int4 layout: group size of the scales and zeros
+
+enum class Kind { Q4, Q4Q8, Int4Pack, Dense };
+
+Kind kind_of(const at::Tensor& weight, const at::Tensor& consts) {
+  if (weight.scalar_type() == at::kInt) return Kind::Q4;
+  if (weight.scalar_type() == at::kByte) return consts.scalar_type() == at::kFloat ? Kind::Q4Q8 : Kind::Int4Pack;
+  return Kind::Dense;
+}
 
 // y = x W^T (+ b) as QuantLinear / Linear compute it: the bias after the product on codes, inside F.linear
 // for a dense weight.
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& consts, const at::Tensor& bias) {
-  if (weight.scalar_type() == at::kInt || weight.scalar_type() == at::kByte) {
-    at::Tensor y = weight.scalar_type() == at::kInt ? kvserve_ops::q4_linear(x, weight, consts)
-                                                    : kvserve_ops::q4_linear_q8(x, weight, consts);
-    return bias.defined() && bias.numel() ? y.add_(bias) : y;
+  const bool has_bias = bias.defined() && bias.numel();
+  at::Tensor y;
+  switch (kind_of(weight, consts)) {
+    case Kind::Q4: y = kvserve_ops::q4_linear(x, weight, consts); break;
+    case Kind::Q4Q8: y = kvserve_ops::q4_linear_q8(x, weight, consts); break;
+    case Kind::Int4Pack: y = at::_weight_int4pack_mm_for_cpu(x, weight, INT4_GROUP, consts); break;
+    case Kind::Dense: return has_bias ? at::linear(x, weight, bias) : at::linear(x, weight);
   }
-  return bias.defined() && bias.numel() ? at::linear(x, weight, bias) : at::linear(x, weight);
+  return has_bias ? y.add_(bias) : y;
 }
 
-void check_projection(const at::Tensor* w, int64_t in, const char* name) {
+void check_projection(const at::Tensor* w, int64_t in, at::ScalarType dtype, const char* name) {
   const at::Tensor& weight = w[0];
   TORCH_CHECK(weight.dim() == 2, "decode_layers: the ", name, " weight must be 2-D, got ", weight.sizes());
-  if (weight.scalar_type() == at::kInt || weight.scalar_type() == at::kByte) return;  // the kernels check codes
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.size(1) == in, "decode_layers: the dense ", name,
-              " weight must be float32 (N, ", in, "), got ", weight.scalar_type(), " ", weight.sizes());
+  const Kind kind = kind_of(weight, w[1]);
+  const bool float32_codes = kind == Kind::Q4 || kind == Kind::Q4Q8;
+  TORCH_CHECK(!float32_codes || dtype == at::kFloat, "decode_layers: the ", name, " weight's codes take float32 x");
+  TORCH_CHECK(kind != Kind::Int4Pack || (dtype != at::kFloat && w[1].scalar_type() == dtype),
+              "decode_layers: the ", name, " weight's packed int4 codes take x of their scales' dtype ",
+              w[1].scalar_type());
+  if (kind != Kind::Dense) return;  // the kernels check codes
+  TORCH_CHECK(weight.scalar_type() == dtype && weight.size(1) == in, "decode_layers: the dense ", name,
+              " weight must be ", dtype, " (N, ", in, "), got ", weight.scalar_type(), " ", weight.sizes());
 }
 
 // Layer `layer`'s view of a per-step tensor given either once for every layer or per layer (a leading L dim).
@@ -63,7 +83,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x_in, at::Ten
   const int64_t layers = static_cast<int64_t>(layer_rows.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * WEIGHTS_PER_LAYER, "decode_layers: ",
               weights.size(), " weights for ", layers, " layers; need ", WEIGHTS_PER_LAYER, " per layer");
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "decode_layers: x must be (B, hidden) float32");
+  const auto dtype = x_in.scalar_type();
+  TORCH_CHECK(x_in.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16),
+              "decode_layers: x must be (B, hidden) float32 or bfloat16");
   const auto kv_type = k_cache.scalar_type();  // float32, or a narrower cache (bfloat16, float16)
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.is_contiguous() && v_cache.scalar_type() == kv_type &&
@@ -87,14 +109,16 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x_in, at::Ten
     TORCH_CHECK(0 <= layer_rows[layer] && layer_rows[layer] < k_cache.size(0), "decode_layers: layer ", layer,
                 " names cache row ", layer_rows[layer], " of ", k_cache.size(0));
     const at::Tensor* w = weights.data() + layer * WEIGHTS_PER_LAYER;
-    check_projection(w + 1, hidden, "qkv");
-    check_projection(w + 4, q_size, "o");
-    check_projection(w + 8, hidden, "gate_up");
+    TORCH_CHECK(w[0].scalar_type() == dtype && w[7].scalar_type() == dtype, "decode_layers: layer ", layer,
+                "'s norm weights must be ", dtype, " as x");
+    check_projection(w + 1, hidden, dtype, "qkv");
+    check_projection(w + 4, q_size, dtype, "o");
+    check_projection(w + 8, hidden, dtype, "gate_up");
     TORCH_CHECK(w[1].size(0) == q_size + 2 * kv_size && w[4].size(0) == hidden && w[8].size(0) % 2 == 0,
                 "decode_layers: layer ", layer, "'s projections have ", w[1].size(0), ", ", w[4].size(0), " and ",
                 w[8].size(0), " outputs for ", num_heads, " heads, ", num_kv_heads, " KV heads of ", dim,
                 " and hidden ", hidden);
-    check_projection(w + 10, w[8].size(0) / 2, "down");
+    check_projection(w + 10, w[8].size(0) / 2, dtype, "down");
   }
 
   at::Tensor x = x_in;

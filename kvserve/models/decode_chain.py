@@ -2,12 +2,13 @@
 
 At batch 1 the eager layers spend about a third of a float32 step on Python between the kernels (~12 ops a
 layer; SmolLM2: 6 of 19 ms). When the cache says the step is decode only (``AttentionBackend.in_place_decode``)
-and every layer is a plain ``DecoderLayer`` whose projections are float32 (dense or on 4-bit codes, with or
-without int8 activations) on the CPU, ``LlamaForCausalLM`` runs its layers through ``DecodeChain`` instead: the
-same kernels in the same order, so the hidden states are bit-identical to the eager layers'
-(``tests/test_decode_chain.py``). The paged cache gives one block table for every layer; the compressed cache
-one per layer, and asks for each layer's attention probabilities, which it folds into its slot scores afterwards
-(``finish_in_place_decode``; ``tests/policies/test_compressed_chain.py``).
+and every layer is a plain ``DecoderLayer`` on the CPU whose projections are float32 (dense or on 4-bit codes,
+with or without int8 activations) or bfloat16 (on torch's packed int4 codes, as ``--weights native`` runs
+decode-sized batches), ``LlamaForCausalLM`` runs its layers through ``DecodeChain`` instead: the same kernels in
+the same order, so the hidden states are bit-identical to the eager layers' (``tests/test_decode_chain.py``).
+The paged cache gives one block table for every layer; the compressed cache one per layer, and asks for each
+layer's attention probabilities, which it folds into its slot scores afterwards (``finish_in_place_decode``;
+``tests/policies/test_compressed_chain.py``).
 """
 
 from __future__ import annotations
@@ -24,13 +25,18 @@ _NONE = torch.empty(0)  # an absent bias or consts in the op's weight list
 _ANY_ROWS = 1 << 62  # a dense projection's row limit: none
 
 
-def _projection(module: nn.Module) -> tuple[list[torch.Tensor], int] | None:
-    """(weight, consts, bias) as the op takes them and the most rows it may run at once; None if it can't."""
+def _projection(module: nn.Module, dtype: torch.dtype) -> tuple[list[torch.Tensor], int] | None:
+    """(weight, consts, bias) as the op takes them for activations of ``dtype`` and the most rows it may run at
+    once; None if it can't."""
     bias = module.bias if getattr(module, "bias", None) is not None else _NONE
-    if type(module) is QuantLinear and module.act_dtype == torch.float32:
+    if type(module) is QuantLinear and module.act_dtype == dtype == torch.float32:
         return [module.kernel_codes, module.consts, bias], module.max_rows
+    if type(module) is QuantLinear and module.act_dtype == dtype == torch.bfloat16:
+        if module.packed_weight.shape[0] != module.out_features:  # padded to 16 rows: the op would not slice
+            return None
+        return [module.packed_weight, module.scales_and_zeros, bias], module.max_rows
     plain = type(module) is Linear and module.packed is None and module.row_tile == 0
-    if plain and module.weight.dtype == torch.float32:
+    if plain and module.weight.dtype == dtype:
         return [module.weight, _NONE, bias], _ANY_ROWS
     return None
 
@@ -38,18 +44,29 @@ def _projection(module: nn.Module) -> tuple[list[torch.Tensor], int] | None:
 class DecodeChain:
     """The weights of every layer in ``decode_layers``' order, and the step's call."""
 
-    def __init__(self, weights: list[torch.Tensor], max_rows: int, num_heads: int, num_kv_heads: int, eps: float):
-        self.weights, self.max_rows = weights, max_rows
+    def __init__(
+        self,
+        weights: list[torch.Tensor],
+        max_rows: int,
+        num_heads: int,
+        num_kv_heads: int,
+        eps: float,
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.weights, self.max_rows, self.dtype = weights, max_rows, dtype
         self.num_heads, self.num_kv_heads, self.eps = num_heads, num_kv_heads, eps
 
     @classmethod
     def of(cls, layers: nn.ModuleList, layer_class: type) -> DecodeChain | None:
         """The chain of ``layers`` (all exactly ``layer_class``, the Llama ``DecoderLayer``), or None where a
-        layer is anything else: another projection type (tensor-parallel wrappers, bfloat16 int4), packed or
-        row-tiled weights, or weights off the CPU."""
+        layer is anything else: another projection type (tensor-parallel wrappers, float16), packed or row-tiled
+        weights, or weights off the CPU."""
         if not cpu_kernels_available() or not layers:
             return None
         weights, max_rows, eps = [], _ANY_ROWS, None
+        dtype = layers[0].input_layernorm.weight.dtype  # the activations' dtype
+        if dtype not in (torch.float32, torch.bfloat16):
+            return None
         for layer in layers:
             if type(layer) is not layer_class:
                 return None
@@ -57,9 +74,9 @@ class DecodeChain:
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if eps is None:
                 eps = norms[0].eps
-            if any(n.eps != eps or n.weight.dtype != torch.float32 for n in norms):
+            if any(n.eps != eps or n.weight.dtype != dtype for n in norms):
                 return None
-            parts = [_projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            parts = [_projection(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(p is None for p in parts):
                 return None
             (qkv, qkv_rows), (o, o_rows), (gate_up, gu_rows), (down, down_rows) = parts
@@ -70,13 +87,13 @@ class DecodeChain:
         if any(w.device.type != "cpu" for w in weights):
             return None
         first = layers[0].self_attn
-        return cls([w.detach() for w in weights], max_rows, first.num_heads, first.num_kv_heads, eps)
+        return cls([w.detach() for w in weights], max_rows, first.num_heads, first.num_kv_heads, eps, dtype)
 
     def __call__(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], decode: InPlaceDecode
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x (B, hidden) float32, the step's embedded tokens -> the last layer's output (B, hidden), and each layer's
-        attention probabilities (L, B, T) where ``decode.want_weights`` asks for them (else None)."""
+        """x (B, hidden) of the chain's dtype, the step's embedded tokens -> the last layer's output (B, hidden), and
+        each layer's attention probabilities (L, B, T) where ``decode.want_weights`` asks for them (else None)."""
         cos, sin = rope
         out, weights = torch.ops.kvserve.decode_layers(
             x,
@@ -98,5 +115,5 @@ class DecodeChain:
         return out, (weights if decode.want_weights else None)
 
     def runs(self, x: torch.Tensor) -> bool:
-        """Whether the chain takes this step's hidden states (float32 on the CPU, few enough rows)."""
-        return x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] <= self.max_rows
+        """Whether the chain takes this step's hidden states (its dtype, on the CPU, few enough rows)."""
+        return x.dtype == self.dtype and x.device.type == "cpu" and x.shape[0] <= self.max_rows
