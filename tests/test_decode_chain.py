@@ -55,11 +55,15 @@ def tiny(request, tmp_path_factory):
 
 
 def run_steps(
-    loaded, chain: bool, batch_invariant: bool = False, kv_dtype: torch.dtype = torch.float32
+    loaded, chain: bool, batch_invariant: bool = False, kv_dtype: torch.dtype = torch.float32, narrow_rows: int = 0
 ) -> tuple[list[torch.Tensor], PagedKVCache]:
-    """Prefill LENGTHS (eager: not decode steps), then DECODES steps of every sequence; each step's hidden states."""
+    """Prefill LENGTHS (eager: not decode steps), then DECODES steps of every sequence; each step's hidden states.
+    ``narrow_rows``: the chain's codes take at most this many rows, so the steps run its wide (dense) weights."""
     model, cfg = loaded.model, loaded.config
     model.decode_chain = False if chain else None  # False: made at the next forward
+    if chain and narrow_rows:
+        model.decode_chain = DecodeChain.of(model.layers, DecoderLayer)
+        model.decode_chain.max_rows = narrow_rows
     blocks = [math.ceil((n + DECODES) / BLOCK) for n in LENGTHS]
     ids = list(range(1, sum(blocks) + 1))
     random.Random(0).shuffle(ids)  # no sequence's blocks are consecutive
@@ -113,6 +117,18 @@ def test_bfloat16_chain_is_bit_identical_to_the_eager_layers(tiny_bf16) -> None:
         assert got.dtype == torch.bfloat16 and torch.equal(got, want), f"step {step}"
     assert torch.equal(chain_cache.k, eager_cache.k) and torch.equal(chain_cache.v, eager_cache.v)
     assert not chain.runs(torch.zeros(1, tiny_bf16.config.hidden_size))  # float32 rows: not this chain's
+
+
+def test_wide_batches_run_the_dense_copies_bit_identically(tiny_bf16) -> None:
+    """Decode batches above the codes' row limit run the projections' dense copies (for bfloat16 reordered for
+    oneDNN where it can) inside the chain, as the eager layers do."""
+    chain_hidden, chain_cache = run_steps(tiny_bf16, chain=True, kv_dtype=torch.bfloat16, narrow_rows=2)
+    chain = tiny_bf16.model.decode_chain
+    assert chain.wide is not None and chain.runs(torch.zeros(len(LENGTHS), tiny_bf16.config.hidden_size).bfloat16())
+    eager_hidden, eager_cache = run_steps(tiny_bf16, chain=False, kv_dtype=torch.bfloat16)
+    for step, (got, want) in enumerate(zip(chain_hidden, eager_hidden, strict=True)):
+        assert torch.equal(got, want), f"step {step}"
+    assert torch.equal(chain_cache.k, eager_cache.k) and torch.equal(chain_cache.v, eager_cache.v)
 
 
 def test_the_op_refuses_codes_of_another_dtype(tiny_bf16) -> None:
@@ -186,9 +202,11 @@ def test_steps_the_chain_leaves_to_the_eager_layers(tiny) -> None:
 def test_models_the_chain_does_not_take(tiny) -> None:
     chain = DecodeChain.of(tiny.model.layers, DecoderLayer)
     assert chain is not None and chain.runs(torch.zeros(1, tiny.config.hidden_size))
-    if tiny.weights == "native":  # above max_rows the projections use their dense copies
-        assert chain.max_rows == tiny.model.layers[0].mlp.down_proj.max_rows
-        assert not chain.runs(torch.zeros(chain.max_rows + 1, tiny.config.hidden_size))
+    if tiny.weights == "native":  # above max_rows the projections use their dense copies, in the wide weights
+        down = tiny.model.layers[0].mlp.down_proj
+        assert chain.max_rows == down.max_rows and chain.wide is not None
+        assert any(w.data_ptr() == down.dense.data_ptr() for w in chain.wide[0])
+        assert chain.runs(torch.zeros(chain.max_rows + 1, tiny.config.hidden_size))
     assert not chain.runs(torch.zeros(1, tiny.config.hidden_size, dtype=torch.bfloat16))
     assert DecodeChain.of(tiny.model.layers, torch.nn.Module) is None  # another layer class (Gemma 3's)
     wrapped = torch.nn.ModuleList(tiny.model.layers)
@@ -230,8 +248,12 @@ def test_real_model_tokens_and_logprobs_do_not_change() -> None:
 
 @pytest.mark.real_model
 def test_real_model_bfloat16_tokens_and_logprobs_do_not_change() -> None:
+    """Three sequences run the packed int4 codes, six the dense copies (reordered for oneDNN where it can)."""
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", swap_space=0, enable_prefix_caching=False)
-    assert_the_chain_changes_nothing(llm, ["Tell me a story.", "What is 2+2? Explain in detail, please.", "Hi"], 24)
+    prompts = ["Tell me a story.", "What is 2+2? Explain in detail, please.", "Hi"]
+    assert_the_chain_changes_nothing(llm, prompts, 24)
+    llm.engine.runner.model.decode_chain = False  # made again at the next step
+    assert_the_chain_changes_nothing(llm, [*prompts, "Name three rivers.", "Why is the sky blue?", "Count to ten."], 24)
 
 
 def assert_the_chain_changes_nothing(llm: LLM, prompts: list[str], max_tokens: int) -> None:

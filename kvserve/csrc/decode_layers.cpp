@@ -11,7 +11,8 @@
 // codes (float32: int32 lane words with float32 consts, q4_linear; or uint8 nibbles with float32 consts, for
 // activations rounded to int8, q4_linear_q8; bfloat16: torch's packed int4 layout, uint8, with bfloat16 scales
 // and zeros, _weight_int4pack_mm_for_cpu, as QuantLinear calls it) or a dense (N, K) matrix of x's dtype
-// (consts empty); an empty bias means none. Caches: k_cache, v_cache (rows, blocks, block_size, Hkv, D); layer i writes and reads block
+// (consts empty), plain or reordered once for oneDNN (an MKLDNN tensor, packed_linear.py); an empty bias means
+// none. Caches: k_cache, v_cache (rows, blocks, block_size, Hkv, D); layer i writes and reads block
 // row layer_rows[i]. slots (B,) int64 are the new tokens' slots in a row; tables, starts and ends are
 // paged_decode's (one query row per sequence). A cache whose layers hold different slots (compressed: one KV
 // group per layer) passes them per layer instead: slots (L, B), tables (L, B, W), starts and ends (L, B). With
@@ -19,10 +20,12 @@
 // (L, B, W * block_size) (else it is empty): what the cache's policy scores its slots by.
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -33,20 +36,33 @@ namespace {
 constexpr int64_t WEIGHTS_PER_LAYER = 12;
 constexpr int64_t INT4_GROUP = 32;  // torch's packed int4 layout: group size of the scales and zeros
 
-enum class Kind { Q4, Q4Q8, Int4Pack, Dense };
+enum class Kind { Q4, Q4Q8, Int4Pack, Dense, OneDNN };
 
 Kind kind_of(const at::Tensor& weight, const at::Tensor& consts) {
+  if (weight.is_mkldnn()) return Kind::OneDNN;
   if (weight.scalar_type() == at::kInt) return Kind::Q4;
   if (weight.scalar_type() == at::kByte) return consts.scalar_type() == at::kFloat ? Kind::Q4Q8 : Kind::Int4Pack;
   return Kind::Dense;
 }
 
+// packed_linear's call for a weight reordered for oneDNN (rows at their own count: the chain takes no more rows
+// than packed_linear runs unpadded).
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                            c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
+}
+
 // y = x W^T (+ b) as QuantLinear / Linear compute it: the bias after the product on codes, inside F.linear
-// for a dense weight.
+// (or oneDNN's call) for a dense weight.
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& consts, const at::Tensor& bias) {
   const bool has_bias = bias.defined() && bias.numel();
   at::Tensor y;
   switch (kind_of(weight, consts)) {
+    case Kind::OneDNN: return onednn_linear(x, weight, has_bias ? std::optional<at::Tensor>(bias) : std::nullopt);
     case Kind::Q4: y = kvserve_ops::q4_linear(x, weight, consts); break;
     case Kind::Q4Q8: y = kvserve_ops::q4_linear_q8(x, weight, consts); break;
     case Kind::Int4Pack: y = at::_weight_int4pack_mm_for_cpu(x, weight, INT4_GROUP, consts); break;
@@ -64,7 +80,7 @@ void check_projection(const at::Tensor* w, int64_t in, at::ScalarType dtype, con
   TORCH_CHECK(kind != Kind::Int4Pack || (dtype != at::kFloat && w[1].scalar_type() == dtype),
               "decode_layers: the ", name, " weight's packed int4 codes take x of their scales' dtype ",
               w[1].scalar_type());
-  if (kind != Kind::Dense) return;  // the kernels check codes
+  if (kind != Kind::Dense && kind != Kind::OneDNN) return;  // the kernels check codes
   TORCH_CHECK(weight.scalar_type() == dtype && weight.size(1) == in, "decode_layers: the dense ", name,
               " weight must be ", dtype, " (N, ", in, "), got ", weight.scalar_type(), " ", weight.sizes());
 }
@@ -155,3 +171,6 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("decode_layers", &decode_layers); }
+
+// Weights reordered for oneDNN are MKLDNN tensors, whose dispatch key outranks CPU's.
+TORCH_LIBRARY_IMPL(kvserve, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }
