@@ -19,6 +19,7 @@ from kvserve.llm import LLM
 from kvserve.models.decode_chain import DecodeChain
 from kvserve.models.llama import DecoderLayer
 from kvserve.models.loader import load_model
+from kvserve.models.quant_linear import QuantLinear
 from kvserve.sampling_params import SamplingParams
 from tests.test_gguf_loader import checkpoint, write_gguf
 from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
@@ -55,15 +56,11 @@ def tiny(request, tmp_path_factory):
 
 
 def run_steps(
-    loaded, chain: bool, batch_invariant: bool = False, kv_dtype: torch.dtype = torch.float32, narrow_rows: int = 0
+    loaded, chain: bool, batch_invariant: bool = False, kv_dtype: torch.dtype = torch.float32
 ) -> tuple[list[torch.Tensor], PagedKVCache]:
-    """Prefill LENGTHS (eager: not decode steps), then DECODES steps of every sequence; each step's hidden states.
-    ``narrow_rows``: the chain's codes take at most this many rows, so the steps run its wide (dense) weights."""
+    """Prefill LENGTHS (eager: not decode steps), then DECODES steps of every sequence; each step's hidden states."""
     model, cfg = loaded.model, loaded.config
     model.decode_chain = False if chain else None  # False: made at the next forward
-    if chain and narrow_rows:
-        model.decode_chain = DecodeChain.of(model.layers, DecoderLayer)
-        model.decode_chain.max_rows = narrow_rows
     blocks = [math.ceil((n + DECODES) / BLOCK) for n in LENGTHS]
     ids = list(range(1, sum(blocks) + 1))
     random.Random(0).shuffle(ids)  # no sequence's blocks are consecutive
@@ -119,16 +116,36 @@ def test_bfloat16_chain_is_bit_identical_to_the_eager_layers(tiny_bf16) -> None:
     assert not chain.runs(torch.zeros(1, tiny_bf16.config.hidden_size))  # float32 rows: not this chain's
 
 
-def test_wide_batches_run_the_dense_copies_bit_identically(tiny_bf16) -> None:
-    """Decode batches above the codes' row limit run the projections' dense copies (for bfloat16 reordered for
-    oneDNN where it can) inside the chain, as the eager layers do."""
-    chain_hidden, chain_cache = run_steps(tiny_bf16, chain=True, kv_dtype=torch.bfloat16, narrow_rows=2)
-    chain = tiny_bf16.model.decode_chain
-    assert chain.wide is not None and chain.runs(torch.zeros(len(LENGTHS), tiny_bf16.config.hidden_size).bfloat16())
-    eager_hidden, eager_cache = run_steps(tiny_bf16, chain=False, kv_dtype=torch.bfloat16)
+def assert_wide_batches_match_the_eager_layers(loaded, dtype: torch.dtype) -> None:
+    """With the codes limited to 2 rows, the 4-sequence decode steps run the projections' dense copies (float32
+    plain, bfloat16 reordered for oneDNN where it can) inside the chain: bit-identical to the eager layers."""
+    monkeypatch = pytest.MonkeyPatch()
+    for module in loaded.model.modules():
+        if isinstance(module, QuantLinear):
+            monkeypatch.setattr(module, "max_rows", 2)
+    try:
+        chain_hidden, chain_cache = run_steps(loaded, chain=True, kv_dtype=dtype)
+        chain = loaded.model.decode_chain
+        assert chain.max_rows == 2 and chain.wide is not None
+        assert chain.runs(torch.zeros(len(LENGTHS), loaded.config.hidden_size, dtype=dtype))
+        eager_hidden, eager_cache = run_steps(loaded, chain=False, kv_dtype=dtype)
+    finally:
+        monkeypatch.undo()
     for step, (got, want) in enumerate(zip(chain_hidden, eager_hidden, strict=True)):
         assert torch.equal(got, want), f"step {step}"
     assert torch.equal(chain_cache.k, eager_cache.k) and torch.equal(chain_cache.v, eager_cache.v)
+
+
+def test_wide_float32_batches_run_the_dense_copies_bit_identically(tiny) -> None:
+    if tiny.weights != "native":  # dense weights only: one tier takes every row count
+        chain = DecodeChain.of(tiny.model.layers, DecoderLayer)
+        assert chain.wide is None and chain.runs(torch.zeros(1000, tiny.config.hidden_size))
+        return
+    assert_wide_batches_match_the_eager_layers(tiny, torch.float32)
+
+
+def test_wide_bfloat16_batches_run_the_dense_copies_bit_identically(tiny_bf16) -> None:
+    assert_wide_batches_match_the_eager_layers(tiny_bf16, torch.bfloat16)
 
 
 def test_the_op_refuses_codes_of_another_dtype(tiny_bf16) -> None:
