@@ -2,7 +2,8 @@
 
 Twelve greedy prompts of different lengths run concurrently, and three prompts whose first blocks come from
 the prefix cache, give exactly the tokens and logprobs each prompt gets alone; the default mode does not (its
-int4 kernel serves up to 3 rows and a bfloat16 copy more, and its attention follows the batch). The same
+int4 kernel serves up to 3 rows and a bfloat16 copy more, and its attention follows the batch), except that its
+prefix-cache hits equal misses where the bfloat16 prefill kernel runs. The same
 holds through the HTTP server: concurrent completions equal the same requests sent one at a time, and the
 offline engine's numbers.
 """
@@ -14,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from kvserve.attention.flash_prefill import flash_prefill_available
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine
 from kvserve.llm import LLM
@@ -91,10 +93,15 @@ def test_concurrent_and_cached_prompts_get_their_numbers_alone(invariant_model) 
 
 
 def test_the_default_gives_other_numbers_in_a_batch(default_bf16_model) -> None:
-    """Measured: every prompt's logprobs differ in their last bits, a third of the greedy tokens differ."""
+    """Measured: every prompt's logprobs differ in their last bits, a third of the greedy tokens differ. Prefix-cache
+    hits equal misses where kvserve's bfloat16 prefill kernel runs (a query row meets the same key blocks in the
+    same order however the keys split between cache and step), not where torch's kernel merges two calls."""
     got = concurrent_and_alone(default_bf16_model, batch_invariant=False)
     assert got["concurrent"] != got["alone"]
-    assert got["hits"] != got["misses"]
+    if flash_prefill_available():
+        assert got["hits"] == got["misses"]
+    else:
+        assert got["hits"] != got["misses"]
 
 
 def test_http_completions_match_their_single_runs_and_the_offline_engine(invariant_model) -> None:
