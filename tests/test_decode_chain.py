@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from kvserve.attention import PagedAttentionMetadata, PagedKVCache
 from kvserve.llm import LLM
 from kvserve.models.decode_chain import DecodeChain
 from kvserve.models.llama import DecoderLayer
-from kvserve.models.loader import load_model
+from kvserve.models.loader import LoadedModel, load_model
 from kvserve.models.quant_linear import QuantLinear
 from kvserve.sampling_params import SamplingParams
 from tests.test_gguf_loader import checkpoint, write_gguf
@@ -34,25 +35,30 @@ def _kernels_built():
     assert cpu_kernels.cpu_kernels_available()
 
 
-@pytest.fixture(scope="module", params=["q4_1-gqa", "dense-gqa", "dense-qwen2-bias", "q4_0-mha-bias"])
-def tiny(request, tmp_path_factory):
-    weights, arch = request.param.split("-")[:2]
+def load_tiny(name: str, tmp: Path, dtype: torch.dtype) -> LoadedModel:
+    """A tiny model named weights-arch[-bias]: dense (a Hugging Face folder) or q4_0 / q4_1 (a GGUF run on its
+    codes, ``--weights native``); gqa, mha (with a q/k/v bias) or qwen2 (its bias)."""
+    weights, arch = name.split("-")[:2]
     if arch == "qwen2":
         spec = TinySpec(arch="qwen2", num_heads=4, num_kv_heads=2, seed=4)
     elif arch == "mha":
         spec = TinySpec(num_heads=4, num_kv_heads=4, attention_bias=True, seed=5)
     else:
         spec = TinySpec(num_heads=4, num_kv_heads=2, seed=6)
-    tmp = tmp_path_factory.mktemp(request.param)
     if weights == "dense":
-        return load_model(write_tiny_model(tmp / "hf", spec), torch.float32)
+        return load_model(write_tiny_model(tmp / "hf", spec), dtype)
     _, state = checkpoint(tmp, spec)
     path = tmp / "tiny.gguf"
     qtype = GGMLQuantizationType.Q4_1 if weights == "q4_1" else GGMLQuantizationType.Q4_0
     write_gguf(path, spec, state, qtype=qtype)
-    loaded = load_model(path, torch.float32, weights="native")
+    loaded = load_model(path, dtype, weights="native")
     assert loaded.weights == "native"
     return loaded
+
+
+@pytest.fixture(scope="module", params=["q4_1-gqa", "dense-gqa", "dense-qwen2-bias", "q4_0-mha-bias"])
+def tiny(request, tmp_path_factory):
+    return load_tiny(request.param, tmp_path_factory.mktemp(request.param), torch.float32)
 
 
 def run_steps(
@@ -94,14 +100,7 @@ def test_chain_is_bit_identical_to_the_eager_layers(tiny) -> None:
 @pytest.fixture(scope="module", params=["q4_1-gqa", "q4_0-mha-bias"])
 def tiny_bf16(request, tmp_path_factory):
     """bfloat16 activations on 4-bit codes (``--weights native``): torch's packed int4 kernel for decode rows."""
-    spec = TinySpec(num_heads=4, num_kv_heads=4, attention_bias=True, seed=5) if "mha" in request.param else None
-    spec = spec or TinySpec(num_heads=4, num_kv_heads=2, seed=6)
-    tmp = tmp_path_factory.mktemp(request.param + "-bf16")
-    _, state = checkpoint(tmp, spec)
-    path = tmp / "tiny.gguf"
-    qtype = GGMLQuantizationType.Q4_1 if request.param.startswith("q4_1") else GGMLQuantizationType.Q4_0
-    write_gguf(path, spec, state, qtype=qtype)
-    return load_model(path, torch.bfloat16, weights="native")
+    return load_tiny(request.param, tmp_path_factory.mktemp(request.param + "-bf16"), torch.bfloat16)
 
 
 def test_bfloat16_chain_is_bit_identical_to_the_eager_layers(tiny_bf16) -> None:

@@ -26,18 +26,19 @@ needs_kernel = pytest.mark.skipif(
 TOLERANCE = 1.6e-2
 
 
-def reference(q, k, v, ctx_len, window):
-    """Causal (optionally windowed) attention in float32 with an explicit mask."""
+def reference(q, k, v, ctx_len, window, key_ends=None):
+    """Attention in float32 with an explicit mask: query t over keys before ``key_ends[t]`` (causal by default:
+    ctx_len + t + 1), the last ``window`` of them when given."""
     tokens, heads, dim = q.shape
     group = heads // k.shape[1]
     qf = q.float().transpose(0, 1)
     kf, vf = (x.float().repeat_interleave(group, 1).transpose(0, 1) for x in (k, v))
     logits = qf @ kf.transpose(1, 2) / math.sqrt(dim)
-    pos = torch.arange(tokens)[:, None] + ctx_len
+    ends = (torch.arange(tokens) + ctx_len + 1 if key_ends is None else key_ends)[:, None]
     key = torch.arange(k.shape[0])[None, :]
-    visible = key <= pos
+    visible = key < ends
     if window:
-        visible &= key > pos - window
+        visible &= key >= ends - window
     return (logits.masked_fill(~visible, float("-inf")).softmax(-1) @ vf).transpose(0, 1)
 
 
@@ -89,15 +90,7 @@ def test_kernel_with_key_ends_matches_a_prefix_mask(window):
     ends = torch.randint(1, 151, (90,), generator=torch.Generator().manual_seed(3))
     ends[:3] = torch.tensor([1, 150, 150])
     got = flash_prefill(q, k, v, 0, window, key_ends=ends)
-    qf = q.float().transpose(0, 1)
-    kf, vf = (x.float().repeat_interleave(3, 1).transpose(0, 1) for x in (k, v))
-    key = torch.arange(150)[None, :]
-    visible = key < ends[:, None]
-    if window:
-        visible &= key >= ends[:, None] - window
-    logits = (qf @ kf.transpose(1, 2) / 8).masked_fill(~visible, float("-inf"))
-    want = (logits.softmax(-1) @ vf).transpose(0, 1)
-    assert (got.float() - want).abs().max().item() <= TOLERANCE
+    assert (got.float() - reference(q, k, v, 0, window, key_ends=ends)).abs().max().item() <= TOLERANCE
     with pytest.raises(RuntimeError, match=r"key_ends must lie in \[0, 150\]"):
         flash_prefill(q, k, v, 0, key_ends=ends + 1)
 

@@ -109,10 +109,8 @@ class DecodeChain:
         weights, max_rows, eps = narrow
         wide = _chain_weights(layers, layer_class, dtype, wide=True) if max_rows < _ANY_ROWS else None
         first = layers[0].self_attn
-        chain = cls(weights, max_rows, first.num_heads, first.num_kv_heads, eps, dtype)
-        if wide is not None and wide[1] > max_rows:
-            chain.wide = (wide[0], wide[1])
-        return chain
+        wide = wide[:2] if wide is not None and wide[1] > max_rows else None
+        return cls(weights, max_rows, first.num_heads, first.num_kv_heads, eps, dtype, wide)
 
     def __call__(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], decode: InPlaceDecode
