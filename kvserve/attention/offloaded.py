@@ -7,7 +7,8 @@ KV manager hands out; the device holds only what a step reads. Per decode step a
    ``TransferQueue``, so it overlaps layer i's compute: every cached row (``full``), every row in 4-bit
    codes (``int4``), or the rows InfiniGen's rehearsal selects (``infinigen``: layer i + 1's partial
    query from layer i's input against layer i + 1's partial key cache, which stays on the device);
-   layer 0 fetches its whole cache at its own input;
+   layer 0 fetches its whole cache at its own input; InfiniGen's layer 1 selects with its own query once
+   projected (``Rehearsal.OWN_QUERY_LAYERS``: layer 0's input predicts nothing of it), a fetch not overlapped;
 2. layer i waits for its fetch, attends over the fetched rows plus the step's own keys, and queues the
    store of its new keys/values (behind any fetch already queued, so a later fetch reads them).
 
@@ -321,17 +322,21 @@ class OffloadedKVCache(AttentionBackend):
             return
         step = metadata.state
         nxt = layer + 1
-        if self.rehearsal is not None and nxt < self.num_layers and self._window(nxt) is None:
+        rehearsed = self._speculates(nxt) and nxt not in self.rehearsal.OWN_QUERY_LAYERS
+        if rehearsed:
             step.partial_queries[nxt] = self.rehearsal.partial_query(nxt, x, rope)  # (N, Hkv, G, r)
         if not step.decodes:
             return
         if layer == 0:
             step.pending[0] = self._fetch_blocks(0, step)
-        if nxt < self.num_layers:
-            selective = self.rehearsal is not None and self._window(nxt) is None
-            step.pending[nxt] = (
-                self._fetch_selected(nxt, step, metadata) if selective else self._fetch_blocks(nxt, step)
-            )
+        if nxt < self.num_layers and not self._speculates(nxt):
+            step.pending[nxt] = self._fetch_blocks(nxt, step)
+        elif rehearsed:
+            step.pending[nxt] = self._fetch_selected(nxt, step, metadata)
+
+    def _speculates(self, layer: int) -> bool:
+        """Whether InfiniGen selects ``layer``'s rows (not layer 0, not a window layer, not past the last)."""
+        return self.rehearsal is not None and 0 < layer < self.num_layers and self._window(layer) is None
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
@@ -340,6 +345,10 @@ class OffloadedKVCache(AttentionBackend):
             raise TypeError(f"OffloadedKVCache needs OffloadAttentionMetadata, got {type(metadata).__name__}")
         starts = row_starts(metadata.query_lens)
         step = metadata.state
+        if self._speculates(layer) and layer in self.rehearsal.OWN_QUERY_LAYERS:  # selects from its own query
+            step.partial_queries[layer] = self.rehearsal.partial_from_query(layer, q)
+            if step.decodes:
+                step.pending[layer] = self._fetch_selected(layer, step, metadata)
         if len(step.decodes) == len(metadata.query_lens):
             return self._decode(layer, q, k, v, metadata)
         out = torch.empty_like(q)  # (N, H, D)

@@ -36,7 +36,8 @@ from kvserve.policies.infinigen import InfiniGen, Rehearsal
 SKEWING_DIR_ENV = "KVSERVE_INFINIGEN_DIR"
 SAMPLE_TOKENS = 2048
 CALIBRATION_ROWS = 128  # query rows of the sample's second half that calibrate the threshold
-_FORMAT = 3  # bump when the cached file's meaning changes (2: per-layer calibrated alphas; 3: sliding windows)
+_FORMAT = 4  # bump when the cached file's meaning changes (2: per-layer calibrated alphas; 3: sliding windows;
+# 4: layer 1's alpha for its own query)
 
 
 @dataclass(frozen=True)

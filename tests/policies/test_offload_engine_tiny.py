@@ -221,7 +221,7 @@ class SlidingWindowKV(ContiguousKVCache):
 class InfiniGenReference(ContiguousKVCache):
     """InfiniGen written out for one sequence: a prompt attends causally; a decode row at layer i >= 1
     attends to itself and, per KV head, the top ``count`` cached rows by the speculated logits of layer i's
-    partial query (from layer i - 1's input) against the cached partial keys."""
+    partial query (from layer i - 1's input; layer 1: from its own query) against the cached partial keys."""
 
     rehearsal: Rehearsal
     alpha = 0.0
@@ -229,11 +229,15 @@ class InfiniGenReference(ContiguousKVCache):
     def observe_input(self, layer, x, rope, metadata) -> None:  # noqa: ANN001 - AttentionBackend's
         if layer == 0:
             self.partial_q = {}
-        if layer + 1 < len(self.rehearsal.weights):
+        if 1 < layer + 1 < len(self.rehearsal.weights):
             self.partial_q[layer + 1] = self.rehearsal.partial_query(layer + 1, x, rope)  # (n, Hkv, G, r)
 
     def forward(self, layer, q, k, v, metadata) -> torch.Tensor:  # noqa: ANN001 - ContiguousKVCache's
         ctx, n = metadata.context_lens[0], q.shape[0]
+        if layer == 1:  # layer 0's input is the token embedding: layer 1 speculates with its own query
+            d = q.shape[-1]
+            grouped = q.view(n, self.rehearsal.num_kv_heads, -1, d)  # (n, Hkv, G, D)
+            self.partial_q[1] = torch.einsum("nhgd,hdr->nhgr", grouped, self.rehearsal.skew[1])
         if layer == 0 and ctx == 0:  # a new sequence
             self.partial_k = {}
         new_partial = self.rehearsal.partial_key(layer, k).transpose(0, 1)  # (Hkv, n, r)

@@ -172,3 +172,5 @@ def test_the_rehearsal_rotates_and_normalises_as_the_layer_it_predicts(tiny) -> 
         q = recorder.queries[layer].view(len(ids), cfg.num_kv_heads, -1, cfg.head_dim)
         exact = torch.einsum("rhgd,hde->rhge", q, rehearsal.skew[layer])
         assert (ours - exact).abs().max() < 1e-4
+        # A layer that speculates from its own query (layer 1) takes the same skewed dimensions of it.
+        assert (rehearsal.partial_from_query(layer, recorder.queries[layer]) - exact).abs().max() < 1e-5
