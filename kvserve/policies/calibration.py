@@ -35,7 +35,7 @@ class ThresholdCalibration:
     """What a calibrated alpha guarantees on the sample: a share ``quantile`` of its rows keep ``mass`` of
     their attention (InfiniGen, Lee et al., OSDI'24, https://arxiv.org/abs/2406.19707; see the module doc)."""
 
-    mass: float = 0.93  # share of a row's exact attention weight the selected tokens must hold
+    mass: float = 0.92  # share of a row's exact attention weight the selected tokens must hold
     quantile: float = 0.9  # share of the calibration rows that must reach ``mass``
 
     def __post_init__(self) -> None:
