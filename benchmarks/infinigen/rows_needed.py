@@ -1,17 +1,21 @@
 """How many rows each layer must read to keep a share of its attention, by what predicts the attention.
 
 On InfiniGen's calibration sample (the first 2,048 tokens of Emma, 128 query rows in its second half, as
-``kvserve infinigen-setup``), for each speculating layer and three predictors of its attention logits:
+``kvserve infinigen-setup``), for every layer past the first and three predictors of its attention logits:
 
 - ``rehearsal``: InfiniGen's, layer i's partial query from layer i - 1's attention input (the paper's prefetch);
 - ``own query``: the skewed partial dimensions of layer i's own query (no prefetch: the layer's projection first);
 - ``exact``: the exact logits (the best any ranking can do under the same count rule).
 
 Each column is the mean share of a row's earlier tokens the layer reads at the alpha the calibration would
-choose for that predictor (``ThresholdCalibration``: ``--mass`` of the attention on ``--quantile`` of the rows).
-The mean over all layers counts layer 0 (and window layers) as reading everything, as the accuracy tables do.
+choose for that predictor (``ThresholdCalibration``: ``--mass`` of the attention on ``--quantile`` of the rows);
+a sliding-window layer (Gemma 3) selects within its window. ``kvserve now`` is what the engine reads: layer 0
+everything it sees, layer 1 its own query's selection, the others the rehearsal's. The last row averages over
+layers, as the accuracy tables do.
 
-    python benchmarks/infinigen/rows_needed.py --threads 2 --output benchmarks/infinigen/rows-needed.json
+    python benchmarks/infinigen/rows_needed.py --threads 1 --output benchmarks/infinigen/rows-needed.json
+    python benchmarks/infinigen/rows_needed.py --threads 1 --model gemma3-270m \
+        --output benchmarks/infinigen/rows-needed-gemma3.json
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 
 from kvserve.bench.machine import describe_machine, machine_line
 from kvserve.cli import build_parser, load_from_args
-from kvserve.policies.calibration import ThresholdCalibration, candidates, partial_logits
+from kvserve.policies.calibration import SampleRows, ThresholdCalibration, candidates, partial_logits
 from kvserve.policies.infinigen import InfiniGen, Rehearsal, speculate
 from kvserve.policies.skewing import (
     CALIBRATION_ROWS,
@@ -37,6 +41,34 @@ from kvserve.policies.skewing import (
 )
 
 PREDICTORS = ("rehearsal", "own query", "exact")
+
+
+def _predicted(
+    sample: SampleRows,
+    rehearsal: Rehearsal,
+    layer: int,
+    valid: torch.Tensor,
+    earlier: torch.Tensor,
+    target: ThresholdCalibration,
+) -> dict[str, float]:
+    """Per predictor, the mean share of each row's earlier tokens that ``layer`` reads at the calibrated alpha."""
+    keys = sample.keys[layer].to(rehearsal.skew.dtype)
+    partial_k = rehearsal.partial_key(layer, keys).transpose(0, 1)[:, None]  # (Hkv, 1, n, r)
+    q = sample.queries[layer].float().view(len(sample.rows), rehearsal.num_kv_heads, -1, rehearsal.head_dim)
+    exact = partial_logits(q.transpose(0, 1), keys.float().transpose(0, 1)[:, None], rehearsal.head_dim)
+    logits = {"exact": exact.transpose(0, 1)}  # (R, Hkv, G, n)
+    queries = {
+        "rehearsal": rehearsal.partial_query(layer, sample.inputs[layer - 1], sample.rope[layer - 1]),
+        "own query": rehearsal.partial_from_query(layer, sample.queries[layer]),
+    }
+    for name, partial_q in queries.items():
+        logits[name] = partial_logits(partial_q.transpose(0, 1), partial_k, rehearsal.head_dim).transpose(0, 1)
+    shares = {}
+    for name in PREDICTORS:
+        alpha = target.layer_alpha(target.row_alphas(logits[name], logits["exact"], valid))
+        counts = speculate(logits[name], valid, alpha).counts
+        shares[name] = float((counts.float() / earlier.sum(-1).float()).mean())
+    return shares
 
 
 def main() -> int:
@@ -60,45 +92,35 @@ def main() -> int:
         loaded.model, skew_recorded(loaded.model, recorder).partial(InfiniGen().partial_dims(cfg.head_dim))
     )
     sample = recorder.sample()
-    valid = candidates(sample, sample.keys[0].shape[0])
     target = ThresholdCalibration(args.mass, args.quantile)
     layers = {}
+    n = sample.keys[0].shape[0]
+    position = torch.arange(n)[None, :]
+    earlier = candidates(sample, n)  # (R, n): the share is of each row's earlier tokens, as the accuracy tables'
     with torch.inference_mode():
-        for layer in range(1, cfg.num_layers):
-            if cfg.layer_windows and cfg.layer_windows[layer] is not None:
-                continue
-            keys = sample.keys[layer].to(rehearsal.skew.dtype)
-            partial_k = rehearsal.partial_key(layer, keys).transpose(0, 1)[:, None]  # (Hkv, 1, n, r)
-            q = sample.queries[layer].float().view(len(sample.rows), cfg.num_kv_heads, -1, cfg.head_dim)
-            exact = partial_logits(q.transpose(0, 1), keys.float().transpose(0, 1)[:, None], cfg.head_dim)
-            exact = exact.transpose(0, 1)  # (R, Hkv, G, n)
-            queries = {
-                "rehearsal": rehearsal.partial_query(layer, sample.inputs[layer - 1], sample.rope[layer - 1]),
-                "own query": rehearsal.partial_from_query(layer, sample.queries[layer]),
-            }
-            logits = {
-                n: partial_logits(q.transpose(0, 1), partial_k, cfg.head_dim).transpose(0, 1)
-                for n, q in queries.items()
-            }
-            logits["exact"] = exact
-            layers[layer] = {}
-            for name in PREDICTORS:
-                alpha = target.layer_alpha(target.row_alphas(logits[name], exact, valid))
-                counts = speculate(logits[name], valid, alpha).counts
-                layers[layer][name] = float((counts.float() / valid.sum(-1).float()).mean())
-            print(f"layer {layer}: " + ", ".join(f"{n} {v:.3f}" for n, v in layers[layer].items()), file=sys.stderr)
-    unspeculated = cfg.num_layers - len(layers)
-    mean = {n: (sum(row[n] for row in layers.values()) + unspeculated) / cfg.num_layers for n in PREDICTORS}
+        for layer in range(cfg.num_layers):
+            window = cfg.layer_windows[layer] if cfg.layer_windows else None
+            valid = earlier & (position > sample.rows[:, None] - window) if window else earlier
+            row = {"kvserve now": float((valid.sum(-1).float() / earlier.sum(-1)).mean())}  # window, or everything
+            if layer > 0:
+                row.update(_predicted(sample, rehearsal, layer, valid, earlier, target))
+                row["kvserve now"] = row["own query" if layer in rehearsal.OWN_QUERY_LAYERS else "rehearsal"]
+            layers[layer] = row
+            print(f"layer {layer}: " + ", ".join(f"{n} {v:.3f}" for n, v in row.items()), file=sys.stderr)
+    columns = ("kvserve now", *PREDICTORS)
+    mean = {c: sum(row.get(c, row["kvserve now"]) for row in layers.values()) / cfg.num_layers for c in columns}
     report = {
         "command": " ".join(sys.argv), "machine": machine_line(describe_machine()),
         "threads": torch.get_num_threads(), "model": Path(loaded.path).name,
         "mass": args.mass, "quantile": args.quantile, "layers": layers, "mean_all_layers": mean,
     }  # fmt: skip
-    lines = [f"Rows read per layer to keep {args.mass:.0%} of the attention on {args.quantile:.0%} of the sample's "
-             f"rows ({report['model']}; `{report['command']}`; {report['machine']})", "",
-             "| layer | " + " | ".join(PREDICTORS) + " |", "| ---: |" + " ---: |" * len(PREDICTORS)]  # fmt: skip
-    lines += [f"| {layer} | " + " | ".join(f"{row[n]:.1%}" for n in PREDICTORS) + " |" for layer, row in layers.items()]
-    lines.append("| **all layers** | " + " | ".join(f"**{mean[n]:.1%}**" for n in PREDICTORS) + " |")
+    lines = [f"Rows read per layer (share of a row's earlier tokens) to keep {args.mass:.0%} of the attention on "
+             f"{args.quantile:.0%} of the sample's rows ({report['model']}; `{report['command']}`; "
+             f"{report['machine']}, {report['threads']} threads). Window layers select within their window.", "",
+             "| layer | " + " | ".join(columns) + " |", "| ---: |" + " ---: |" * len(columns)]  # fmt: skip
+    lines += [f"| {layer} | " + " | ".join(f"{row[c]:.1%}" if c in row else "-" for c in columns) + " |"
+              for layer, row in layers.items()]  # fmt: skip
+    lines.append("| **all layers** | " + " | ".join(f"**{mean[c]:.1%}**" for c in columns) + " |")
     print("\n".join(lines))
     if args.output:
         args.output.write_text(json.dumps(report, indent=1) + "\n")
