@@ -24,8 +24,8 @@ Sliding-window layers (``layer_windows``, Gemma 3): the tier keeps every layer's
 group (the simplest layout; the tier is the large, cheap memory), but a window layer reads only the last
 ``window`` positions (its own included): a decode fetches just the blocks that cover its window, a chunk
 fetches the rows its first row's window reaches and attends with the window's mask. InfiniGen speculates
-in window layers too, among the rows of the window (layer 0 reads its whole window). A KV pool limit
-overwrites slots in place, so positions no longer follow slots: not with windows.
+for global layers only; a window layer reads its whole window (layer 0 too, within its window if it has
+one). A KV pool limit overwrites slots in place, so positions no longer follow slots: not with windows.
 """
 
 from __future__ import annotations
@@ -335,8 +335,8 @@ class OffloadedKVCache(AttentionBackend):
             step.pending[nxt] = self._fetch_selected(nxt, step, metadata)
 
     def _speculates(self, layer: int) -> bool:
-        """Whether InfiniGen selects ``layer``'s rows (every layer but the first; a window layer within its window)."""
-        return self.rehearsal is not None and 0 < layer < self.num_layers
+        """Whether InfiniGen selects ``layer``'s rows (not layer 0, not a window layer, not past the last)."""
+        return self.rehearsal is not None and 0 < layer < self.num_layers and self._window(layer) is None
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
@@ -405,7 +405,7 @@ class OffloadedKVCache(AttentionBackend):
     def _fetch_selected(self, layer: int, step: _Step, meta: OffloadAttentionMetadata) -> _Fetch:
         """The rows layer ``layer``'s rehearsal selects for each decode sequence (InfiniGen)."""
         partial_q = step.partial_queries[layer].index_select(0, step.rows)  # (B, Hkv, G, r)
-        view = step.views[self._window(layer)]  # a window layer selects among its window's rows
+        view = step.views[None]  # speculation runs in global layers only
         batch = partial_q.shape[0]
         selection, slots = self.policy.select_decode_rows(
             layer, partial_q, self.partial_keys[layer], view.candidates, self.head_dim, self.rank_mean
@@ -452,7 +452,7 @@ class OffloadedKVCache(AttentionBackend):
         m = q.shape[0]
         context = meta.context_lens[i]
         bulk = max(0, min(m, self._capacity(meta, i) - context))  # rows that still find a free slot of their own
-        selective = isinstance(self.policy, InfiniGen) and layer > 0
+        selective = isinstance(self.policy, InfiniGen) and layer > 0 and self._window(layer) is None
         if not selective and meta.scored_from:  # speculation counts its own picks (_select_rows)
             self._count_reads(layer, meta, i, context + min(meta.scored_from[i], m), context + m)
         first_scored = min(meta.scored_from[i], bulk) if meta.scored_from and selective else 0
@@ -508,15 +508,13 @@ class OffloadedKVCache(AttentionBackend):
         partial_q = meta.state.partial_queries[layer][first_row : first_row + m]  # (m, Hkv, G, r)
         cached = self._partial_rows(layer)[:, slots // self.block_size, slots % self.block_size]  # (Hkv, h, r)
         partial_k = torch.cat((cached, self.rehearsal.partial_key(layer, k).transpose(0, 1)), dim=1)  # (Hkv, h + m, r)
-        window = self._window(layer)
-        allowed = self.policy.rows_allowed(layer, partial_q, partial_k, held, self.head_dim, self.rank_mean, window)
+        allowed = self.policy.rows_allowed(layer, partial_q, partial_k, held, self.head_dim, self.rank_mean)
         # allowed: (m, Hkv, h + m)
         cached_picks = allowed[:, :, :held]
-        # Per row: rows selected among the h + j before it (every KV head), against all of them (a window layer's
-        # h cached rows are its first row's window: against every row before each, as _count_reads counts).
-        before = held * m if window is None else token * m
-        selected = (int(allowed.sum()) - m * self.num_kv_heads) // self.num_kv_heads
-        self._count(layer, selected, before + m * (m - 1) // 2)
+        # Per row: rows selected among the h + j before it (every KV head), against all of them.
+        self._count(
+            layer, (int(allowed.sum()) - m * self.num_kv_heads) // self.num_kv_heads, held * m + m * (m - 1) // 2
+        )
         if self.pool is not None:
             last_row = torch.tensor([token + m - 1], dtype=torch.int32, device=self.device)
             every = slots[None, None, :].expand(1, self.num_kv_heads, held)
@@ -676,8 +674,8 @@ def _attend(
     window: int | None = None,
 ) -> torch.Tensor:
     """q (m, H, D) at positions held.. over keys/values (held + m, Hkv, D), each row over the last ``window`` of
-    them (None: all); ``allowed`` (m, Hkv, held + m) instead says what each row reads (InfiniGen's selection, made
-    within the window). -> (m, H, D)."""
+    them (None: all); ``allowed`` (m, Hkv, held + m) restricts each row further (InfiniGen's selection, global
+    layers only). -> (m, H, D)."""
     if allowed is None:
         return attend_prefill(q, keys, values, held, window)
     m, num_heads, head_dim = q.shape

@@ -112,14 +112,14 @@ def candidates(sample: SampleRows, n: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def calibrate_alphas(sample: SampleRows, rehearsal: Rehearsal, target: ThresholdCalibration) -> tuple[float, ...]:
-    """Each layer's calibrated alpha (layer 0: 0, unused) for the rehearsal's partial dimensions; a sliding-window
-    layer's over the candidates in its window."""
-    n = sample.keys[0].shape[0]
-    earlier = candidates(sample, n)
+    """Each layer's calibrated alpha (layer 0 and sliding-window layers: 0, unused) for the rehearsal's partial
+    dimensions."""
+    valid = candidates(sample, sample.keys[0].shape[0])
     alphas = [0.0]
     for layer in range(1, len(sample.keys)):
-        window = rehearsal.layer_windows[layer] if rehearsal.layer_windows else None
-        valid = earlier & (torch.arange(n)[None, :] > sample.rows[:, None] - window) if window else earlier
+        if rehearsal.layer_windows and rehearsal.layer_windows[layer] is not None:  # reads its window, unspeculated
+            alphas.append(0.0)
+            continue
         speculated, exact = layer_logits(sample, rehearsal, layer)
         alphas.append(target.layer_alpha(target.row_alphas(speculated, exact, valid)))
     return tuple(alphas)

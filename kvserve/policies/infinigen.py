@@ -136,19 +136,14 @@ class InfiniGen(KVPolicy):
         held: int,
         head_dim: int,
         rank_mean: RankMean | None = None,
-        window: int | None = None,
     ) -> torch.Tensor:
         """Which of h cached and m new rows each of m new rows of a chunk reads at layer ``layer``, as decoding
         them one by one would: partial queries (m, Hkv, G, r) against partial keys (Hkv, h + m, r) ->
-        (m, Hkv, h + m) bool, each row its selection among the rows before it (the last ``window`` - 1 of them in
-        a window layer, whose h cached rows are then the first row's window), plus itself."""
+        (m, Hkv, h + m) bool, each row its selection among the rows before it, plus itself."""
         m, hkv = partial_q.shape[:2]
         device = partial_q.device
         row = torch.arange(m, device=device)
-        position = torch.arange(held + m, device=device)[None, :]
-        earlier = position < held + row[:, None]  # (m, h + m)
-        if window is not None:
-            earlier &= position > held + row[:, None] - window
+        earlier = torch.arange(held + m, device=device)[None, :] < held + row[:, None]  # (m, h + m)
         grouped = partial_q.permute(1, 0, 2, 3).flatten(1, 2)  # (Hkv, m * G, r): one matmul per KV head
         logits = partial_logits(grouped, partial_k, head_dim).view(hkv, m, -1, held + m).transpose(0, 1)
         selection = speculate(logits, earlier, self.layer_alpha(layer), rank_mean)  # over (m, Hkv, G, h + m) logits
@@ -319,7 +314,7 @@ class Rehearsal:
         # Gemma 3: queries are RMS-normalised per head before RoPE and scaled after it.
         self.q_norms = [getattr(layer.self_attn, "q_norm", None) for layer in model.layers]
         self.q_scales = [getattr(layer.self_attn, "q_scale", 1.0) for layer in model.layers]
-        self.layer_windows = tuple(cfg.layer_windows)  # a window layer selects among its window's rows
+        self.layer_windows = tuple(cfg.layer_windows)  # a window layer reads its window: nothing to predict
         with torch.inference_mode():
             for layer in model.layers:
                 proj = layer.self_attn.qkv_proj

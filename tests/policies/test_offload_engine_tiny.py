@@ -221,8 +221,7 @@ class SlidingWindowKV(ContiguousKVCache):
 class InfiniGenReference(ContiguousKVCache):
     """InfiniGen written out for one sequence: a prompt attends causally; a decode row at layer i >= 1
     attends to itself and, per KV head, the top ``count`` cached rows by the speculated logits of layer i's
-    partial query (from layer i - 1's input; layer 1: from its own query) against the cached partial keys (a
-    window layer: those of its window)."""
+    partial query (from layer i - 1's input; layer 1: from its own query) against the cached partial keys."""
 
     rehearsal: Rehearsal
     alpha = 0.0
@@ -247,13 +246,11 @@ class InfiniGenReference(ContiguousKVCache):
         if n > 1 or layer == 0:
             return super().forward(layer, q, k, v, metadata)
         partial_q = self.partial_q[layer][0]  # (Hkv, G, r) of the one decode row
-        window = metadata.window_of(layer)
-        first = max(0, ctx + 1 - window) if window else 0  # a window layer selects among its window's rows
-        logits = partial_logits(partial_q, cached_partial[:, first:], self.rehearsal.head_dim)  # (Hkv, G, ctx - first)
+        logits = partial_logits(partial_q, cached_partial, self.rehearsal.head_dim)  # (Hkv, G, ctx)
         selection = speculate(logits[None], None, self.alpha)
         count = int(selection.counts[0])
         allowed = torch.zeros(q.shape[1] // self.rehearsal.group, ctx + 1, dtype=torch.bool)
-        allowed.scatter_(1, first + selection.index[0, :, :count], True)
+        allowed.scatter_(1, selection.index[0, :, :count], True)
         allowed[:, ctx] = True
         self.k[layer, 0, :, ctx], self.v[layer, 0, :, ctx] = k[0], v[0]
         keys, values = self.k[layer, 0, :, : ctx + 1], self.v[layer, 0, :, : ctx + 1]  # (Hkv, ctx + 1, D)
@@ -271,9 +268,7 @@ def greedy_reference(
     out, logprobs = [], []
     step, ctx = prompt[: len(prompt) if first is None else first], 0
     while len(out) < max_tokens:
-        meta = AttentionMetadata(
-            seq_ids=(0,), query_lens=(len(step),), context_lens=(ctx,), layer_windows=loaded.config.layer_windows
-        )
+        meta = AttentionMetadata(seq_ids=(0,), query_lens=(len(step),), context_lens=(ctx,))
         hidden = loaded.model(torch.tensor(step), torch.arange(ctx, ctx + len(step)), cache, meta)
         ctx += len(step)
         if ctx < len(prompt):  # the rest of the prompt: no token sampled yet
