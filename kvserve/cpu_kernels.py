@@ -41,6 +41,7 @@ SOURCES = tuple(
         "quant_gemv.cpp",
         "decode_layers.cpp",
         "flash_prefill.cpp",
+        "slot_scores.cpp",
     )
 )
 HEADERS = (CSRC / "cpu_vec.h", CSRC / "ops.h")
@@ -56,6 +57,7 @@ OPS = (
     "q8_linear_q8",
     "decode_layers",
     "flash_prefill",
+    "fold_slot_scores",
 )
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # ``KVSERVE_KERNEL_ARCH`` (a g++ -march value, default native) builds for an older instruction set, e.g.

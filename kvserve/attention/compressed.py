@@ -46,6 +46,7 @@ from kvserve.attention.backend import (
 from kvserve.attention.decode import paged_decode
 from kvserve.attention.paged import PagedKVCache, attend_prefill
 from kvserve.attention.step_layout import pad_tables, row_starts, slot_ids
+from kvserve.cpu_kernels import cpu_kernels_available
 from kvserve.kv.tiers import KVTier, RowSpec
 from kvserve.policies.base import SCORES_NONE, KVPolicy
 from kvserve.policies.scoring import attend_voting_rows, update_scores
@@ -379,11 +380,16 @@ class CompressedKVCache(AttentionBackend):
     ) -> torch.Tensor:
         """Fold a decode step's attention ``weights`` (R, T), each slot's probability averaged over heads, into the
         running scores of the slots rows read through ``tables`` (R, W) up to ``ends`` (R,), policy by policy
-        (``policies`` (R,)); returns the rows' new scores (R, T), also stored per slot."""
+        (``policies`` (R,)); returns the rows' new scores (R, T; only each row's first ``ends`` are meaningful), also
+        stored per slot. One compiled op on the CPU (``csrc/slot_scores.cpp``); these torch ops elsewhere."""
         if self.rank_mean is not None:
             weights = self.rank_mean(weights)
         rows, width = tables.shape
         bs = self.block_size
+        on_cpu = self.scores.device.type == "cpu" and weights.device.type == "cpu"
+        if on_cpu and weights.dtype == torch.float32 and cpu_kernels_available():
+            coefficients = torch.tensor([p.score_update() for p in policies], dtype=torch.float32)  # (R, 2)
+            return torch.ops.kvserve.fold_slot_scores(self.scores, tables, ends, weights, coefficients, bs)
         slots = (tables.long()[:, :, None] * bs + torch.arange(bs, device=tables.device)).view(rows, width * bs)
         valid = torch.arange(width * bs, device=tables.device)[None, :] < ends[:, None]
         scores = update_scores(policies, self.scores.index_select(0, slots.view(-1)).view_as(slots), weights)

@@ -124,9 +124,17 @@ class KVPolicy:
             total[:held] += previous
         return total
 
+    def score_update(self) -> tuple[float, float]:
+        """How a decode step's attention weight w folds into a slot's running score s: (a, b) for a * s + b * w.
+        The base accumulates (H2O); a policy that forgets (an exponential moving average) says how fast."""
+        return 1.0, 1.0
+
     def update(self, scores: torch.Tensor, step_weights: torch.Tensor) -> torch.Tensor:
-        """Fold one decode step's attention weights (n,) into the running scores (n,)."""
-        return scores + step_weights
+        """Fold one decode step's attention weights (n,) into the running scores (n,) (``score_update``)."""
+        a, b = self.score_update()
+        if (a, b) == (1.0, 1.0):
+            return scores + step_weights
+        return a * scores + b * step_weights
 
 
 def recent_and_top(scores: torch.Tensor, num_candidates: int, keep: int, recent: int) -> torch.Tensor:

@@ -113,8 +113,8 @@ class PyramidInfer(KVPolicy):
         first = num_queries - min(self.recent_count(num_tokens), num_queries)
         return first, self.query_weights(num_queries - first)
 
-    def update(self, scores: torch.Tensor, step_weights: torch.Tensor) -> torch.Tensor:
-        return self.decode_decay * scores + (1 - self.decode_decay) * step_weights
+    def score_update(self) -> tuple[float, float]:
+        return self.decode_decay, 1 - self.decode_decay
 
     def query_weights(self, num_queries: int) -> torch.Tensor:
         return ensemble_weights(num_queries, self.distance_weight)

@@ -90,8 +90,8 @@ class SnapKV(KVPolicy):
         window = torch.arange(older, num_candidates, device=scores.device)[:, None].expand(recent, scores.shape[1])
         return torch.cat((top, window))
 
-    def update(self, scores: torch.Tensor, step_weights: torch.Tensor) -> torch.Tensor:
-        return self.decode_decay * scores + (1 - self.decode_decay) * step_weights
+    def score_update(self) -> tuple[float, float]:
+        return self.decode_decay, 1 - self.decode_decay
 
 
 @dataclass(frozen=True)
