@@ -1,8 +1,8 @@
 // A decode step's attention folded into the running scores of the compressed cache's slots (H2O, SnapKV,
 // PyramidInfer), for every row (layer x sequence) of the step at once. The torch code it replaces
 // (CompressedKVCache._fold_scores) forms every row's slot ids, gathers the old scores, updates them and
-// scatters them back: six passes and four temporaries over L x B x T elements, a tenth of a decode step at
-// 1.5k tokens. Here each row walks its block table once.
+// scatters them back: six passes and four temporaries over L x B x T elements, 1-4 ms of a 35 ms step at 4
+// sequences of 1.5k kept tokens (benchmarks/policies/). Here each row walks its block table once.
 //
 // Exactly the torch code's arithmetic: a * s and b * w rounded to float32 separately, then added (no fused
 // multiply-add), the new scores computed from the old ones for every row first, then written back in row
