@@ -29,7 +29,7 @@ import torch
 
 from kvserve.bench.machine import describe_machine, machine_line
 from kvserve.cli import build_parser, load_from_args
-from kvserve.policies.calibration import SampleRows, ThresholdCalibration, candidates, partial_logits
+from kvserve.policies.calibration import SampleRows, ThresholdCalibration, candidates, layer_logits
 from kvserve.policies.infinigen import InfiniGen, Rehearsal, speculate
 from kvserve.policies.skewing import (
     CALIBRATION_ROWS,
@@ -52,17 +52,12 @@ def _predicted(
     target: ThresholdCalibration,
 ) -> dict[str, float]:
     """Per predictor, the mean share of each row's earlier tokens that ``layer`` reads at the calibrated alpha."""
-    keys = sample.keys[layer].to(rehearsal.skew.dtype)
-    partial_k = rehearsal.partial_key(layer, keys).transpose(0, 1)[:, None]  # (Hkv, 1, n, r)
-    q = sample.queries[layer].float().view(len(sample.rows), rehearsal.num_kv_heads, -1, rehearsal.head_dim)
-    exact = partial_logits(q.transpose(0, 1), keys.float().transpose(0, 1)[:, None], rehearsal.head_dim)
-    logits = {"exact": exact.transpose(0, 1)}  # (R, Hkv, G, n)
-    queries = {
-        "rehearsal": rehearsal.partial_query(layer, sample.inputs[layer - 1], sample.rope[layer - 1]),
-        "own query": rehearsal.partial_from_query(layer, sample.queries[layer]),
-    }
-    for name, partial_q in queries.items():
-        logits[name] = partial_logits(partial_q.transpose(0, 1), partial_k, rehearsal.head_dim).transpose(0, 1)
+    rehearsed = rehearsal.partial_query(layer, sample.inputs[layer - 1], sample.rope[layer - 1])
+    logits = {}  # (R, Hkv, G, n) each
+    logits["rehearsal"], logits["exact"] = layer_logits(sample, rehearsal, layer, rehearsed)
+    logits["own query"], _ = layer_logits(
+        sample, rehearsal, layer, rehearsal.partial_from_query(layer, sample.queries[layer])
+    )
     shares = {}
     for name in PREDICTORS:
         alpha = target.layer_alpha(target.row_alphas(logits[name], logits["exact"], valid))

@@ -89,13 +89,16 @@ class SampleRows:
     rope: list[tuple[torch.Tensor, torch.Tensor]]  # per layer i: rotary tables at the rows, as layer i + 1 uses
 
 
-def layer_logits(sample: SampleRows, rehearsal: Rehearsal, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer ``layer`` (>= 1) at the calibration rows: speculated (from layer - 1's input, or the layer's own query
-    for ``Rehearsal.OWN_QUERY_LAYERS``) and exact logits, both (R, Hkv, G, n) float32."""
+def layer_logits(
+    sample: SampleRows, rehearsal: Rehearsal, layer: int, partial_q: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``layer`` (>= 1) at the calibration rows: speculated and exact logits, both (R, Hkv, G, n) float32.
+    The speculation's partial queries (R, Hkv, G, r) are ``partial_q`` if given, else decode's: from layer - 1's
+    input, or the layer's own query for ``Rehearsal.OWN_QUERY_LAYERS``."""
     keys = sample.keys[layer].to(rehearsal.skew.dtype)  # (n, Hkv, D)
-    if layer in rehearsal.OWN_QUERY_LAYERS:  # speculates from its own query, as decode does
-        partial_q = rehearsal.partial_from_query(layer, sample.queries[layer])  # (R, Hkv, G, r)
-    else:
+    if partial_q is None and layer in rehearsal.OWN_QUERY_LAYERS:  # speculates from its own query, as decode does
+        partial_q = rehearsal.partial_from_query(layer, sample.queries[layer])
+    elif partial_q is None:
         partial_q = rehearsal.partial_query(layer, sample.inputs[layer - 1], sample.rope[layer - 1])
     partial_k = rehearsal.partial_key(layer, keys).transpose(0, 1)  # (Hkv, n, r)
     speculated = partial_logits(partial_q.transpose(0, 1), partial_k[:, None], rehearsal.head_dim)  # (Hkv, R, G, n)
