@@ -24,6 +24,11 @@ PREFILL_PARTITIONS = ("even", "searched", "predicted", "tsp")
 PROMPT_CACHE_TIERS = ("device", "host")
 KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROMPT_CACHE_ENCODES = ("eager", "lazy")
+# Why a policy with per-head budgets (Ada-KV) cannot import Prompt Cache modules.
+HEAD_BUDGETS_AND_MODULES = (
+    "kv_policy={name!r} packs a layer's KV heads into its slots, each head its own number of tokens, and a Prompt "
+    "Cache module's slots are shared as every head's same tokens: use kv_policy='snapkv' with Prompt Cache"
+)
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,11 @@ class EngineConfig:
             raise ValueError(f"kv_policy must be one of {list(KV_POLICY_NAMES)}, got {self.kv_policy!r}")
         policy = make_policy(self.kv_policy, self.kv_budget, **self.kv_policy_knobs)  # raises on a bad knob
         self._check_offload(policy.offload_only)
+        if policy.head_budgets and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"kv_policy={self.kv_policy!r} allocates a layer's budget across its KV heads, which tensor "
+                f"parallelism splits over ranks: use tensor_parallel_size=1, got {self.tensor_parallel_size}"
+            )
         if parse_memory_size(self.kv_cache_memory) < 1:  # raises on a bad size, naming it
             # Whether it holds a block depends on the model: the engine says so once the model is known.
             raise ValueError(f"kv_cache_memory must be more than 0 bytes, got {self.kv_cache_memory!r}")
@@ -175,6 +185,8 @@ class EngineConfig:
                 "and a module's blocks are shared by every request that imports it: use kv_pool_limit=1"
             )
         policy = make_policy(self.kv_policy, self.kv_budget, **self.kv_policy_knobs)
+        if policy.head_budgets:
+            return HEAD_BUDGETS_AND_MODULES.format(name=policy.name)
         if policy.per_layer_groups and self.prompt_cache_tier == "host":
             return (
                 f"a compressing kv_policy ({policy.name!r}) keeps each module's own slots per layer, and "

@@ -18,7 +18,7 @@ import torch
 
 from kvserve import beam_search
 from kvserve.attention.factory import make_kv_cache
-from kvserve.config import EngineConfig
+from kvserve.config import HEAD_BUDGETS_AND_MODULES, EngineConfig
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.extras import extra_imports
 from kvserve.kv.manager import KVCacheManager, KVUsage
@@ -241,6 +241,8 @@ class LLMEngine:
         """A Prompt Cache prompt: its modules' KV pinned for the request's lifetime, the rest computed."""
         arrival = time.monotonic()  # pinning (and a lazy encoding) is part of the time to first token
         self._check_prompt_cache()
+        if (policy := self.policy_for(params)).head_budgets:
+            raise ValueError(HEAD_BUDGETS_AND_MODULES.format(name=policy.name))
         if params.prompt_logprobs is not None or score_from:
             raise ValueError("prompt_logprobs need every prompt position's logits; a PML prompt computes only its "
                              "uncached tokens (send the prompt as plain text to score it)")  # fmt: skip
@@ -467,7 +469,7 @@ class LLMEngine:
         for i in range(1, request.params.best_of):
             child = self._new_sequence(seq.token_ids, seq.num_prompt_tokens, request.params, seed_offset=i)
             child.num_computed_tokens = seq.num_computed_tokens
-            child.group_slots = list(seq.group_slots)
+            child.group_slots, child.group_heads = list(seq.group_slots), list(seq.group_heads)
             child.matcher = self._grammar_cache.new_matcher(request.grammar) if request.grammar is not None else None
             self.scheduler.fork(seq, child)
             request.seqs.append(child)
@@ -640,7 +642,7 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
 def _copy_progress(parent: Sequence, child: Sequence) -> None:
     child.token_ids = list(parent.token_ids)
     child.num_computed_tokens = parent.num_computed_tokens
-    child.group_slots = list(parent.group_slots)
+    child.group_slots, child.group_heads = list(parent.group_slots), list(parent.group_heads)
     child.cumulative_logprob = parent.cumulative_logprob
     child.logprobs = list(parent.logprobs)
     child.text = parent.text

@@ -35,6 +35,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose keys/values are in the cache
     # Per-layer KV groups only: slots each group holds (what the KV policy kept); empty = none yet.
     group_slots: list[int] = field(default_factory=list)
+    group_heads: list[tuple[int, ...]] = field(default_factory=list)  # per layer: tokens per KV head packed (Ada-KV)
     text: str = ""
     emitted_chars: int = 0  # characters of text already streamed
     cumulative_logprob: float = 0.0

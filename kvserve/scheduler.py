@@ -58,6 +58,7 @@ class ScheduledSequence:
     group_slots: tuple[int, ...] = ()
     group_targets: tuple[int, ...] = ()
     group_frozen: tuple[int, ...] = ()  # [layer] leading slots in shared module blocks (Prompt Cache): kept as is
+    group_heads: tuple[tuple[int, ...], ...] = ()  # [layer] tokens per KV head packed (Ada-KV), () per layer if none
     positions: tuple[int, ...] = ()  # position ids of token_ids; empty: num_computed_tokens onwards
     full_length: int = 0  # prompt + max_tokens: the KV the sequence may reach (an offloaded pool's limit scales it)
     score_from: int = 0  # the request's first scored token (Request.score_from; the eval tools set it)
@@ -167,6 +168,9 @@ class Scheduler:
                 for group, num_slots in enumerate(held):
                     self.kv.shrink(seq.seq_id, group, num_slots)
                 seq.group_slots = list(held)
+            heads = report.group_heads.get(s.seq_id)
+            if heads is not None:
+                seq.group_heads = list(heads)
             if request.encodes_module and seq.num_uncomputed_tokens == 0:
                 self.running.remove(request)
                 self.encoding.discard(seq.seq_id)
@@ -307,10 +311,10 @@ class Scheduler:
         cached = request.prompt_cache
         if cached is None:
             self.kv.allocate_empty(seq.seq_id)
-            seq.group_slots = []
+            seq.group_slots, seq.group_heads = [], []
             return 0
         self.kv.allocate_shared_groups(seq.seq_id, cached.group_shared)  # filled in by _admission
-        seq.group_slots = cached.group_slots(self.kv.block_size)
+        seq.group_slots, seq.group_heads = cached.group_slots(self.kv.block_size), []
         if not self.kv.reserve(seq.seq_id, seq.group_slots):  # admission counted these blocks
             raise KVCacheError(f"sequence {seq.seq_id}: no blocks for its modules' tails after admission")
         frozen = cached.frozen_slots(self.kv.block_size)
@@ -474,7 +478,7 @@ class Scheduler:
         targets = self._group_targets(request.kv_policy, held, n, seq.num_computed_tokens + n, frozen)
         return {
             "kv_policy": request.kv_policy, "group_slots": tuple(held), "group_targets": tuple(targets),
-            "group_frozen": frozen,
+            "group_frozen": frozen, "group_heads": tuple(seq.group_heads),
         }  # fmt: skip
 
     def _preempt(self, request: Request, step: _Step) -> None:
@@ -488,7 +492,7 @@ class Scheduler:
                 self._drop_copies_into(self._device_blocks(seq), step)
                 self.kv.free(seq.seq_id)
                 seq.num_computed_tokens = 0
-                seq.group_slots = []
+                seq.group_slots, seq.group_heads = [], []
         if swap:
             request.status = RequestStatus.SWAPPED
             self.swapped.appendleft(request)

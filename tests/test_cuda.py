@@ -110,6 +110,7 @@ SCENARIOS = {
     "pyramid": {"kv_policy": "pyramid", "kv_budget": 0.5},
     "h2o": {"kv_policy": "h2o", "kv_budget": 0.5},
     "snapkv": {"kv_policy": "snapkv", "kv_budget": 0.5},
+    "adakv": {"kv_policy": "adakv", "kv_budget": 0.5},
     "local": {"kv_policy": "local", "kv_budget": 0.5},
     "int4": {"kv_policy": "int4", "kv_offload": "host"},
     "offload-host": {"kv_offload": "host"},

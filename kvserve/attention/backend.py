@@ -68,11 +68,14 @@ class StepReport:
     """What a step learned that the scheduler applies (``Scheduler.update``), as plain data.
 
     ``group_slots``: per sequence whose KV groups a policy compacted, the slots each group holds after the
-    step (the blocks past them go back to the pool). ``output_rows``: per sequence, its rows in the model's
-    output (fewer than its tokens where a policy dropped rows during prefill).
+    step (the blocks past them go back to the pool); ``group_heads``: per sequence whose policy gives KV heads
+    their own budgets, the tokens each head of each group holds packed (``attention/head_budgets.py``).
+    ``output_rows``: per sequence, its rows in the model's output (fewer than its tokens where a policy dropped
+    rows during prefill).
     """
 
     group_slots: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    group_heads: Mapping[int, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
     output_rows: tuple[int, ...] = ()
 
 

@@ -44,6 +44,7 @@ from kvserve.attention.backend import (
     UnsupportedKVOperation,
 )
 from kvserve.attention.decode import paged_decode
+from kvserve.attention.head_budgets import head_candidates, pack, packed_slots
 from kvserve.attention.paged import PagedKVCache, attend_prefill
 from kvserve.attention.step_layout import pad_tables, row_starts, slot_ids
 from kvserve.cpu_kernels import cpu_kernels_available
@@ -61,6 +62,7 @@ class _StepState:
 
     rows: list[int]  # per sequence: its rows in the current hidden states
     held_after: list[list[int]]  # per sequence, per layer: slots held after the step
+    heads_after: list[list[tuple[int, ...]]]  # per sequence, per layer: tokens per KV head packed (Ada-KV), or ()
     survivors: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> rows going on
     in_place: InPlaceDecode | None = None  # the step's layers run as one call: what in_place_decode gave them
 
@@ -77,6 +79,7 @@ class CompressedAttentionMetadata(AttentionMetadata):
     group_slots: tuple[tuple[int, ...], ...] = ()  # [seq][layer] slots holding keys before the step
     group_targets: tuple[tuple[int, ...], ...] = ()  # [seq][layer] most slots kept after the step
     group_frozen: tuple[tuple[int, ...], ...] = ()  # [seq][layer] leading slots in shared module blocks, or ()
+    group_heads: tuple[tuple[tuple[int, ...], ...], ...] = ()  # [seq][layer] tokens per KV head packed, or ()
     block_tables: tuple[tuple[tuple[int, ...], ...], ...] = ()  # [seq][layer] block ids
     keep_all_rows: tuple[bool, ...] = ()  # [seq] every row's logits are needed: drop no rows
     block_size: int = 16
@@ -143,7 +146,11 @@ class CompressedKVCache(AttentionBackend):
 
     def build_metadata(self, out: SchedulerOutput, rows_from: Mapping[int, int]) -> CompressedAttentionMetadata:
         scheduled = out.scheduled
-        state = _StepState([len(s.token_ids) for s in scheduled], [list(s.group_slots) for s in scheduled])
+        state = _StepState(
+            [len(s.token_ids) for s in scheduled],
+            [list(s.group_slots) for s in scheduled],
+            [list(s.group_heads) or [()] * self.num_layers for s in scheduled],
+        )
         return CompressedAttentionMetadata(
             seq_ids=tuple(s.seq_id for s in scheduled),
             query_lens=tuple(len(s.token_ids) for s in scheduled),
@@ -152,6 +159,7 @@ class CompressedKVCache(AttentionBackend):
             group_slots=tuple(s.group_slots for s in scheduled),
             group_targets=tuple(s.group_targets for s in scheduled),
             group_frozen=tuple(s.group_frozen for s in scheduled),
+            group_heads=tuple(s.group_heads for s in scheduled),
             block_tables=tuple(s.block_tables for s in scheduled),
             keep_all_rows=tuple(rows_from.get(s.seq_id, len(s.token_ids)) < len(s.token_ids) - 1 for s in scheduled),
             block_size=self.block_size,
@@ -162,6 +170,11 @@ class CompressedKVCache(AttentionBackend):
         state = metadata.state
         return StepReport(
             group_slots={seq: tuple(held) for seq, held in zip(metadata.seq_ids, state.held_after, strict=True)},
+            group_heads={
+                seq: tuple(heads)
+                for seq, heads, policy in zip(metadata.seq_ids, state.heads_after, metadata.policies, strict=True)
+                if policy.head_budgets
+            },
             output_rows=tuple(state.rows),
         )
 
@@ -257,11 +270,12 @@ class CompressedKVCache(AttentionBackend):
         state = metadata.state
         if k.dtype != self.k.dtype:  # a narrower cache rounds them once, here: every query sees them as it holds them
             k, v = k.to(self.k.dtype).to(q.dtype), v.to(self.v.dtype).to(q.dtype)
-        if metadata.decode_only:  # rows are already one per sequence, in order
+        apart = [i for i in range(len(state.rows)) if self._heads_apart(layer, metadata, i)]
+        if metadata.decode_only and not apart:  # rows are already one per sequence, in order
             return self._decode(layer, q, k, v, metadata, list(range(len(state.rows))))
         starts = row_starts(state.rows)
         out = torch.empty_like(q)  # (N_layer, H, D)
-        decodes = [i for i, n in enumerate(metadata.query_lens) if n == 1]
+        decodes = [i for i, n in enumerate(metadata.query_lens) if n == 1 and i not in apart]
         if decodes:
             rows = torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=q.device)
             out.index_copy_(0, rows, self._decode(layer, q[rows], k[rows], v[rows], metadata, decodes))
@@ -269,10 +283,14 @@ class CompressedKVCache(AttentionBackend):
         dropped = False
         for i, n in enumerate(state.rows):
             everything = torch.arange(starts[i], starts[i] + n, device=q.device)
+            rows = slice(starts[i], starts[i] + n)
+            if i in apart:
+                out[rows] = self._attend_heads(layer, q[rows], k[rows], v[rows], metadata, i)
+                kept_rows.append(everything)
+                continue
             if metadata.query_lens[i] == 1:
                 kept_rows.append(everything)
                 continue
-            rows = slice(starts[i], starts[i] + n)
             out[rows], survivors = self._prefill(layer, q[rows], k[rows], v[rows], metadata, i)
             if survivors is not None and survivors.numel() < n:
                 dropped = True
@@ -327,6 +345,74 @@ class CompressedKVCache(AttentionBackend):
         if not policy.drops_rows or meta.keep_all_rows[i] or self.windowed:
             return out, None
         return out, kept[kept >= held] - held  # a row-dropping policy keeps the same tokens in every head
+
+    def _heads_apart(self, layer: int, meta: CompressedAttentionMetadata, i: int) -> bool:
+        """Whether sequence ``i``'s rows at ``layer`` attend head by head (``_attend_heads``): its policy gives KV
+        heads their own budgets (a global layer with several KV heads), and the layer has packed them or this
+        step packs them."""
+        if not meta.policies[i].head_budgets or self.num_kv_heads == 1 or self.layer_windows[layer] is not None:
+            return False
+        held, new = meta.state.held_after[i][layer], meta.query_lens[i]
+        return bool(meta.state.heads_after[i][layer]) or (new > 1 and held + new > meta.group_targets[i][layer])
+
+    def _attend_heads(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: CompressedAttentionMetadata, i: int
+    ) -> torch.Tensor:
+        """One sequence's m rows where its KV heads keep their own budgets (Ada-KV, ``attention/head_budgets.py``):
+        q (m, H, D), k/v (m, Hkv, D) -> (m, H, D). Each KV head attends over its own candidates. A chunk that
+        outgrows the layer's target allocates the heads' budgets anew and packs them; a decode that does keeps the
+        packed tokens and evicts among the later slots by their scores (as SnapKV's decode), or, with no room
+        left beside the packed ones, allocates anew by its own attention."""
+        policy, table = meta.policies[i], meta.block_tables[i][layer]
+        if meta.group_frozen[i] and meta.group_frozen[i][layer]:
+            raise UnsupportedKVOperation(f"kv_policy {policy.name!r} does not compress Prompt Cache modules' slots")
+        held, target = meta.state.held_after[i][layer], meta.group_targets[i][layer]
+        counts = meta.state.heads_after[i][layer]
+        m, heads = q.shape[0], self.num_kv_heads
+        group = q.shape[1] // heads
+        ctx = self._slot_ids(table, 0, held, q.device)
+        cached_k, cached_v = self._read(ctx) if held else (k[:0], v[:0])
+        keys = head_candidates(cached_k.to(q.dtype), k, counts)
+        values = head_candidates(cached_v.to(q.dtype), v, counts)
+        first, row_weights = policy.votes(m, meta.context_lens[i] + m)
+        out = torch.empty_like(q)
+        votes = []  # per head: the votes its candidates got, (n_h,)
+        for h in range(heads):
+            qh, kh, vh = q[:, h * group : (h + 1) * group], keys[h][:, None], values[h][:, None]
+            before = kh.shape[0] - m
+            if first:
+                out[:first, h * group : (h + 1) * group] = attend_prefill(
+                    qh[:first], kh[: before + first], vh[: before + first], before
+                )
+            out[first:, h * group : (h + 1) * group], sums = attend_voting_rows(qh, kh, vh, before, first, row_weights)
+            votes.append(sums[:, 0])
+        packed = packed_slots(counts)
+        # The slots past the packed region hold the same token in every head: their score is the heads' mean, a
+        # chunk's fresh votes or a decode's attention folded into the slot's history (as ``_fold_scores``).
+        later = torch.stack([votes[h][counts[h] if counts else 0 :] for h in range(heads)], dim=1).mean(dim=1)
+        if m == 1:
+            history = self.scores.index_select(0, ctx[packed:])
+            later = policy.update(torch.cat((history, history.new_zeros(1))), later)
+        if held + m <= target:
+            self._write(self._slot_ids(table, held, held + m, q.device), k, v)
+            self.scores.index_copy_(0, self._slot_ids(table, packed, held + m, q.device), later)
+            meta.state.held_after[i][layer] = held + m
+            return out
+        if m == 1 and target > packed:  # a decode: the later slots keep within what the packed ones leave
+            scores = torch.cat((later.new_zeros(packed), later))
+            rest = policy.select(later, held + 1 - packed, target - packed, meta.context_lens[i] + 1)
+            kept = torch.cat((torch.arange(packed, device=rest.device), rest + packed)).to(q.device)
+            self._write_kept(table, torch.cat((cached_k, k)), torch.cat((cached_v, v)), scores, kept, packed)
+        else:
+            chosen = policy.select_heads(votes, target)
+            self._write(
+                self._slot_ids(table, 0, target, q.device),
+                pack([keys[h].index_select(0, c.to(q.device)) for h, c in enumerate(chosen)]),
+                pack([values[h].index_select(0, c.to(q.device)) for h, c in enumerate(chosen)]),
+            )
+            meta.state.heads_after[i][layer] = tuple(c.numel() for c in chosen)
+        meta.state.held_after[i][layer] = target
+        return out
 
     def _decode(
         self,
@@ -404,6 +490,8 @@ class CompressedKVCache(AttentionBackend):
         or under tensor parallelism (scores are averaged across ranks between layers)."""
         meta = self._check_metadata(metadata)
         if not meta.decode_only or self.tier is not None or self.rank_mean is not None:
+            return None
+        if self.num_kv_heads > 1 and any(p.head_budgets for p in meta.policies):  # heads attend apart
             return None
         bs, layers, batch = self.block_size, self.num_layers, len(meta.seq_ids)
         held = meta.state.held_after  # [seq][layer]

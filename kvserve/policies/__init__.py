@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvserve.policies.adakv import AdaKV
 from kvserve.policies.base import KVPolicy
 from kvserve.policies.full import FullCache
 from kvserve.policies.h2o import HeavyHitters
@@ -20,12 +21,14 @@ POLICIES: dict[str, type[KVPolicy]] = {
     "h2o": HeavyHitters,
     "snapkv": SnapKV,
     "pyramidkv": PyramidKV,
+    "adakv": AdaKV,
     "infinigen": InfiniGen,
     "int4": Int4KV,
 }
 KV_POLICY_NAMES = tuple(POLICIES)
 
 __all__ = [
+    "AdaKV",
     "KV_POLICY_NAMES",
     "POLICIES",
     "FullCache",

@@ -41,6 +41,7 @@ class KVPolicy:
     drops_rows = False  # deeper layers compute only the tokens shallower ones kept (PyramidInfer)
     offload_only = False  # changes what an offloading engine fetches, not what a layer keeps (kv_offload)
     per_head = False  # scores and keeps tokens per KV head while prefilling (SnapKV); else the same in every head
+    head_budgets = False  # heads of a layer keep different numbers of tokens (Ada-KV: ``select_heads``)
 
     def __post_init__(self) -> None:
         if not 0 < self.budget <= 1:

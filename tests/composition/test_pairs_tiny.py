@@ -350,6 +350,10 @@ REFUSED = {
     "swap preemption x offload": (
         {"kv_offload": "host", "preemption_mode": "swap"}, False, "its KV is already off the device",
     ),
+    "prompt cache x adakv": ({"kv_policy": "adakv"}, True, "packs a layer's KV heads into its slots"),
+    "tensor parallel x adakv": (
+        {"kv_policy": "adakv", "tensor_parallel_size": 2}, False, "allocates a layer's budget across its KV heads",
+    ),
 }  # fmt: skip
 
 
@@ -365,6 +369,17 @@ def test_a_pair_that_cannot_compose_is_refused_with_its_reason(loaded, pair) -> 
         with pytest.raises(ValueError, match=reason):
             engine.register_schema(SCHEMA)
         assert tokens(run(engine, [prompt_ids(9)]))[0]  # the engine still serves plain prompts
+    finally:
+        engine.close()
+
+
+def test_a_request_with_head_budgets_cannot_import_modules(loaded) -> None:
+    engine = make_engine(loaded, kv_policy="snapkv")
+    engine.register_schema(SCHEMA)
+    try:
+        with pytest.raises(ValueError, match="kv_policy='adakv' packs a layer's KV heads"):
+            engine.add_request(PML, dataclasses.replace(GREEDY, kv_policy="adakv"))
+        assert tokens(run(engine, [PML]))[0]  # the engine still serves the schema's prompts with its own policy
     finally:
         engine.close()
 

@@ -84,5 +84,6 @@ def test_bad_policy_options_name_the_value() -> None:
         make_policy("h2o", 0.5, recent_ratio=2.0)
     with pytest.raises(ValueError, match="kv_budget must be 1"):
         make_policy("full", 0.5)
-    assert set(KV_POLICY_NAMES) == {"full", "pyramid", "local", "h2o", "snapkv", "pyramidkv", "infinigen", "int4"}
+    names = {"full", "pyramid", "local", "h2o", "snapkv", "pyramidkv", "adakv", "infinigen", "int4"}
+    assert set(KV_POLICY_NAMES) == names
     assert make_policy("local", 0.5, recent_ratio=0.3) == make_policy("local", 0.5)  # knobs of others ignored

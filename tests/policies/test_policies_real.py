@@ -61,6 +61,30 @@ def test_pyramid_halves_the_kv_cache_at_a_small_perplexity_cost(default_model, w
     assert e.kv_usage().used_blocks <= 0.55 * full_blocks
 
 
+def test_adakv_gives_heads_their_own_budgets_in_snapkvs_memory(default_model, wikitext) -> None:
+    usage, heads = {}, None
+    for policy in ("snapkv", "adakv"):
+        e = engine(default_model, policy, 0.5)
+        e.add_request(wikitext[:1500], SamplingParams(max_tokens=2, temperature=0.0))
+        e.step()
+        ((_, seq),) = e._seqs.values()
+        usage[policy] = (e.kv_usage().used_blocks, list(seq.group_slots))
+        heads = seq.group_heads
+    assert usage["adakv"] == usage["snapkv"]  # the same slots and blocks per layer
+    kv_heads = default_model.config.num_kv_heads
+    assert all(sum(h) == kv_heads * n for h, n in zip(heads, usage["adakv"][1], strict=True))
+    assert sum(max(h) > 1.5 * min(h) for h in heads) >= 5  # the allocation moves budget between heads
+
+    text = default_model.tokenizer.decode(wikitext)
+    full = evaluate_perplexity(EngineScorer(engine(default_model, "full"), progress=False), wikitext, text, 2048, 512)
+    ada = evaluate_perplexity(
+        EngineScorer(engine(default_model, "adakv", 0.5), progress=False), wikitext, text, 2048, 512
+    )
+    assert ada.perplexity < full.perplexity * 1.05  # 1,536 tokens of context, half the KV
+    outputs = generate(engine(default_model, "adakv", 0.5), [wikitext[:1200]], 40)
+    assert len(outputs[0]) == 40  # decoding past the packed prompt evicts among the later slots
+
+
 def test_server_takes_a_policy_per_request(default_model) -> None:
     running = start_server(engine(default_model, "pyramid", 0.5), name="smol")
     try:
