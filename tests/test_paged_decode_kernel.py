@@ -9,7 +9,7 @@ import torch
 
 from kvserve import cpu_kernels as kernels
 from kvserve.attention import decode as decode_module
-from kvserve.attention.decode import paged_decode, paged_decode_reference
+from kvserve.attention.decode import merge_attention, paged_decode, paged_decode_lse, paged_decode_reference
 
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
@@ -93,6 +93,27 @@ def test_rows_outside_their_table_are_refused():
     q, k, v, tables, starts, ends = _case(1, 4, 2, 16, 4, [(0, 9)], torch.float32)
     with pytest.raises(RuntimeError, match="outside its table"):
         paged_decode(q, k, v, tables, starts, torch.tensor([tables.shape[1] * 4 + 1], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch"])
+def test_two_ranges_merged_by_log_sum_exp_are_one_range(monkeypatch, dtype, use_kernel):
+    """What Ada-KV's decode does: a head's packed run and the later slots attended apart, then merged."""
+    if not use_kernel:
+        monkeypatch.setattr(decode_module, "use_cpu_kernel", lambda *tensors: False)
+    whole = [(0, 40), (3, 300), (5, 6), (0, 17)]
+    splits = [10, 200, 5, 17]  # the last two: an empty first range, an empty second range
+    q, k, v, tables, starts, ends = _case(len(whole), 9, 3, 64, 16, whole, dtype)
+    mids = torch.tensor(splits, dtype=torch.int32)
+    first, first_lse = paged_decode_lse(q, k, v, tables, starts, mids)
+    second, second_lse = paged_decode_lse(q, k, v, tables, mids, ends)
+    merged = merge_attention(first, first_lse, second, second_lse)
+    want, _ = paged_decode_reference(q, k, v, tables, starts, ends)
+    assert (merged.float() - want.float()).abs().max().item() <= 2 * TOLERANCE[dtype]
+    assert torch.isneginf(first_lse[2]).all() and not first[2].float().any()  # [5, 5): nothing to attend
+    assert torch.isneginf(second_lse[3]).all() and not second[3].float().any()
+    _, whole_lse = paged_decode_lse(q, k, v, tables, starts, ends)
+    assert torch.allclose(torch.logaddexp(first_lse, second_lse), whole_lse, atol=1e-4)
 
 
 def test_without_a_kernel_the_reference_answers(monkeypatch):

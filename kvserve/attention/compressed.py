@@ -43,7 +43,7 @@ from kvserve.attention.backend import (
     StepReport,
     UnsupportedKVOperation,
 )
-from kvserve.attention.decode import paged_decode
+from kvserve.attention.decode import merge_attention, paged_decode, paged_decode_lse
 from kvserve.attention.head_budgets import head_candidates, pack, packed_slots
 from kvserve.attention.paged import PagedKVCache, attend_prefill
 from kvserve.attention.step_layout import pad_tables, row_starts, slot_ids
@@ -270,25 +270,29 @@ class CompressedKVCache(AttentionBackend):
         state = metadata.state
         if k.dtype != self.k.dtype:  # a narrower cache rounds them once, here: every query sees them as it holds them
             k, v = k.to(self.k.dtype).to(q.dtype), v.to(self.v.dtype).to(q.dtype)
-        apart = [i for i in range(len(state.rows)) if self._heads_apart(layer, metadata, i)]
+        apart = {i for i in range(len(state.rows)) if self._heads_apart(layer, metadata, i)}
         if metadata.decode_only and not apart:  # rows are already one per sequence, in order
             return self._decode(layer, q, k, v, metadata, list(range(len(state.rows))))
         starts = row_starts(state.rows)
         out = torch.empty_like(q)  # (N_layer, H, D)
-        decodes = [i for i, n in enumerate(metadata.query_lens) if n == 1 and i not in apart]
-        if decodes:
-            rows = torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=q.device)
-            out.index_copy_(0, rows, self._decode(layer, q[rows], k[rows], v[rows], metadata, decodes))
+        decodes = [i for i, n in enumerate(metadata.query_lens) if n == 1]
+        for decode, seqs in (
+            (self._decode, [i for i in decodes if i not in apart]),
+            (self._decode_heads, [i for i in decodes if i in apart]),
+        ):
+            if seqs:
+                rows = torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=q.device)
+                out.index_copy_(0, rows, decode(layer, q[rows], k[rows], v[rows], metadata, seqs))
         kept_rows: list[torch.Tensor] = []
         dropped = False
         for i, n in enumerate(state.rows):
             everything = torch.arange(starts[i], starts[i] + n, device=q.device)
             rows = slice(starts[i], starts[i] + n)
-            if i in apart:
-                out[rows] = self._attend_heads(layer, q[rows], k[rows], v[rows], metadata, i)
+            if metadata.query_lens[i] == 1:
                 kept_rows.append(everything)
                 continue
-            if metadata.query_lens[i] == 1:
+            if i in apart:
+                out[rows] = self._attend_heads(layer, q[rows], k[rows], v[rows], metadata, i)
                 kept_rows.append(everything)
                 continue
             out[rows], survivors = self._prefill(layer, q[rows], k[rows], v[rows], metadata, i)
@@ -412,6 +416,77 @@ class CompressedKVCache(AttentionBackend):
             )
             meta.state.heads_after[i][layer] = tuple(c.numel() for c in chosen)
         meta.state.held_after[i][layer] = target
+        return out
+
+    def _decode_heads(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: CompressedAttentionMetadata,
+        seqs: list[int],
+    ) -> torch.Tensor:
+        """One new row per sequence in ``seqs`` whose KV heads are packed at ``layer``: q (B, H, D), k/v (B, Hkv, D)
+        -> (B, H, D). Two kernel calls read the slab in place: the later slots (every head the same token, the new
+        one included) as usual, and each KV head's packed run with the slab seen as runs of one head ((blocks,
+        block_size * Hkv, 1, D): the packing's order); their softmaxes merge by log-sum-exp. Then what
+        ``_attend_heads`` does for a decode: the later slots' scores folded, eviction among them past the target."""
+        batch, heads, dim = q.shape[0], self.num_kv_heads, self.head_dim
+        group, bs, device = q.shape[1] // heads, self.block_size, q.device
+        held = [meta.state.held_after[i][layer] for i in seqs]
+        tables = [meta.block_tables[i][layer] for i in seqs]
+        counts = [meta.state.heads_after[i][layer] for i in seqs]
+        packed = [packed_slots(c) for c in counts]
+        policies = [meta.policies[i] for i in seqs]
+        new_slots = torch.tensor([t[h // bs] * bs + h % bs for t, h in zip(tables, held, strict=True)], device=device)
+        self._write(new_slots, k, v)
+        self.scores.index_fill_(0, new_slots, 0.0)  # a new slot has no history (the entry is stale)
+        width = max(h // bs + 1 for h in held)
+        padded = pad_tables(tables, width, device)
+        k_slab, v_slab, read_tables = self._decode_source(padded)
+        ends = torch.tensor(held, dtype=torch.int32, device=device) + 1
+        firsts = torch.tensor(packed, dtype=torch.int32, device=device)
+        later, later_lse = paged_decode_lse(q, k_slab, v_slab, read_tables, firsts, ends)
+        run_starts = torch.tensor([[sum(c[:h]) for h in range(heads)] for c in counts], dtype=torch.int32)
+        run_ends = run_starts + torch.tensor(counts, dtype=torch.int32)
+        run_view = (k_slab.shape[0], bs * heads, 1, dim)
+        runs, runs_lse = paged_decode_lse(
+            q.reshape(batch * heads, group, dim), k_slab.view(run_view), v_slab.view(run_view),
+            read_tables.repeat_interleave(heads, dim=0), run_starts.view(-1).to(device), run_ends.view(-1).to(device),
+        )  # fmt: skip
+        runs, runs_lse = runs.view_as(q), runs_lse.view(batch, -1)
+        out = merge_attention(later, later_lse, runs, runs_lse)
+        # The later slots' attention averaged over query heads, folded into their scores.
+        length = max(e - p for e, p in zip(ends.tolist(), packed, strict=True))
+        offsets = torch.arange(length, device=device)
+        position = firsts.long()[:, None] + offsets  # (B, L)
+        valid = offsets[None, :] < (ends - firsts).long()[:, None]
+        position = torch.where(valid, position, 0)
+        block = position // bs
+        slots = padded.long().gather(1, block) * bs + position % bs  # in the slab
+        read = read_tables.long().gather(1, block) * bs + position % bs  # in what was read
+        keys = k_slab.reshape(-1, heads, dim).index_select(0, read.view(-1)).view(batch, length, heads, dim)
+        scale = 1.0 / dim**0.5
+        logits = torch.einsum("bhgd,blhd->bhgl", q.view(batch, heads, group, dim).float() * scale, keys.float())
+        lse = torch.logaddexp(later_lse, runs_lse).view(batch, heads, group, 1)
+        weights = torch.exp(logits - lse).mean(dim=(1, 2)) * valid  # (B, L)
+        scores = update_scores(policies, self.scores.index_select(0, slots.view(-1)).view_as(slots), weights)
+        self.scores.index_copy_(0, slots[valid], scores[valid])
+        for b, seq in enumerate(seqs):
+            n, target, table = held[b] + 1, meta.group_targets[seq][layer], tables[b]
+            if n <= target:
+                meta.state.held_after[seq][layer] = n
+            elif target > packed[b]:  # evict among the later slots
+                count = n - packed[b]
+                rest = policies[b].select(scores[b, :count], count, target - packed[b], meta.context_lens[seq] + 1)
+                kept = slots[b].index_select(0, rest.to(device))
+                dst = self._slot_ids(table, packed[b], target, device)
+                self._write(dst, *self._read(kept))
+                self.scores.index_copy_(0, dst, self.scores.index_select(0, kept))
+                meta.state.held_after[seq][layer] = target
+            else:  # nothing but packed slots fits: allocate the heads anew (the row attends again, rarely)
+                out[b] = self._attend_heads(layer, q[b : b + 1], k[b : b + 1], v[b : b + 1], meta, seq)[0]
         return out
 
     def _decode(

@@ -44,6 +44,59 @@ def paged_decode(
     return paged_decode_reference(q, k_cache, v_cache, block_tables, starts, ends, want_weights)
 
 
+def paged_decode_lse(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``paged_decode`` (same arguments) returning the output (B, H, D) and each query head's log-sum-exp of its
+    scaled logits (B, H) float32: -inf, with a zero output, for an empty range. Two ranges attended apart merge
+    by it (``merge_attention``)."""
+    q = q.contiguous()
+    if use_cpu_kernel(q, k_cache):
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        out, lse, _ = torch.ops.kvserve.paged_decode(q, k_cache, v_cache, block_tables, starts, ends, scale, False)
+        return out, lse
+    logits, values, mask = _gathered(q, k_cache, v_cache, block_tables, starts, ends)
+    logits = logits.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # (B, Hkv, G)
+    weights = torch.exp(logits - lse[..., None]).nan_to_num(0.0)  # an empty range: no weight anywhere
+    out = torch.matmul(weights, values.float()).to(q.dtype)  # (B, Hkv, G, D)
+    return out.reshape(q.shape), lse.reshape(q.shape[:2])
+
+
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """The attention over two disjoint key ranges from each one's output (B, H, D) and log-sum-exp (B, H)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    a, b = torch.exp(lse_a - lse)[..., None], torch.exp(lse_b - lse)[..., None]
+    return (out_a.float() * a + out_b.float() * b).to(out_a.dtype)
+
+
+def _gathered(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's blocks gathered: float32 scaled logits (B, Hkv, G, T), values (B, Hkv, T, D), visible (B, 1, 1, T)."""
+    batch, num_heads, head_dim = q.shape
+    _, block_size, hkv, _ = k_cache.shape
+    length = block_tables.shape[1] * block_size
+    index = block_tables.long().view(-1)
+    keys = k_cache.index_select(0, index).view(batch, length, hkv, head_dim).transpose(1, 2)
+    values = v_cache.index_select(0, index).view(batch, length, hkv, head_dim).transpose(1, 2)
+    position = torch.arange(length, device=q.device)
+    visible = (position >= starts.to(q.device).long()[:, None]) & (position < ends.to(q.device).long()[:, None])
+    qg = q.reshape(batch, hkv, num_heads // hkv, head_dim).float()
+    logits = torch.matmul(qg, keys.float().transpose(-1, -2)) / math.sqrt(head_dim)
+    return logits, values, visible[:, None, None, :]
+
+
 def paged_decode_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -5,6 +5,7 @@ budget, chunked prefill and decoding within budget, errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -123,6 +124,18 @@ def test_decoding_attends_each_head_over_its_own_tokens(folder, loaded) -> None:
     assert not torch.allclose(full[len(ids) :], logits[len(ids) :], atol=1e-4)
 
 
+def test_a_later_chunk_attends_each_head_over_its_own_tokens(folder, loaded) -> None:
+    ids = prompt_ids(150, seed=7)
+    engine = make_engine(folder, loaded, kv_policy="adakv", kv_budget=0.5, max_num_batched_tokens=100)
+    rid = engine.add_request(ids, greedy(1, prompt_logprobs=0))
+    got = drain(engine, [rid])[rid].prompt_logprobs  # position p: log P(ids[p] | ids[:p])
+    _, kept = reference(loaded, ids, None, 100, engine.kv_policy)  # what the first chunk of 100 packs
+    logits, _ = reference(loaded, ids, kept, 100, engine.kv_policy)
+    expected = torch.log_softmax(logits, dim=-1)
+    for p in range(100, 150):  # rows of the second chunk, over the packed heads and their own keys
+        assert got[p][ids[p]] == pytest.approx(expected[p - 1, ids[p]].item(), abs=1e-4), f"position {p}"
+
+
 def test_budget_one_is_token_identical_to_the_full_cache(folder, loaded) -> None:
     prompts = [prompt_ids(n, seed=n) for n in (40, 90, 7)]
     outputs = {}
@@ -131,6 +144,18 @@ def test_budget_one_is_token_identical_to_the_full_cache(folder, loaded) -> None
         ids = [engine.add_request(p, greedy(24)) for p in prompts]
         outputs[name] = [o.outputs[0].token_ids for o in drain(engine, ids).values()]
     assert outputs["adakv"] == outputs["full"]
+
+
+def test_with_one_kv_head_adakv_is_snapkv(tmp_path) -> None:
+    mqa = write_tiny_model(tmp_path, dataclasses.replace(SPEC, num_kv_heads=1))
+    model = load_model(mqa, dtype=torch.float32)
+    prompts = [prompt_ids(n, seed=n) for n in (130, 60)]
+    outputs = {}
+    for name in ("snapkv", "adakv"):
+        engine = make_engine(mqa, model, kv_policy=name, kv_budget=0.4, max_num_batched_tokens=48)
+        ids = [engine.add_request(p, greedy(30)) for p in prompts]
+        outputs[name] = [o.outputs[0].token_ids for o in drain(engine, ids).values()]
+    assert outputs["adakv"] == outputs["snapkv"]
 
 
 # 130 tokens at 0.5: chunks pack, decodes evict among the later slots; 20 at 0.1: the layer's minimum is all packed,
