@@ -66,7 +66,7 @@ class EngineConfig:
     kv_policy: str = "full"  # full | pyramid | local | h2o | infinigen | int4 (see kvserve/policies)
     kv_budget: float | None = None  # fraction of the full cache kept; None: 1 for full, 0.5 otherwise
     recent_ratio: float | None = None  # pyramid: |S_r| share of a layer's budget (0.4); h2o: recent share (0.5)
-    observation_window: int | None = None  # snapkv/pyramidkv: the last queries of a prompt that vote (32)
+    observation_window: int | None = None  # snapkv/pyramidkv/adakv: the last queries of a prompt that vote (32)
     layer_schedule: str | None = None  # uniform | pyramidinfer | pyramidkv; None: the policy's own
     # Offloading (kv/tiers.py): the full KV in a slower tier, sized by kv_cache_memory; the device reads per step
     # what kv_policy fetches (full: everything; int4: everything, quantised; infinigen: the predicted rows).

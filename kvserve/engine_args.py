@@ -204,7 +204,8 @@ def add_kv_policy_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kv-policy", choices=KV_POLICY_NAMES, default="full",
         help="full (lossless, default), pyramid (PyramidInfer), local (sinks + recent window), h2o (heavy hitters), "
-        "snapkv (per-head selection by an observation window), pyramidkv (snapkv with budgets falling by depth); "
+        "snapkv (per-head selection by an observation window), pyramidkv (snapkv with budgets falling by depth), "
+        "adakv (snapkv with each KV head its own budget); "
         "any of those but full gives each layer its own KV blocks, and requests may then pick their own policy; "
         "with --kv-offload: full (fetch everything), int4 (fetch 4-bit KV) or infinigen (fetch predicted rows)",
     )  # fmt: skip
@@ -217,7 +218,7 @@ def add_kv_policy_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     group.add_argument(
         "--observation-window", type=int, default=None,
-        help="snapkv/pyramidkv: the last queries of a prompt that vote, always kept (default 32)",
+        help="snapkv/pyramidkv/adakv: the last queries of a prompt that vote, always kept (default 32)",
     )  # fmt: skip
     group.add_argument(
         "--layer-schedule", choices=LAYER_SCHEDULES, default=None,

@@ -56,7 +56,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    kv_policy: str | None = None  # override the engine's KV policy for this request (full, pyramid, local, h2o)
+    kv_policy: str | None = None  # override the engine's KV policy for this request (pyramid, snapkv, adakv, ...)
     kv_budget: float | None = None  # and/or its budget (fraction of the full cache kept)
 
     def __post_init__(self) -> None:

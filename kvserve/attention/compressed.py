@@ -363,10 +363,10 @@ class CompressedKVCache(AttentionBackend):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: CompressedAttentionMetadata, i: int
     ) -> torch.Tensor:
         """One sequence's m rows where its KV heads keep their own budgets (Ada-KV, ``attention/head_budgets.py``):
-        q (m, H, D), k/v (m, Hkv, D) -> (m, H, D). Each KV head attends over its own candidates. A chunk that
-        outgrows the layer's target allocates the heads' budgets anew and packs them; a decode that does keeps the
-        packed tokens and evicts among the later slots by their scores (as SnapKV's decode), or, with no room
-        left beside the packed ones, allocates anew by its own attention."""
+        q (m, H, D), k/v (m, Hkv, D) -> (m, H, D). Each KV head attends over its own candidates, and the rows' votes
+        (the last ``window`` of a chunk; a lone decode row's own attention) rank them. A chunk within the layer's
+        target is appended; past it, the heads' budgets are allocated anew and packed. Decode rows come here only
+        when the packed tokens fill the target (``_decode_heads`` evicts among the later slots otherwise)."""
         policy, table = meta.policies[i], meta.block_tables[i][layer]
         if meta.group_frozen[i] and meta.group_frozen[i][layer]:
             raise UnsupportedKVOperation(f"kv_policy {policy.name!r} does not compress Prompt Cache modules' slots")
@@ -390,31 +390,19 @@ class CompressedKVCache(AttentionBackend):
                 )
             out[first:, h * group : (h + 1) * group], sums = attend_voting_rows(qh, kh, vh, before, first, row_weights)
             votes.append(sums[:, 0])
-        packed = packed_slots(counts)
-        # The slots past the packed region hold the same token in every head: their score is the heads' mean, a
-        # chunk's fresh votes or a decode's attention folded into the slot's history (as ``_fold_scores``).
-        later = torch.stack([votes[h][counts[h] if counts else 0 :] for h in range(heads)], dim=1).mean(dim=1)
-        if m == 1:
-            history = self.scores.index_select(0, ctx[packed:])
-            later = policy.update(torch.cat((history, history.new_zeros(1))), later)
-        if held + m <= target:
+        if held + m <= target:  # a chunk that fits: appended as later slots, every head the same token
+            later = torch.stack([votes[h][counts[h] if counts else 0 :] for h in range(heads)], dim=1).mean(dim=1)
             self._write(self._slot_ids(table, held, held + m, q.device), k, v)
-            self.scores.index_copy_(0, self._slot_ids(table, packed, held + m, q.device), later)
+            self.scores.index_copy_(0, self._slot_ids(table, packed_slots(counts), held + m, q.device), later)
             meta.state.held_after[i][layer] = held + m
             return out
-        if m == 1 and target > packed:  # a decode: the later slots keep within what the packed ones leave
-            scores = torch.cat((later.new_zeros(packed), later))
-            rest = policy.select(later, held + 1 - packed, target - packed, meta.context_lens[i] + 1)
-            kept = torch.cat((torch.arange(packed, device=rest.device), rest + packed)).to(q.device)
-            self._write_kept(table, torch.cat((cached_k, k)), torch.cat((cached_v, v)), scores, kept, packed)
-        else:
-            chosen = policy.select_heads(votes, target)
-            self._write(
-                self._slot_ids(table, 0, target, q.device),
-                pack([keys[h].index_select(0, c.to(q.device)) for h, c in enumerate(chosen)]),
-                pack([values[h].index_select(0, c.to(q.device)) for h, c in enumerate(chosen)]),
-            )
-            meta.state.heads_after[i][layer] = tuple(c.numel() for c in chosen)
+        chosen = policy.select_heads(votes, target)
+        self._write(
+            self._slot_ids(table, 0, target, q.device),
+            pack([keys[h].index_select(0, c.to(q.device)) for h, c in enumerate(chosen)]),
+            pack([values[h].index_select(0, c.to(q.device)) for h, c in enumerate(chosen)]),
+        )
+        meta.state.heads_after[i][layer] = tuple(c.numel() for c in chosen)
         meta.state.held_after[i][layer] = target
         return out
 
@@ -430,8 +418,9 @@ class CompressedKVCache(AttentionBackend):
         """One new row per sequence in ``seqs`` whose KV heads are packed at ``layer``: q (B, H, D), k/v (B, Hkv, D)
         -> (B, H, D). Two kernel calls read the slab in place: the later slots (every head the same token, the new
         one included) as usual, and each KV head's packed run with the slab seen as runs of one head ((blocks,
-        block_size * Hkv, 1, D): the packing's order); their softmaxes merge by log-sum-exp. Then what
-        ``_attend_heads`` does for a decode: the later slots' scores folded, eviction among them past the target."""
+        block_size * Hkv, 1, D): the packing's order); their softmaxes merge by log-sum-exp. The later slots' scores
+        fold in the step's attention (as ``_fold_scores``); past the target, they evict among themselves by it (as
+        SnapKV's decode) and the packed tokens stay."""
         batch, heads, dim = q.shape[0], self.num_kv_heads, self.head_dim
         group, bs, device = q.shape[1] // heads, self.block_size, q.device
         held = [meta.state.held_after[i][layer] for i in seqs]
