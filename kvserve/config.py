@@ -63,11 +63,12 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: a free port (one machine); several machines need a fixed one
     tensor_parallel_timeout: float = 60.0  # seconds a step waits for a rank before the group is lost
-    kv_policy: str = "full"  # full | pyramid | local | h2o | infinigen | int4 (see kvserve/policies)
+    kv_policy: str = "full"  # full | pyramid | local | h2o | snapkv | pyramidkv | adakv | infinigen | int4 (policies/)
     kv_budget: float | None = None  # fraction of the full cache kept; None: 1 for full, 0.5 otherwise
     recent_ratio: float | None = None  # pyramid: |S_r| share of a layer's budget (0.4); h2o: recent share (0.5)
     observation_window: int | None = None  # snapkv/pyramidkv/adakv: the last queries of a prompt that vote (32)
     layer_schedule: str | None = None  # uniform | pyramidinfer | pyramidkv; None: the policy's own
+    adakv_safeguard: float | None = None  # adakv: share of a head's even budget it always keeps (0.2)
     # Offloading (kv/tiers.py): the full KV in a slower tier, sized by kv_cache_memory; the device reads per step
     # what kv_policy fetches (full: everything; int4: everything, quantised; infinigen: the predicted rows).
     kv_offload: str = "none"  # none | host | disk
@@ -313,6 +314,8 @@ class EngineConfig:
             knobs["window"] = self.observation_window
         if self.layer_schedule is not None:
             knobs["layer_schedule"] = self.layer_schedule
+        if self.adakv_safeguard is not None:
+            knobs["safeguard"] = self.adakv_safeguard
         return knobs
 
     @property

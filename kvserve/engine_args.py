@@ -221,6 +221,10 @@ def add_kv_policy_args(parser: argparse.ArgumentParser) -> None:
         help="snapkv/pyramidkv/adakv: the last queries of a prompt that vote, always kept (default 32)",
     )  # fmt: skip
     group.add_argument(
+        "--adakv-safeguard", type=float, default=None,
+        help="adakv: share of each KV head's even budget it keeps before the heads compete (default 0.2)",
+    )  # fmt: skip
+    group.add_argument(
         "--layer-schedule", choices=LAYER_SCHEDULES, default=None,
         help="how the budget spreads over layers: uniform, pyramidinfer (cosine, the pyramid default) or pyramidkv "
         "(linear, the pyramidkv default)",
@@ -257,6 +261,7 @@ def kv_policy_options(args: argparse.Namespace) -> dict[str, object]:
     return {
         "kv_policy": args.kv_policy, "kv_budget": args.kv_budget, "recent_ratio": args.recent_ratio,
         "observation_window": args.observation_window, "layer_schedule": args.layer_schedule,
+        "adakv_safeguard": args.adakv_safeguard,
         "kv_offload": args.kv_offload, "kv_offload_path": args.kv_offload_path,
         "infinigen_alpha": args.infinigen_alpha, "infinigen_partial_ratio": args.infinigen_partial_ratio,
         "kv_pool_limit": args.kv_pool_limit, "kv_pool_eviction": args.kv_pool_eviction,

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvserve.attention.head_budgets import head_candidates, pack, packed_slots
+from kvserve.config import EngineConfig
 from kvserve.models import LoadedModel, load_model
 from kvserve.models.layers import RotaryEmbedding
 from kvserve.policies import AdaKV, make_policy
@@ -206,3 +207,11 @@ def test_packing_round_trips() -> None:
 def test_bad_options_name_the_value(knobs, message) -> None:
     with pytest.raises(ValueError, match=message):
         make_policy("adakv", 0.5, **knobs)
+
+
+def test_engine_options_reach_the_policy(folder) -> None:
+    config = EngineConfig(model=str(folder), kv_policy="adakv", adakv_safeguard=0.5, observation_window=8)
+    policy = make_policy(config.kv_policy, config.kv_budget, **config.kv_policy_knobs)
+    assert isinstance(policy, AdaKV) and policy.safeguard == 0.5 and policy.window == 8
+    with pytest.raises(ValueError, match="safeguard must be in"):
+        EngineConfig(model=str(folder), kv_policy="adakv", adakv_safeguard=-0.1)
