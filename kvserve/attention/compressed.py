@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kvserve.attention.backend import (
@@ -538,7 +539,8 @@ class CompressedKVCache(AttentionBackend):
         bs = self.block_size
         on_cpu = self.scores.device.type == "cpu" and weights.device.type == "cpu"
         if on_cpu and weights.dtype == torch.float32 and cpu_kernels_available():
-            coefficients = torch.tensor([p.score_update() for p in policies], dtype=torch.float32)  # (R, 2)
+            updates = {p: p.score_update() for p in set(policies)}
+            coefficients = torch.tensor([updates[p] for p in policies], dtype=torch.float32)  # (R, 2)
             return torch.ops.kvserve.fold_slot_scores(self.scores, tables, ends, weights, coefficients, bs)
         slots = (tables.long()[:, :, None] * bs + torch.arange(bs, device=tables.device)).view(rows, width * bs)
         valid = torch.arange(width * bs, device=tables.device)[None, :] < ends[:, None]
@@ -558,26 +560,24 @@ class CompressedKVCache(AttentionBackend):
         if self.num_kv_heads > 1 and any(p.head_budgets for p in meta.policies):  # heads attend apart
             return None
         bs, layers, batch = self.block_size, self.num_layers, len(meta.seq_ids)
-        held = meta.state.held_after  # [seq][layer]
-        width = max(max(h) for h in held) // bs + 1
-        rows, slots, starts, ends = [], [], [], []
-        for layer, window in enumerate(self.layer_windows):
-            for b in range(batch):
-                table, h = meta.block_tables[b][layer], held[b][layer]
-                used = table[: h // bs + 1]
-                rows.append(used + (0,) * (width - len(used)))  # padding (block 0) is past the row's end
-                slots.append(table[h // bs] * bs + h % bs)
-                starts.append(0 if window is None else max(h + 1 - window, 0))  # a window's first visible slot
-                ends.append(h + 1)
-        per_layer = {"dtype": torch.int32}
+        held = np.array(meta.state.held_after, dtype=np.int64).T  # (L, B)
+        used = held // bs + 1  # blocks each row reads
+        rows = np.zeros((layers, batch, int(used.max())), dtype=np.int32)  # padding (block 0) is past a row's end
+        for b, tables in enumerate(meta.block_tables):  # one numpy row copy per (layer, sequence)
+            for layer, table in enumerate(tables):
+                rows[layer, b, : used[layer, b]] = table[: used[layer, b]]
+        last = np.take_along_axis(rows, (used - 1)[:, :, None], axis=2)[:, :, 0].astype(np.int64)
+        slots = last * bs + held % bs  # where each row's new key goes
+        windows = np.array([w or 0 for w in self.layer_windows], dtype=np.int64)[:, None]
+        starts = np.where(windows > 0, np.maximum(held + 1 - windows, 0), 0)  # a window's first visible slot
         meta.state.in_place = InPlaceDecode(
             self.k,
             self.v,
             (0,) * layers,
-            torch.tensor(slots, dtype=torch.long).view(layers, batch),
-            torch.tensor(rows, **per_layer).view(layers, batch, width),
-            torch.tensor(starts, **per_layer).view(layers, batch),
-            torch.tensor(ends, **per_layer).view(layers, batch),
+            torch.from_numpy(slots),
+            torch.from_numpy(rows),
+            torch.from_numpy(starts.astype(np.int32)),
+            torch.from_numpy((held + 1).astype(np.int32)),
             want_weights=bool(self._scored_layers(meta)),
         )
         return meta.state.in_place
@@ -601,11 +601,13 @@ class CompressedKVCache(AttentionBackend):
                 weights.index_select(0, index).view(len(scored) * batch, -1),
             ).view(len(scored), batch, -1)
             scores = {layer: folded[i] for i, layer in enumerate(scored)}
-        for layer in range(self.num_layers):
-            for b in range(batch):
-                table, h = meta.block_tables[b][layer], meta.state.held_after[b][layer]
-                row = scores[layer][b] if layer in scores else None
-                self._compress_decoded(layer, meta, b, partial(self._group_kv, table, h + 1), row)
+        ends = decode.ends.numpy()  # (L, B): slots held with the new key
+        targets = np.array(meta.group_targets, dtype=np.int64).T
+        for layer, b in zip(*np.nonzero(ends > targets), strict=True):  # only these groups compact
+            table, h = meta.block_tables[b][layer], meta.state.held_after[b][layer]
+            row = scores[layer][b] if layer in scores else None
+            self._compress_decoded(layer, meta, b, partial(self._group_kv, table, h + 1), row)
+        meta.state.held_after = np.minimum(ends, targets).T.tolist()
 
     def _group_kv(self, table: tuple[int, ...], count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of a group's first ``count`` slots, (count, Hkv, D) each (copies)."""
