@@ -460,7 +460,7 @@ class Scheduler:
                     seq_id=seq.seq_id,
                     token_ids=tuple(seq.token_ids[start : start + n]),
                     num_computed_tokens=start,
-                    block_tables=tuple(tuple(self.kv.block_table(seq.seq_id, g)) for g in range(len(self.kv.groups))),
+                    block_tables=self.kv.block_tables(seq.seq_id),
                     samples=start + n == seq.num_tokens and not request.encodes_module,
                     ends_prompt=start + n >= seq.num_prompt_tokens,
                     positions=request.positions(start, start + n),

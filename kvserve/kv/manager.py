@@ -366,6 +366,8 @@ class KVCacheManager:
             raise ValueError(
                 f"sequence {seq_id} group {group} holds {table.num_slots} slots; cannot shrink to {num_slots!r}"
             )
+        if num_slots == table.num_slots and not table.hashes and not table.num_cached:
+            return  # nothing to give back, nothing hashed: most groups of a compressed decode step
         keep = self.blocks_for(num_slots)
         self.pool.free(reversed(table.blocks[keep:]))
         del table.blocks[keep:]
@@ -532,6 +534,13 @@ class KVCacheManager:
         """Block ids by position (entry j holds tokens j*block_size ..); released window entries read 0."""
         table = self._resident(seq_id).tables[self._group_index(group)]
         return [0] * table.released + [block.block_id for block in table.blocks]
+
+    def block_tables(self, seq_id: int) -> tuple[tuple[int, ...], ...]:
+        """``block_table`` of every group, in group order (what a step hands the runner)."""
+        return tuple(
+            (0,) * table.released + tuple(block.block_id for block in table.blocks)
+            for table in self._resident(seq_id).tables
+        )
 
     def held_blocks(self, seq_id: int) -> list[int]:
         """Device blocks a resident sequence holds, group after group (released window entries are not held)."""

@@ -78,6 +78,7 @@ def test_window_blocks_are_released_as_the_sequence_decodes():
     assert m.pool.free_block_ids() == [8, 9, 10, 11, 3, 4]
     assert _refs(m, [3, 4, 5, 7]) == [0, 0, 1, 1]
     assert m.held_blocks(0) == [0, 1, 2, 6, 5, 7]
+    assert m.block_tables(0) == ((0, 1, 2, 6), (0, 0, 5, 7))  # every group at once, as block_table gives them
     m.free(0)
     assert m.pool.num_free == 12 and m.usage().used_blocks == 0
 
