@@ -147,6 +147,18 @@ def test_budget_one_is_token_identical_to_the_full_cache(folder, loaded) -> None
     assert outputs["adakv"] == outputs["full"]
 
 
+def test_an_offloaded_slab_packs_and_decodes_as_the_device_one(folder, loaded) -> None:
+    prompts = [prompt_ids(n, seed=n) for n in (130, 70)]
+    outputs = {}
+    for offload in ("none", "host"):
+        engine = make_engine(folder, loaded, kv_policy="adakv", kv_budget=0.4, kv_offload=offload)
+        ids = [engine.add_request(p, greedy(40)) for p in prompts]
+        outputs[offload] = [o.outputs[0].token_ids for o in drain(engine, ids).values()]
+        if offload == "host":
+            assert engine.runner.cache.bytes_moved()["fetched"] > 0
+    assert outputs["host"] == outputs["none"]
+
+
 def test_with_one_kv_head_adakv_is_snapkv(tmp_path) -> None:
     mqa = write_tiny_model(tmp_path, dataclasses.replace(SPEC, num_kv_heads=1))
     model = load_model(mqa, dtype=torch.float32)
