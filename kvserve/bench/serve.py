@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+from kvserve.bench.sse import sse_lines
 from kvserve.bench.workload import TraceRequest
 from kvserve.tokenizer import Tokenizer
 
@@ -125,7 +126,7 @@ async def send_request(client: httpx.AsyncClient, target: ServeTarget, request: 
                 body = (await resp.aread()).decode(errors="replace")
                 result.error = f"HTTP {resp.status_code}: {body[:300]}"
                 return result
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 event = _parse_sse_line(line)
                 if event is None:
                     continue

@@ -37,6 +37,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvserve.bench.sse import sse_lines
 from kvserve.eval.data import AUSTEN
 
 SCHEMA = """<schema name="soak">
@@ -186,7 +187,7 @@ class Traffic:
             if response.status_code != 200:
                 return Outcome(kind, response.status_code, False, detail=(await response.aread()).decode()[:200])
             finishes, done, errors = Counter(), 0, []
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if not line.startswith("data: "):
                     continue
                 if line == "data: [DONE]":

@@ -175,10 +175,15 @@ async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, R
             task.cancel()
 
 
+# Characters JSON leaves raw that ``str.splitlines`` (and so httpx's ``aiter_lines``) takes for line ends: escaped,
+# a client that splits an event stream that way still gets each event whole. The decoded text is the same.
+_LINE_SEPARATORS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: BaseModel) -> str:
-    return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {payload.model_dump_json().translate(_LINE_SEPARATORS)}\n\n"
 
 
 def sse_error(exc: Exception) -> str:
     error = exc if isinstance(exc, ApiError) else ApiError(500, str(exc), None, "server_error")
-    return f"data: {error.body().model_dump_json()}\n\n"
+    return f"data: {error.body().model_dump_json().translate(_LINE_SEPARATORS)}\n\n"
