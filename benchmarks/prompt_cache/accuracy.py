@@ -52,6 +52,7 @@ HERE = Path(__file__).resolve().parent
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a model name or path (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--limit", type=int, default=None, help="first N documents (default: all 15)")
@@ -64,7 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    loaded = load_model(dtype=dtype)
+    loaded = load_model(args.model, dtype=dtype)
     if args.modules:
         recompute_run(loaded, args, dtype)
         return
@@ -147,7 +148,11 @@ def recompute_run(loaded: LoadedModel, args: argparse.Namespace, dtype: torch.dt
         schema, pml = split_schema(tokenizer, task, document, kept, name, args.modules)
         golds += document.answers
         for variant, share in variants.items():
-            config = EngineConfig(dtype=args.dtype, kv_cache_memory="1GiB", swap_space=0, prompt_cache_recompute=share)
+            # A model with sliding-window layers (Gemma 3) keeps every layer in one KV group for Prompt Cache.
+            config = EngineConfig(
+                dtype=args.dtype, kv_cache_memory="1GiB", swap_space=0, prompt_cache_recompute=share,
+                kv_window_groups=False,
+            )  # fmt: skip
             llm = LLM.from_engine(LLMEngine(config, loaded))
             start = time.perf_counter()
             if variant == "plain":
@@ -184,7 +189,8 @@ def recompute_run(loaded: LoadedModel, args: argparse.Namespace, dtype: torch.dt
         f"# L-Eval QuALITY, document cut into {args.modules} modules: selective recompute, {report['model']}, "
         f"{report['dtype']}",
         "",
-        f"`python benchmarks/prompt_cache/accuracy.py --threads {args.threads} --dtype {args.dtype} --modules "
+        f"`python benchmarks/prompt_cache/accuracy.py{' --model ' + args.model if args.model else ''} --threads "
+        f"{args.threads} --dtype {args.dtype} --modules "
         f"{args.modules} --recompute {args.recompute} --limit {args.limit} --context {args.context} --output "
         f"{args.output}`: {len(golds)} questions over "
         f"{len(documents)} documents, greedy.",
