@@ -209,6 +209,7 @@ def pml_prompts(
     template and instruction before it are the schema's own text) and one PML prompt per question, whose
     new text is everything after the document. Text is kept exactly (``xml:space="preserve"``)."""
     from kvserve.prompt_cache.pml import pml_escape
+    from kvserve.prompt_cache.roles import RoleFrames
 
     sentinel = "\x00DOCUMENT\x00"
     heads, prompts = set(), []
@@ -218,6 +219,9 @@ def pml_prompts(
         heads.add(head)
         prompts.append(f'<prompt schema="{name}" xml:space="preserve"><doc/>{pml_escape(tail)}</prompt>')
     (head,) = heads  # the document comes first in every question's prompt
+    frames = RoleFrames.from_tokenizer(tokenizer)
+    if frames is not None and frames.opening and head.startswith(frames.opening):
+        head = head[len(frames.opening) :]  # a schema opens the sequence itself (its BOS): not twice
     doc = f'<module name="doc">{pml_escape(kept_text)}</module>'
     return f'<schema name="{name}" xml:space="preserve">{pml_escape(head)}{doc}</schema>', prompts
 

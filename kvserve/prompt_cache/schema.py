@@ -70,6 +70,8 @@ class SchemaLayout:
         root = ModuleLayout("", 0)
         if tokenizer.add_bos_token and tokenizer.bos_token_id is not None:
             builder.add_tokens(root, [tokenizer.bos_token_id])
+        elif frames is not None and frames.opening:  # the template's own opening, where the tokenizer adds none
+            builder.add_tokens(root, tokenizer.encode(frames.opening, add_special_tokens=False))
         builder.walk(schema.children, root)
         root.end = builder.cursor
         modules = {"": root, **builder.modules}

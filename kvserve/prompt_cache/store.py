@@ -136,6 +136,9 @@ class ModuleStore:
         if module is not None:
             module.stored = False
             module.host_kv = None
+            if any(job.module is module for job in self._jobs):  # its encoding not handed out yet: never run
+                self._jobs = [job for job in self._jobs if job.module is not module]
+                module.encoding, module.pins = False, module.pins - 1
             if module.pins == 0:
                 self._drop_device(module)
 

@@ -208,7 +208,9 @@ DOC_PML = '<prompt schema="book"><doc/> and after that comes</prompt>'
 def test_a_module_encoded_by_parallel_prefill_equals_prompt_cache_alone(folder, offload) -> None:
     """KV-Runahead x Prompt Cache: a module's encoding is a scheduled prefill, so a long one (alone in its step)
     runs over the prefill group, at its schema positions (and into an offloaded pool)."""
-    options = {"model": str(folder), "dtype": "float32", "block_size": 4, "kv_offload": offload}
+    # A template that opens with no BOS leaves the schema no text of its own: the module is alone in its step.
+    options = {"model": str(folder), "dtype": "float32", "block_size": 4, "kv_offload": offload,
+               "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}  # fmt: skip
     with LLM(**options) as single:
         single.register_schema(DOC_SCHEMA)
         expected = single.generate(DOC_PML, GREEDY, use_tqdm=False)[0].outputs[0].token_ids

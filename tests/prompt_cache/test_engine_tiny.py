@@ -10,6 +10,7 @@ in on use, and prefix caching reaches past the modules.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -300,5 +301,24 @@ def test_a_module_encodes_in_chunks_while_running_requests_keep_decoding(loaded)
         steps += 1
     assert steps >= module.num_tokens // 16  # chunked within the token budget
     assert produced == list(range(produced[0], produced[0] + steps))  # one token every step
-    assert engine.prompt_cache.store.stats.encoded_tokens == module.num_tokens
+    store = engine.prompt_cache.store  # the module and the schema's own opening (the template's BOS)
+    assert store.stats.encoded_tokens == sum(m.num_tokens for key, m in store.modules.items() if key[0] == "s")
     engine.abort_request(running)
+
+
+@pytest.mark.parametrize("adds_bos", [False, True], ids=["template-bos", "tokenizer-and-template-bos"])
+def test_role_tags_open_the_sequence_once_as_the_chat_template_does(loaded, adds_bos):
+    """The tiny template writes ``{{ bos_token }}`` before the first turn; a GGUF tokenizer (Gemma 3's) may add a BOS
+    too. Either way the schema opens with one BOS and its tokens are the plain chat prompt's: ``<system>`` brings
+    no second one."""
+    tokenizer = dataclasses.replace(loaded.tokenizer, add_bos_token=adds_bos)
+    engine = make_engine(dataclasses.replace(loaded, tokenizer=tokenizer))
+    engine.register_schema('<schema name="chat"><system>be brief</system><module name="doc">the cat</module></schema>')
+    prepared = engine.prompt_cache.prepare('<prompt schema="chat"><doc/><user>and then?</user></prompt>')
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "and then?"}]
+    system = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=False)
+    user = tokenizer.apply_chat_template(messages, add_generation_prompt=True)[len(system) :]  # PML opens the reply
+    pieces = [system, "the cat", user]  # the schema's text, the module, the prompt's text: each encoded alone
+    assert prepared.token_ids == [t for piece in pieces for t in tokenizer.encode(piece, add_special_tokens=False)]
+    assert prepared.token_ids.count(tokenizer.bos_token_id) == 1
+    engine.prompt_cache.release(prepared.modules)
