@@ -53,6 +53,9 @@ HERE = Path(__file__).resolve().parent
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a model name or path (default: SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--chat-template", default=None, help="a Jinja template (file or inline) for a model without one (a base model)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--limit", type=int, default=None, help="first N documents (default: all 15)")
@@ -65,7 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    loaded = load_model(args.model, dtype=dtype)
+    loaded = load_model(args.model, dtype=dtype, chat_template=args.chat_template)
     if args.modules:
         recompute_run(loaded, args, dtype)
         return
