@@ -192,7 +192,8 @@ def recompute_run(loaded: LoadedModel, args: argparse.Namespace, dtype: torch.dt
         f"# L-Eval QuALITY, document cut into {args.modules} modules: selective recompute, {report['model']}, "
         f"{report['dtype']}",
         "",
-        f"`python benchmarks/prompt_cache/accuracy.py{' --model ' + args.model if args.model else ''} --threads "
+        f"`python benchmarks/prompt_cache/accuracy.py{' --model ' + args.model if args.model else ''}"
+        f"{' --chat-template ' + args.chat_template if args.chat_template else ''} --threads "
         f"{args.threads} --dtype {args.dtype} --modules "
         f"{args.modules} --recompute {args.recompute} --limit {args.limit} --context {args.context} --output "
         f"{args.output}`: {len(golds)} questions over "
