@@ -60,10 +60,10 @@ def paged_decode_lse(
         scale = 1.0 / math.sqrt(q.shape[-1])
         out, lse, _ = torch.ops.kvserve.paged_decode(q, k_cache, v_cache, block_tables, starts, ends, scale, False)
         return out, lse
-    logits, values, mask = _gathered(q, k_cache, v_cache, block_tables, starts, ends)
-    logits = logits.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)  # (B, Hkv, G)
-    weights = torch.exp(logits - lse[..., None]).nan_to_num(0.0)  # an empty range: no weight anywhere
+    qg, keys, values, mask = _gather(q, k_cache, v_cache, block_tables, starts, ends)
+    logits = torch.matmul(qg.float(), keys.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, Hkv, G, T)
+    lse = torch.logsumexp(logits.masked_fill(~mask, float("-inf")), dim=-1)  # (B, Hkv, G)
+    weights = torch.exp(logits - lse[..., None]).masked_fill(~mask, 0.0)  # an empty range: no weight anywhere
     out = torch.matmul(weights, values.float()).to(q.dtype)  # (B, Hkv, G, D)
     return out.reshape(q.shape), lse.reshape(q.shape[:2])
 
@@ -75,26 +75,25 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
     return (out_a.float() * a + out_b.float() * b).to(out_a.dtype)
 
 
-def _gathered(
+def _gather(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     starts: torch.Tensor,
     ends: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's blocks gathered: float32 scaled logits (B, Hkv, G, T), values (B, Hkv, T, D), visible (B, 1, 1, T)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's blocks gathered for the torch paths: queries (B, Hkv, G, D) (query head h reads KV head h // G),
+    keys and values (B, Hkv, T, D) widened to q's dtype when the cache is narrower, visible (B, 1, 1, T)."""
     batch, num_heads, head_dim = q.shape
     _, block_size, hkv, _ = k_cache.shape
     length = block_tables.shape[1] * block_size
     index = block_tables.long().view(-1)
-    keys = k_cache.index_select(0, index).view(batch, length, hkv, head_dim).transpose(1, 2)
-    values = v_cache.index_select(0, index).view(batch, length, hkv, head_dim).transpose(1, 2)
+    keys = k_cache.index_select(0, index).view(batch, length, hkv, head_dim).transpose(1, 2).to(q.dtype)
+    values = v_cache.index_select(0, index).view(batch, length, hkv, head_dim).transpose(1, 2).to(q.dtype)
     position = torch.arange(length, device=q.device)
     visible = (position >= starts.to(q.device).long()[:, None]) & (position < ends.to(q.device).long()[:, None])
-    qg = q.reshape(batch, hkv, num_heads // hkv, head_dim).float()
-    logits = torch.matmul(qg, keys.float().transpose(-1, -2)) / math.sqrt(head_dim)
-    return logits, values, visible[:, None, None, :]
+    return q.reshape(batch, hkv, num_heads // hkv, head_dim), keys, values, visible[:, None, None, :]
 
 
 def paged_decode_reference(
@@ -108,16 +107,7 @@ def paged_decode_reference(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``paged_decode`` from torch ops: gather each row's blocks, mask its range, attend (same arguments)."""
     batch, num_heads, head_dim = q.shape
-    _, block_size, hkv, _ = k_cache.shape
-    length = block_tables.shape[1] * block_size
-    index = block_tables.long().view(-1)
-    # (B, Hkv, T, D), widened to q's dtype when the cache is narrower
-    keys = k_cache.index_select(0, index).view(batch, length, hkv, head_dim).transpose(1, 2).to(q.dtype)
-    values = v_cache.index_select(0, index).view(batch, length, hkv, head_dim).transpose(1, 2).to(q.dtype)
-    position = torch.arange(length, device=q.device)
-    visible = (position >= starts.to(q.device).long()[:, None]) & (position < ends.to(q.device).long()[:, None])
-    mask = visible[:, None, None, :]  # (B, 1, 1, T)
-    qg = q.reshape(batch, hkv, num_heads // hkv, head_dim)  # (B, Hkv, G, D): query head h reads KV head h // G
+    qg, keys, values, mask = _gather(q, k_cache, v_cache, block_tables, starts, ends)
     if not want_weights:
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
         return out.reshape(batch, num_heads, head_dim), None
