@@ -16,7 +16,7 @@ from kvserve.policies.infinigen import POOL_EVICTIONS
 
 __all__ = [
     "DTYPES", "DTYPE_CHOICES", "WEIGHT_MODES", "PREEMPTION_MODES", "PREFILL_PARTITIONS", "PROMPT_CACHE_TIERS",
-    "PROMPT_CACHE_ENCODES", "KV_OFFLOAD_MODES", "POOL_EVICTIONS", "EngineConfig",
+    "PROMPT_CACHE_ENCODES", "PROMPT_CACHE_CONTEXTS", "KV_OFFLOAD_MODES", "POOL_EVICTIONS", "EngineConfig",
 ]  # fmt: skip
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -24,6 +24,7 @@ PREFILL_PARTITIONS = ("even", "searched", "predicted", "tsp")
 PROMPT_CACHE_TIERS = ("device", "host")
 KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROMPT_CACHE_ENCODES = ("eager", "lazy")
+PROMPT_CACHE_CONTEXTS = ("prefix", "none")
 # Why a policy with per-head budgets (Ada-KV) cannot import Prompt Cache modules.
 HEAD_BUDGETS_AND_MODULES = (
     "kv_policy={name!r} packs a layer's KV heads into its slots, each head its own number of tokens, and a Prompt "
@@ -83,6 +84,10 @@ class EngineConfig:
     prompt_cache_tier: str = "device"  # device: blocks of the KV pool; host: CPU memory, copied in on use
     prompt_cache_memory: str | int = "512MiB"  # LRU-evicted past this; on device, at most half of kv_cache_memory
     prompt_cache_encode: str = "eager"  # eager: when a schema is registered; lazy: when a prompt first imports
+    # What a module attends to while encoded besides itself. prefix: the schema's text before its first module
+    # (BOS, system turn), as in the plain prompt; none: nothing (Prompt Cache's rule). Tensor parallelism and a
+    # compressing policy encode modules alone (their slots cannot be copied out of a scratch sequence there).
+    prompt_cache_context: str = "prefix"
     # Share of a prompt's imported module tokens recomputed with attention across modules (CacheBlend; 0: none).
     prompt_cache_recompute: float = 0.0
     # The same numerics for a sequence whatever runs beside it and whether its prefix came from the cache:
@@ -135,6 +140,10 @@ class EngineConfig:
         if self.prompt_cache_encode not in PROMPT_CACHE_ENCODES:
             raise ValueError(
                 f"prompt_cache_encode must be one of {PROMPT_CACHE_ENCODES}, got {self.prompt_cache_encode!r}"
+            )
+        if self.prompt_cache_context not in PROMPT_CACHE_CONTEXTS:
+            raise ValueError(
+                f"prompt_cache_context must be one of {PROMPT_CACHE_CONTEXTS}, got {self.prompt_cache_context!r}"
             )
         self._check_prompt_cache_recompute()
         check_device(self.device)  # last: the rules above name what a device cannot run, wherever it exists

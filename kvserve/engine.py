@@ -116,7 +116,12 @@ class LLMEngine:
             plan.per_layer_groups,
         )  # fmt: skip
         eager = config.prompt_cache_encode == "eager"
-        return PromptCache(self.tokenizer, self.max_model_len, store, eager, config.prompt_cache_recompute)
+        # A module encoded after the schema's prefix is copied out of a scratch sequence: in this process, one
+        # group for every layer (see config.prompt_cache_context).
+        context = config.prompt_cache_context == "prefix" and not plan.per_layer_groups and self.tensor_parallel is None
+        return PromptCache(
+            self.tokenizer, self.max_model_len, store, eager, config.prompt_cache_recompute, module_context=context
+        )
 
     def _start_tensor_parallel(self):  # noqa: ANN202 - kvserve.parallel.tensor_group.TensorParallelGroup
         """Spawn this machine's other ranks (they load their shards while this process loads its own); this
@@ -196,10 +201,11 @@ class LLMEngine:
         at its schema positions, admitted and chunked like any prompt (FCFS: before the prompts importing it)."""
         for job in self.prompt_cache.store.take_encode_jobs():
             module = job.module
-            seq = Sequence(job.seq_id, list(module.token_ids), module.num_tokens, None, None, job.computed)
+            seq = Sequence(job.seq_id, list(job.token_ids), len(job.token_ids), None, None, job.computed)
             request = Request(
-                f"prompt-cache:{module.key[0]}/{module.key[1]}", None, list(module.token_ids), _ENCODE_PARAMS, [seq],
-                prompt_positions=module.positions, encodes_module=True, kv_policy=self.kv_policy,
+                f"prompt-cache:{module.key[0]}/{module.key[1]}", None, list(job.token_ids), _ENCODE_PARAMS, [seq],
+                prompt_positions=job.positions, encodes_module=True, kv_policy=self.kv_policy,
+                cache_salt=job.cache_salt,
             )  # fmt: skip
             self._encodings[job.seq_id] = job
             self.scheduler.add(request)

@@ -12,6 +12,7 @@ from kvserve.config import (
     POOL_EVICTIONS,
     PREEMPTION_MODES,
     PREFILL_PARTITIONS,
+    PROMPT_CACHE_CONTEXTS,
     PROMPT_CACHE_ENCODES,
     PROMPT_CACHE_TIERS,
     EngineConfig,
@@ -127,6 +128,11 @@ def add_prompt_cache_args(parser: argparse.ArgumentParser) -> None:
         help="encode a schema's modules when it is registered (eager) or when a prompt first imports them (lazy)",
     )  # fmt: skip
     group.add_argument(
+        "--prompt-cache-context", choices=PROMPT_CACHE_CONTEXTS, default="prefix",
+        help="what a module attends to while encoded besides itself: the schema's text before its first module "
+        "(prefix: BOS, system turn, as in the plain prompt) or nothing (none: Prompt Cache's rule)",
+    )  # fmt: skip
+    group.add_argument(
         "--prompt-cache-recompute", type=float, default=0.0, metavar="R",
         help="share in [0, 1] of a prompt's imported module tokens recomputed with attention across modules, "
         "those whose KV deviates most (CacheBlend); 0: none",
@@ -158,6 +164,7 @@ def prompt_cache_options(args: argparse.Namespace) -> dict[str, object]:
     return {
         "prompt_cache_tier": args.prompt_cache_tier, "prompt_cache_memory": args.prompt_cache_memory,
         "prompt_cache_encode": args.prompt_cache_encode, "prompt_cache_recompute": args.prompt_cache_recompute,
+        "prompt_cache_context": args.prompt_cache_context,
     }  # fmt: skip
 
 

@@ -243,7 +243,7 @@ class Scheduler:
             seqs = request.live_seqs
             if request.prompt_cache and self.encoding.intersection(request.prompt_cache.module_seq_ids):
                 return  # FCFS: its modules' encodings arrived first and run before it
-            if request.encodes_module:  # its blocks are allocated, its prefix hits counted by the store
+            if request.encodes_module and seqs[0].seq_id in self.kv:  # allocated and prefix hits counted by the store
                 self.waiting.popleft()
                 self._start(request, step)
                 continue

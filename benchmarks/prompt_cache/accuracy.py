@@ -140,7 +140,15 @@ def recompute_run(loaded: LoadedModel, args: argparse.Namespace, dtype: torch.dt
     task, tokenizer = "quality", loaded.tokenizer
     params = SamplingParams(temperature=0.0, max_tokens=DEFAULT_MAX_TOKENS[task], logprobs=20)
     documents = load_documents(task, args.limit)
-    variants = {"plain": 0.0, "prompt cache": 0.0, f"prompt cache + recompute {args.recompute}": args.recompute}
+    # (recompute share, what a module attends to while encoded): Prompt Cache's rule (alone) and kvserve's default
+    # (after the schema's prefix: BOS, system turn).
+    recompute = f"prompt cache + recompute {args.recompute}"
+    variants = {
+        "plain": (0.0, "prefix"), "prompt cache, modules alone": (0.0, "none"),
+        f"{recompute}, modules alone": (args.recompute, "none"),
+        "prompt cache, modules after the prefix": (0.0, "prefix"),
+        f"{recompute}, modules after the prefix": (args.recompute, "prefix"),
+    }  # fmt: skip
     outputs: dict[str, list] = {v: [] for v in variants}
     seconds = dict.fromkeys(variants, 0.0)
     golds = []
@@ -150,11 +158,11 @@ def recompute_run(loaded: LoadedModel, args: argparse.Namespace, dtype: torch.dt
         name = f"blend-{number}"
         schema, pml = split_schema(tokenizer, task, document, kept, name, args.modules)
         golds += document.answers
-        for variant, share in variants.items():
+        for variant, (share, context) in variants.items():
             # A model with sliding-window layers (Gemma 3) keeps every layer in one KV group for Prompt Cache.
             config = EngineConfig(
                 dtype=args.dtype, kv_cache_memory="1GiB", swap_space=0, prompt_cache_recompute=share,
-                kv_window_groups=False,
+                prompt_cache_context=context, kv_window_groups=False,
             )  # fmt: skip
             llm = LLM.from_engine(LLMEngine(config, loaded))
             start = time.perf_counter()

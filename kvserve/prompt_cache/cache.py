@@ -65,11 +65,18 @@ class _Registered:
 
 class PromptCache:
     def __init__(
-        self, tokenizer: Tokenizer, max_model_len: int, store: ModuleStore, eager: bool, recompute: float = 0.0
+        self,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        store: ModuleStore,
+        eager: bool,
+        recompute: float = 0.0,
+        module_context: bool = False,
     ) -> None:
-        """``recompute``: share of a prompt's imported module tokens recomputed across modules (``recompute.py``)."""
+        """``recompute``: share of a prompt's imported module tokens recomputed across modules (``recompute.py``).
+        ``module_context``: modules are encoded after the schema's shared prefix (``SchemaLayout.shared_prefix``)."""
         self.tokenizer, self.max_model_len, self.store, self.eager = tokenizer, max_model_len, store, eager
-        self.recompute = recompute
+        self.recompute, self.module_context = recompute, module_context
         self._schemas: dict[str, _Registered] = {}
 
     @cached_property
@@ -94,7 +101,9 @@ class PromptCache:
         try:
             for name, module in layout.modules.items():
                 if module.token_ids:
-                    self.store.add((schema.name, name), module.token_ids, module.positions, encode=self.eager)
+                    self.store.add(
+                        (schema.name, name), module.token_ids, module.positions, self.eager, self._context(layout, name)
+                    )
         except Exception:
             self.remove(schema.name)
             raise
@@ -161,7 +170,13 @@ class PromptCache:
         if not module.token_ids:
             return None
         stored = self.store.modules.get((schema, name))
-        return stored or self.store.add((schema, name), module.token_ids, module.positions, encode=False)
+        context = self._context(layout, name)
+        return stored or self.store.add((schema, name), module.token_ids, module.positions, False, context)
+
+    def _context(self, layout: SchemaLayout, name: str) -> tuple[list[int], list[int]]:
+        """What module ``name`` attends to while encoded: the schema's shared prefix (not for the schema's own
+        text, which holds it)."""
+        return layout.shared_prefix() if self.module_context and name else ([], [])
 
     def release(self, modules: list[CachedModule]) -> None:
         for module in modules:
@@ -194,7 +209,8 @@ def _assemble(
     token_ids += uncached
     positions += uncached_positions
     shared = tuple(b for blocks in pinned for b in blocks.full_blocks)
-    module_seqs = tuple(blocks.module.seq_id for blocks in pinned)
+    # The sequences whose encodings the prompt waits for: a module encoded after a context runs in a scratch one.
+    module_seqs = tuple(blocks.module.encode_seq_id or blocks.module.seq_id for blocks in pinned)
     cached = CachedPrompt(shared, tuple(tail_slots), module_seqs, num_tokens=sum(m.module.num_tokens for m in pinned))
     digest = hashlib.sha256(repr((schema_text, tuple(token_ids), tuple(positions))).encode()).hexdigest()
     return PreparedPrompt(

@@ -83,6 +83,14 @@ class SchemaLayout:
             )
         return cls(schema, modules, builder.cursor)
 
+    def shared_prefix(self) -> tuple[list[int], list[int]]:
+        """The schema's own tokens before its first module (BOS, the system turn, ...), with their positions: a
+        prefix of every prompt of the schema, so a module may be encoded after it, as in the plain prompt."""
+        first = min((m.start for name, m in self.modules.items() if name), default=self.length)
+        root = self.modules[""]
+        n = sum(1 for position in root.positions if position < first)
+        return root.token_ids[:n], root.positions[:n]
+
     def bind(
         self, prompt: Prompt, tokenizer: Tokenizer, frames: RoleFrames | None, max_model_len: int | None = None
     ) -> PromptLayout:

@@ -1,13 +1,20 @@
 """Module KV: encoded once at schema positions, kept as ref-counted blocks of the paged pool, evicted LRU.
 
-Each module's attention states are computed by a prefill of its own tokens alone (attention confined
-to the module, Prompt Cache's rule) at its schema positions, into blocks of the engine's pool held by
-a *module sequence* of the KV manager (negative ids keep them apart from requests). The store allocates
-those blocks and hands out an ``EncodeJob``; the engine queues it to the scheduler, which admits and
-chunks it like any prefill (interleaved with other requests' decodes), and the store takes the blocks
-back once it is done (``finish_encoding``). Requests that import a module share its blocks through their
-block tables (``KVCacheManager.allocate(shared=)``), wait until it is encoded, and *pin* the module until
-they finish, so a preempted request can share them again.
+Each module's attention states are computed by a prefill of its own tokens at its schema positions,
+into blocks of the engine's pool held by a *module sequence* of the KV manager (negative ids keep them
+apart from requests). Prompt Cache's rule confines a module's attention to the module; a module given a
+*context* (the schema's shared prefix: BOS, the system turn, text that precedes every module in every
+prompt) also attends to it, as it does in the plain prompt. Models that park attention on BOS (Gemma)
+need that: a module encoded without it has states the plain prompt never produces. (APE, Yang et al.,
+ICLR'25, encodes its parallel contexts after a shared prefix for the same reason.) Such a module is
+prefilled after its context in a scratch sequence, and its own slots are copied into its block-aligned
+module sequence at the end, so requests share its blocks as they share any module's.
+
+The store allocates the blocks and hands out an ``EncodeJob``; the engine queues it to the scheduler,
+which admits and chunks it like any prefill (interleaved with other requests' decodes), and the store
+takes the blocks back once it is done (``finish_encoding``). Requests that import a module share its
+blocks through their block tables (``KVCacheManager.allocate(shared=)``), wait until it is encoded, and
+*pin* the module until they finish, so a preempted request can share them again.
 
 Tiers: ``device`` keeps the module sequence for as long as the module is stored. ``host`` keeps the
 keys and values in CPU tensors (pinned on CUDA) and copies them into device blocks when a request
@@ -53,6 +60,9 @@ class CachedModule:
     stored: bool = True  # False once evicted or removed: freed when the last pin goes
     hash_salt: tuple = field(default=())
     encoding: bool = False  # its encoding is queued or running: its blocks hold no keys yet
+    context_ids: tuple[int, ...] = ()  # tokens it attends to while encoded (not its own: not stored with it)
+    context_positions: tuple[int, ...] = ()
+    encode_seq_id: int | None = None  # while encoding after a context: the scratch sequence the prefill runs in
 
     @property
     def num_tokens(self) -> int:
@@ -65,12 +75,20 @@ class CachedModule:
 
 @dataclass(frozen=True)
 class EncodeJob:
-    """A module's prefill for the scheduler: its tokens at its positions into its module sequence's blocks,
-    from ``computed`` on (the tokens before it were prefix hits)."""
+    """A module's prefill for the scheduler: ``token_ids`` at ``positions`` into sequence ``seq_id``'s blocks,
+    from ``computed`` on (the tokens before it were prefix hits). Without a context that is the module itself in
+    its module sequence; with one, the context's ``num_context`` tokens and then the module's, in a scratch
+    sequence (allocated by the scheduler on admission) whose module slots ``finish_encoding`` copies into the module
+    sequence."""
 
     module: CachedModule
     seq_id: int
     computed: int
+    token_ids: tuple[int, ...]
+    positions: tuple[int, ...]
+    num_context: int = 0
+    found: int = 0  # with a context: the module sequence's first tokens that were prefix hits (kept, not copied)
+    cache_salt: tuple = ()  # with a context: the scratch sequence's prefix-hash salt (the scheduler allocates it)
 
 
 @dataclass(frozen=True)
@@ -87,7 +105,7 @@ class ModuleBlocks:
 @dataclass
 class StoreStats:
     encoded_modules: int = 0  # prefills run to encode modules
-    encoded_tokens: int = 0
+    encoded_tokens: int = 0  # tokens prefilled, contexts included (a context job's scratch hits counted too)
     host_copies: int = 0  # host-tier modules copied into device blocks
     evictions: int = 0
 
@@ -121,10 +139,26 @@ class ModuleStore:
 
     # ----- contents -----
 
-    def add(self, key: tuple[str, str], token_ids: list[int], positions: list[int], encode: bool) -> CachedModule:
-        """Store a module (replacing none: keys are unique per schema); ``encode`` runs its prefill now."""
-        digest = hashlib.sha256(repr((key, tuple(token_ids), tuple(positions))).encode()).hexdigest()
-        module = CachedModule(key, tuple(token_ids), tuple(positions), hash_salt=("prompt-cache-module", digest))
+    def add(
+        self,
+        key: tuple[str, str],
+        token_ids: list[int],
+        positions: list[int],
+        encode: bool,
+        context: tuple[list[int], list[int]] = ([], []),
+    ) -> CachedModule:
+        """Store a module (replacing none: keys are unique per schema); ``encode`` runs its prefill now, after
+        ``context`` (token ids, positions) when one is given."""
+        if context[0] and self.per_layer_groups:
+            raise ValueError("a module with a context needs one KV group for every layer (its slots are copied)")
+        context_ids, context_positions = tuple(context[0]), tuple(context[1])
+        digest = hashlib.sha256(
+            repr((key, tuple(token_ids), tuple(positions), context_ids, context_positions)).encode()
+        ).hexdigest()
+        module = CachedModule(
+            key, tuple(token_ids), tuple(positions), hash_salt=("prompt-cache-module", digest),
+            context_ids=context_ids, context_positions=context_positions,
+        )  # fmt: skip
         self.modules[key] = module
         if encode:  # the host tier drops the device copy when the encoding's pin goes
             self._ensure_device(module)
@@ -181,23 +215,46 @@ class ModuleStore:
         if module.seq_id is not None:
             return
         seq_id = next(self._seq_ids)
-        computed = self._allocate(seq_id, module)
+        computed = self._allocate(seq_id, module, module.token_ids, module.hash_salt)
         module.seq_id = seq_id
         if module.host_kv is not None:
             self._copy_in(module, computed)
             return
+        if module.context_ids:
+            job = self._context_job(module, computed)
+        else:
+            job = EncodeJob(module, seq_id, computed, module.token_ids, module.positions)
         module.encoding, module.pins = True, module.pins + 1  # the encoding pins it until done
-        self._jobs.append(EncodeJob(module, seq_id, computed))
+        self._jobs.append(job)
 
-    def _allocate(self, seq_id: int, module: CachedModule) -> int:
-        """Device blocks for a module sequence, evicting unpinned modules if the pool is short. With a group per
-        layer (a compressing policy) the scheduler reserves what each layer keeps as the encoding runs."""
+    def _context_job(self, module: CachedModule, found: int) -> EncodeJob:
+        """The module's prefill after its context, in a scratch sequence that the scheduler admits like a prompt
+        (blocks when the pool has room, so encodings never hold twice a schema's modules at once; hash salt of
+        its own: a later encoding of the same module finds them while the pool keeps them). ``found``: the
+        module sequence's first tokens found by prefix hash, which are not copied over."""
+        token_ids = module.context_ids + module.token_ids
+        if self.kv.blocks_for(len(token_ids)) + len(self.kv.held_blocks(module.seq_id)) > self.kv.pool.num_blocks:
+            self._drop_device(module)
+            raise PromptCacheError(
+                f"module {module.key[1]!r} ({module.num_tokens} tokens) is encoded after the schema's "
+                f"{len(module.context_ids)} prefix tokens in blocks of its own and then copied: the KV pool "
+                f"({self.kv.pool.num_blocks} blocks) cannot hold both; give the engine more kv_cache_memory"
+            )
+        module.encode_seq_id = next(self._seq_ids)
+        positions = module.context_positions + module.positions
+        salt = ("prompt-cache-context", *module.hash_salt)
+        return EncodeJob(module, module.encode_seq_id, 0, token_ids, positions, len(module.context_ids), found, salt)
+
+    def _allocate(self, seq_id: int, module: CachedModule, token_ids: tuple[int, ...], salt: tuple) -> int:
+        """Device blocks for ``token_ids`` of a module sequence (or its encoding's scratch sequence), evicting
+        unpinned modules if the pool is short. With a group per layer (a compressing policy) the scheduler
+        reserves what each layer keeps as the encoding runs."""
         if self.per_layer_groups:
             self.kv.allocate_empty(seq_id)
             return 0
         while True:
             try:
-                return self.kv.allocate(seq_id, module.token_ids, module.hash_salt)
+                return self.kv.allocate(seq_id, token_ids, salt)
             except NoFreeBlocksError as error:
                 # Only device-tier modules hold blocks while unpinned; evicting host-tier ones frees none.
                 if self.tier == "host" or not self._evict_one(keep=module, pinned_ok=False):
@@ -207,13 +264,19 @@ class ModuleStore:
                     ) from None
 
     def finish_encoding(self, job: EncodeJob) -> None:
-        """The scheduler ran ``job``: its blocks hold the module's keys and values (findable by prefix hash);
-        the host tier keeps a copy of them."""
+        """The scheduler ran ``job``: the module sequence's blocks hold the module's keys and values (copied there
+        from the scratch sequence after a context; findable by prefix hash); the host tier keeps a copy of them."""
         module = job.module
         module.encoding = False
+        if job.num_context:
+            src = self.kv.slots(job.seq_id, job.num_context + job.found, len(job.token_ids))
+            dst = self.kv.slots(module.seq_id, job.found, module.num_tokens)
+            self.cache.copy_slots(list(zip(src, dst, strict=True)))
+            self.kv.free(job.seq_id)
+            module.encode_seq_id = None
         self.kv.cache_full_blocks(module.seq_id, module.token_ids)
         self.stats.encoded_modules += 1
-        self.stats.encoded_tokens += module.num_tokens - job.computed
+        self.stats.encoded_tokens += len(job.token_ids) - job.computed
         if self.tier == "host" and module.stored:
             k, v = self.cache.read_slots(self.kv.slots(module.seq_id, 0, module.num_tokens))
             pin = k.is_cuda
@@ -229,6 +292,10 @@ class ModuleStore:
         self.stats.host_copies += 1
 
     def _drop_device(self, module: CachedModule) -> None:
+        if module.encode_seq_id is not None:  # an encoding that will not run now
+            if module.encode_seq_id in self.kv:
+                self.kv.free(module.encode_seq_id)
+            module.encode_seq_id = None
         if module.seq_id is not None:
             self.kv.free(module.seq_id)  # full blocks stay findable by hash until the pool reuses them
             module.seq_id = None

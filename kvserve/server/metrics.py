@@ -41,7 +41,7 @@ class EngineSnapshot:
     num_preemptions: int
     prompt_cache_modules: int = 0  # Prompt Cache modules stored
     prompt_cache_bytes: int = 0  # their KV in their tier
-    prompt_cache_encoded_tokens: int = 0  # cumulative: module tokens prefilled to encode them
+    prompt_cache_encoded_tokens: int = 0  # cumulative: tokens prefilled to encode modules (contexts included)
     prompt_cache_evictions: int = 0  # cumulative
     kv_offload_bytes_fetched: int = 0  # cumulative: offloaded KV moved to the device (kv_offload)
     kv_offload_bytes_stored: int = 0  # cumulative: new KV moved to the slower tier
@@ -76,7 +76,7 @@ class ServerMetrics:
         self.prompt_cache_modules = gauge("prompt_cache_modules", "Prompt Cache modules stored (encoded or not).")
         self.prompt_cache_bytes = gauge("prompt_cache_bytes", "Bytes of Prompt Cache module KV in its tier.")
         self.prompt_cache_encoded_tokens = counter(
-            "prompt_cache_encoded_tokens", "Module tokens prefilled to encode Prompt Cache modules."
+            "prompt_cache_encoded_tokens", "Tokens prefilled to encode Prompt Cache modules (their contexts included)."
         )
         self.prompt_cache_evictions = counter("prompt_cache_evictions", "Prompt Cache modules evicted (LRU).")
         self.kv_offload_bytes_fetched = counter(

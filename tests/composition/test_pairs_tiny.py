@@ -233,9 +233,11 @@ def test_a_module_encoded_by_parallel_prefill_equals_prompt_cache_alone(folder, 
     assert got == expected
 
 
-def test_prompt_cache_with_h2o_at_full_budget_equals_prompt_cache_alone(loaded, prompt_cache_reference) -> None:
+def test_prompt_cache_with_h2o_at_full_budget_equals_prompt_cache_alone(loaded) -> None:
     """Prompt Cache x compression, its plumbing exact: at budget 1 H2O keeps every slot, so modules imported
-    layer by layer (full blocks shared per layer, tails copied per layer) give Prompt Cache's tokens."""
+    layer by layer (full blocks shared per layer, tails copied per layer) give Prompt Cache's tokens (with
+    modules encoded alone: a compressing policy does not encode them after the schema's prefix)."""
+    prompt_cache_reference = _prompt_cache_tokens(loaded, prompt_cache_context="none")[0][0]
     got, outputs = _prompt_cache_tokens(loaded, repeats=2, kv_policy="h2o", kv_budget=1.0)
     assert got == [prompt_cache_reference] * 2
     assert outputs[0].num_cached_tokens > 0

@@ -8,7 +8,8 @@ from kvserve.engine import LLMEngine
 
 
 def prompt_cache_reference(engine: LLMEngine, hf, pml: str) -> torch.Tensor:
-    """Transformers' next-token log-probs for a PML prompt: same tokens, positions and module-confined mask."""
+    """Transformers' next-token log-probs for a PML prompt: same tokens, positions and Prompt Cache mask
+    (a module attends to itself and to its context, the uncached tokens to everything before them)."""
     prepared = engine.prompt_cache.prepare(pml)
     try:
         owner: list[int] = []  # per token in slot order: the module it belongs to (-1: uncached)
@@ -26,7 +27,15 @@ def prompt_cache_reference(engine: LLMEngine, hf, pml: str) -> torch.Tensor:
         before = pos[None, :] <= pos[:, None]  # within a module, position order is token order
         fresh_row = own[:, None] == -1
         index = torch.arange(n)
-        allowed = (same & before & ~fresh_row) | (
+        # A module encoded after a context (the schema's shared prefix) also attended to the schema's own tokens
+        # at those positions.
+        root = [i for i, m in enumerate(prepared.modules) if m.key[1] == ""]
+        context = torch.zeros(n, n, dtype=torch.bool)
+        for i, module in enumerate(prepared.modules):
+            if module.context_positions and root:
+                at = torch.tensor(module.context_positions)
+                context |= (own[:, None] == i) & (own[None, :] == root[0]) & torch.isin(pos, at)[None, :]
+        allowed = ((same & before) | context) & ~fresh_row | (
             fresh_row & ((own[None, :] != -1) | (index[None, :] <= index[:, None]))
         )
         mask = torch.zeros(1, 1, n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)

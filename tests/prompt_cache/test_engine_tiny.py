@@ -2,10 +2,10 @@
 
 Exactness: a prompt over a schema of one module equals the same tokens computed without the cache; a
 prompt over several modules equals Hugging Face transformers run on the same tokens with the same
-position ids and Prompt Cache's attention mask (each module sees only itself; new tokens see
-everything before them). Bookkeeping: module blocks are shared by concurrent requests (reference
-counts), tails are copied, pins keep modules alive, eviction returns blocks, the host tier copies
-in on use, and prefix caching reaches past the modules.
+position ids and Prompt Cache's attention mask (each module sees itself and its context, the schema's
+text before any module; new tokens see everything before them). Bookkeeping: module blocks are shared
+by concurrent requests (reference counts), tails are copied, pins keep modules alive, eviction returns
+blocks, the host tier copies in on use, and prefix caching reaches past the modules.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kvserve.outputs import RequestOutput
 from kvserve.prompt_cache.pml import PMLError
 from kvserve.prompt_cache.store import PromptCacheError
 from kvserve.sampling_params import SamplingParams
-from tests.prompt_cache.reference import prompt_cache_reference
+from tests.prompt_cache.reference import plain_reference, prompt_cache_reference
 from tests.tiny_models import TinySpec, load_hf_model, torch_single_thread, write_tiny_model  # noqa: F401
 
 SPEC = TinySpec(num_heads=4, num_kv_heads=2, seed=7)
@@ -202,6 +202,56 @@ def test_lru_eviction_under_the_memory_budget_frees_blocks(loaded):
     assert engine.kv.pool.num_free == free and not store.modules
 
 
+def first_logprobs(engine: LLMEngine, prompt: str) -> dict[int, float]:
+    (out,) = run(engine, [prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=5))
+    (first,) = out.outputs[0].logprobs
+    return first
+
+
+def test_a_module_after_the_schema_prefix_is_the_plain_prompt_and_without_its_context_is_not(loaded, folder):
+    """With its context (the schema's text before any module) a module right after it holds the states the plain
+    prompt computes: the PML prompt's next-token distribution is the plain prefill's. Encoded alone (Prompt
+    Cache's rule, ``prompt_cache_context="none"``) it is not, but it is the confined mask's."""
+    schema = '<schema name="s">the cat sat on the mat and<module name="doc"> then it ran off to the</module></schema>'
+    prompt = '<prompt schema="s"><doc/> red door and so</prompt>'
+    hf = load_hf_model(folder)
+    results = {}
+    for context in ("prefix", "none"):
+        engine = make_engine(loaded, prompt_cache_context=context)
+        engine.register_schema(schema)
+        module = engine.prompt_cache.store.modules[("s", "doc")]
+        assert len(module.context_ids) == (len(engine.prompt_cache.store.modules[("s", "")].token_ids)
+                                           if context == "prefix" else 0)  # fmt: skip
+        plain, confined = plain_reference(engine, hf, prompt), prompt_cache_reference(engine, hf, prompt)
+        first = first_logprobs(engine, prompt)
+        results[context] = max(abs(logprob - float(plain[t])) for t, logprob in first.items())
+        for token, logprob in first.items():
+            assert logprob == pytest.approx(float(confined[token]), abs=1e-4)
+    assert results["prefix"] < 1e-4 < results["none"]
+
+
+def test_context_encodings_wait_for_room_and_give_their_scratch_blocks_back(loaded):
+    """A module encoded after its context runs in a scratch sequence the scheduler admits when the pool has room:
+    registering waits for a request holding most of the pool, and every scratch block is back afterwards."""
+    engine = make_engine(loaded, kv_cache_memory=make_engine(loaded).kv_block_bytes * 40)
+    running = engine.add_request(list(range(5, 65)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    engine.step()  # 60 prompt tokens: 15 blocks held, 16 with the next token's
+    engine.register_schema(SCHEMA)  # the modules' own blocks (20) fit; 'doc' after its context needs 12 more
+    store = engine.prompt_cache.store
+    doc = store.modules[("shop", "doc")]
+    assert doc.context_ids and engine.kv.blocks_for(doc.num_tokens + len(doc.context_ids)) > engine.kv.pool.num_free
+    engine.step()
+    assert not doc.encoded and doc.encode_seq_id not in engine.kv  # waiting for blocks, not holding any
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert running not in engine.requests and all(m.encoded for m in store.modules.values())
+    assert all(m.encode_seq_id is None for m in store.modules.values())
+    held = sum(len(engine.kv.held_blocks(m.seq_id)) for m in store.modules.values())
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks - held  # no scratch sequence is left
+    (out,) = run(engine, [MULTI])
+    assert len(out.outputs[0].token_ids) == 8
+
+
 def test_a_module_larger_than_the_free_pool_is_refused_and_the_schema_not_kept(loaded):
     engine = make_engine(loaded, kv_cache_memory=make_engine(loaded).kv_block_bytes * 8)  # 32 token slots
     long_module = " ".join(["the cat sat on the mat"] * 12)
@@ -301,8 +351,10 @@ def test_a_module_encodes_in_chunks_while_running_requests_keep_decoding(loaded)
         steps += 1
     assert steps >= module.num_tokens // 16  # chunked within the token budget
     assert produced == list(range(produced[0], produced[0] + steps))  # one token every step
-    store = engine.prompt_cache.store  # the module and the schema's own opening (the template's BOS)
-    assert store.stats.encoded_tokens == sum(m.num_tokens for key, m in store.modules.items() if key[0] == "s")
+    store = engine.prompt_cache.store  # the module after its context, and the schema's own opening (the BOS)
+    assert module.context_ids and len(module.context_ids) == store.modules[("s", "")].num_tokens
+    encoded = sum(m.num_tokens + len(m.context_ids) for key, m in store.modules.items() if key[0] == "s")
+    assert store.stats.encoded_tokens == encoded
     engine.abort_request(running)
 
 

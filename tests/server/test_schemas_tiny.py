@@ -71,7 +71,8 @@ def test_metrics_count_modules_their_bytes_and_encoded_tokens(server):
     encoded = after["kvserve:prompt_cache_encoded_tokens_total"] - before.get(
         "kvserve:prompt_cache_encoded_tokens_total", 0
     )
-    assert encoded == sum(m["tokens"] for m in stored)
+    modules = [m for key, m in store.modules.items() if key[0] == "metered"]  # each after its context, if any
+    assert len(modules) == len(stored) and encoded == sum(m.num_tokens + len(m.context_ids) for m in modules)
 
 
 def test_pml_completion_and_chat_equal_the_offline_engine(server, tiny_folder, tiny_loaded):
