@@ -88,6 +88,7 @@ class LLMEngine:
                 self.plan.per_layer_groups,
                 layer_windows=self.plan.group_windows(cfg.layer_windows),
                 same_step_prefix_hits=self.plan.same_step_prefix_hits,
+                positioned_windows=self.plan.windowed and len(self.plan.layout.groups) == 1,
             ),
             self.kv,
         )

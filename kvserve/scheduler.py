@@ -42,6 +42,9 @@ class SchedulerConfig:
     # every layer writes the whole step's keys before any sequence attends (the paged cache); an offloaded cache
     # fetches a decode's rows ahead of the layer, so its blocks become findable once the step has run.
     same_step_prefix_hits: bool = True
+    # The model has sliding-window layers and every layer in one KV group: a sequence whose positions are not its
+    # slot indices (Prompt Cache) carries every slot's position, as a window counts positions, not slots.
+    positioned_windows: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,9 @@ class ScheduledSequence:
     positions: tuple[int, ...] = ()  # position ids of token_ids; empty: num_computed_tokens onwards
     full_length: int = 0  # prompt + max_tokens: the KV the sequence may reach (an offloaded pool's limit scales it)
     score_from: int = 0  # the request's first scored token (Request.score_from; the eval tools set it)
+    # With ``SchedulerConfig.positioned_windows``: the position of every slot up to the step's last token, for a
+    # sequence whose positions are not its slot indices (Prompt Cache); empty otherwise.
+    key_positions: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -464,6 +470,7 @@ class Scheduler:
                     samples=start + n == seq.num_tokens and not request.encodes_module,
                     ends_prompt=start + n >= seq.num_prompt_tokens,
                     positions=request.positions(start, start + n),
+                    key_positions=request.positions(0, start + n) if self.config.positioned_windows else (),
                     full_length=seq.num_prompt_tokens + request.params.max_tokens,
                     score_from=request.score_from,
                     **self._policy_fields(request, seq, n),

@@ -150,3 +150,53 @@ def test_prompt_cache_is_refused_where_windows_count_slots(tiny, options):
         llm.engine.register_schema(schema)
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     assert len(llm.generate([[1, 2, 3, 4, 5]], params, use_tqdm=False)[0].outputs[0].token_ids) == 3
+
+
+def _first_logprobs(llm: LLM, prompt) -> dict[int, float]:
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=5), use_tqdm=False)
+    return out.outputs[0].logprobs[0]
+
+
+def test_prompt_cache_windows_count_positions_not_slots(tiny):
+    """A Prompt Cache prompt's slots hold the module blocks in import order (the schema's own text's partial block
+    after the document's full blocks), so its BOS sits in the last window by slot but far outside it by position.
+    Windows count positions: a document module after the schema's prefix, many windows long, gives the plain
+    prompt's next-token distribution."""
+    folder, loaded, _ = tiny
+    llm = LLM(str(folder), dtype="float32", block_size=4, kv_window_groups=False)
+    words = " ".join(f"w{i}" for i in range(30))  # tens of tokens: several windows of 8
+    schema = f'<schema name="s">a b c d<module name="doc"> {words}</module></schema>'
+    llm.engine.register_schema(schema)
+    prompt = '<prompt schema="s"><doc/> and so</prompt>'
+    prepared = llm.engine.prompt_cache.prepare(prompt)
+    llm.engine.prompt_cache.release(prepared.modules)
+    root = llm.engine.prompt_cache.store.modules[("s", "")]
+    assert root.num_tokens % 4 and len(prepared.token_ids) > 3 * WINDOW  # the root's tail slots follow the doc's
+    order = sorted(range(len(prepared.positions)), key=lambda i: prepared.positions[i])
+    assert [prepared.positions[i] for i in order] == list(range(len(order)))  # no gap: the plain prompt
+    plain = _first_logprobs(llm, [prepared.token_ids[i] for i in order])
+    cached = _first_logprobs(llm, prompt)
+    assert cached.keys() == plain.keys()
+    for token, logprob in cached.items():
+        assert logprob == pytest.approx(plain[token], abs=1e-4)
+
+
+def test_prompt_cache_recompute_of_every_module_token_is_the_plain_prompt_in_window_layers(tiny):
+    """Selective recompute of every imported token attends by position, window layers within their window: two
+    modules many windows long, all recomputed, give the plain prompt's next-token distribution."""
+    folder, loaded, _ = tiny
+    llm = LLM(str(folder), dtype="float32", block_size=4, kv_window_groups=False, prompt_cache_recompute=1.0)
+    first, second = " ".join(f"w{i}" for i in range(20)), " ".join(f"v{i}" for i in range(20))
+    llm.engine.register_schema(
+        f'<schema name="s">a b c d<module name="one"> {first}</module><module name="two"> {second}</module></schema>'
+    )
+    prompt = '<prompt schema="s"><one/><two/> and so</prompt>'
+    prepared = llm.engine.prompt_cache.prepare(prompt)
+    llm.engine.prompt_cache.release(prepared.modules)
+    order = sorted(range(len(prepared.positions)), key=lambda i: prepared.positions[i])
+    assert [prepared.positions[i] for i in order] == list(range(len(order))) and len(order) > 4 * WINDOW
+    plain = _first_logprobs(llm, [prepared.token_ids[i] for i in order])
+    cached = _first_logprobs(llm, prompt)
+    assert cached.keys() == plain.keys()
+    for token, logprob in cached.items():
+        assert logprob == pytest.approx(plain[token], abs=1e-4)

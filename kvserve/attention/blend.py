@@ -4,7 +4,7 @@ https://arxiv.org/abs/2405.16444).
 A ``ModuleRecompute`` (scheduler.py) names a sequence's imported module tokens, their positions and slots, the
 candidates that may be rewritten and how many. Two passes over the model, both through ``BlendAttention``,
 whose queries attend to the imported tokens' cached keys causally by *position* (schema positions, gaps
-allowed), not by slot order:
+allowed), not by slot order, and in a sliding-window layer only to those within its window by position:
 
 1. Selection (skipped when every candidate is recomputed): every candidate through layer 0, its queries over
    the whole assembled prompt; layer 1's fresh keys and values of them are compared with the cached ones, and
@@ -84,13 +84,18 @@ class BlendAttention(AttentionBackend):
         if md.write:
             k_cache.index_copy_(0, md.query_slots, k)
             v_cache.index_copy_(0, md.query_slots, v)
-        if use_flash_prefill(q, k_cache):  # bfloat16 on AVX512-BF16: visible keys are a prefix in position order
+        window = md.window_of(layer)
+        bias = md.bias
+        if window is not None:  # a sliding-window layer: keys within the window by position, masked
+            distance = md.query_positions.unsqueeze(1) - md.context_positions.unsqueeze(0)  # (N, C)
+            bias = bias.masked_fill(distance >= window, -math.inf)
+        elif use_flash_prefill(q, k_cache):  # bfloat16 on AVX512-BF16: visible keys are a prefix in position order
             keys, values = k_cache.index_select(0, md.sorted_slots), v_cache.index_select(0, md.sorted_slots)
             return flash_prefill(q, keys, values, 0, key_ends=md.key_ends)
         keys = k_cache.index_select(0, md.context_slots).transpose(0, 1).unsqueeze(0)  # (1, Hkv, C, D)
         values = v_cache.index_select(0, md.context_slots).transpose(0, 1).unsqueeze(0)
         qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, N, D)
-        bias = md.bias.to(q.dtype)  # made once per pass, not per layer
+        bias = bias.to(q.dtype)
         out = torch.empty_like(qh)
         for begin, end, seen in md.chunks:
             out[:, :, begin:end] = F.scaled_dot_product_attention(
@@ -123,7 +128,7 @@ def recompute_modules(model: torch.nn.Module, cache: AttentionBackend, job: Modu
     if job.count < len(job.candidates):
         deviation = _deviation(model, blend, job.seq_id, ids, positions, slots, chosen)  # (M,)
         chosen = chosen[select_deviating(deviation, job.count)]
-    metadata = _metadata(job.seq_id, positions, slots, chosen, write=True)
+    metadata = _metadata(job.seq_id, positions, slots, chosen, write=True, windows=blend.cache.layer_windows)
     model(ids[chosen], positions[chosen], blend, metadata)
 
 
@@ -133,7 +138,9 @@ def _deviation(
 ) -> torch.Tensor:  # fmt: skip
     """The candidates' layer-1 KV deviation (M,) after layer 0 attends over the whole assembled prompt."""
     layer = min(1, len(model.layers) - 1)
-    metadata = _metadata(seq_id, positions, slots, candidates, write=False, stop_at=layer)
+    metadata = _metadata(
+        seq_id, positions, slots, candidates, write=False, stop_at=layer, windows=blend.cache.layer_windows
+    )
     try:
         model(ids[candidates], positions[candidates], blend, metadata)
     except _LayerKV as fresh:
@@ -145,7 +152,7 @@ def _deviation(
 
 def _metadata(
     seq_id: int, positions: torch.Tensor, slots: torch.Tensor, chosen: torch.Tensor, write: bool,
-    stop_at: int | None = None,
+    stop_at: int | None = None, windows: tuple[int | None, ...] = (),
 ) -> BlendMetadata:  # fmt: skip
     query_positions = positions[chosen]
     visible = positions.unsqueeze(0) <= query_positions.unsqueeze(1)  # (N, C): causal by position
@@ -155,7 +162,7 @@ def _metadata(
         (seq_id,), (len(chosen),), (len(slots),), context_slots=slots, context_positions=positions,
         query_slots=slots[chosen], query_positions=query_positions, write=write, stop_at=stop_at, bias=bias,
         chunks=_query_chunks(positions, query_positions), sorted_slots=slots[order],
-        key_ends=torch.searchsorted(positions[order], query_positions, right=True),
+        key_ends=torch.searchsorted(positions[order], query_positions, right=True), layer_windows=windows,
     )  # fmt: skip
 
 

@@ -99,6 +99,9 @@ class PagedAttentionMetadata(AttentionMetadata):
     seq_lens: tuple[int, ...]  # context + query per sequence
     block_size: int
     layer_to_group: tuple[int, ...] = ()
+    # Per sequence, the position of every slot up to its last query (CPU long), or None where positions are slot
+    # indices: sliding windows then count positions (Prompt Cache prompts; see ``_attend_positioned``).
+    key_positions: tuple[torch.Tensor | None, ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -149,6 +152,7 @@ class PagedAttentionMetadata(AttentionMetadata):
         device: torch.device | str = "cpu",
         layer_to_group: Sequence[int] = (),
         layer_windows: Sequence[int | None] = (),
+        key_positions: Sequence[torch.Tensor | None] = (),
     ) -> PagedAttentionMetadata:
         """Metadata with one block table per KV group: ``group_block_tables[g][i]`` is sequence i's table in group g."""
         if block_size < 1:
@@ -172,6 +176,7 @@ class PagedAttentionMetadata(AttentionMetadata):
             block_size=block_size,
             layer_to_group=tuple(layer_to_group),
             layer_windows=tuple(layer_windows),
+            key_positions=tuple(key_positions) if any(p is not None for p in key_positions) else (),
         )
 
     @property
@@ -379,6 +384,7 @@ class PagedKVCache(AttentionBackend):
             device=self.k.device,
             layer_to_group=self.layer_to_group,
             layer_windows=self.layer_windows,
+            key_positions=[torch.tensor(s.key_positions) if s.key_positions else None for s in scheduled],
         )
 
     def store_layer(
@@ -424,10 +430,12 @@ class PagedKVCache(AttentionBackend):
         k_cache, v_cache = self.k[row], self.v[row]  # (num_blocks, block_size, Hkv, D)
         plan, window = metadata.plan, metadata.window_of(layer)
         if self.batch_invariant:
-            return attend_row_calls(q, k_cache, v_cache, self._row_plan(metadata, group, window))
+            out = attend_row_calls(q, k_cache, v_cache, self._row_plan(metadata, group, window))
+            return _attend_positioned(out, q, k_cache, v_cache, metadata, group, window)
         view = self._decode_view(metadata, group, window) if plan.decodes else None
         if plan.decode_only:
-            return self._decode(q, k_cache, v_cache, view)
+            out = self._decode(q, k_cache, v_cache, view)
+            return _attend_positioned(out, q, k_cache, v_cache, metadata, group, window)
         out = torch.empty_like(q)  # (N, H, D)
         if view is not None:
             rows = plan.decode_rows
@@ -444,7 +452,7 @@ class PagedKVCache(AttentionBackend):
             keys = k_cache.index_select(0, table[first:]).flatten(0, 1)[:seq_len].to(q.dtype)  # (seq_len, Hkv, D)
             values = v_cache.index_select(0, table[first:]).flatten(0, 1)[:seq_len].to(q.dtype)
             out[rows] = attend_prefill(q[rows], keys, values, p.context_len - offset, window)
-        return out
+        return _attend_positioned(out, q, k_cache, v_cache, metadata, group, window)
 
     @staticmethod
     def _decode_view(metadata: PagedAttentionMetadata, group: int, window: int | None) -> _DecodeView:
@@ -465,6 +473,43 @@ class PagedKVCache(AttentionBackend):
     def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, view: _DecodeView) -> torch.Tensor:
         """q (B, H, D), one query per decode sequence, over its blocks read in place -> (B, H, D)."""
         return paged_decode(q, k_cache, v_cache, view.tables, view.starts, view.ends)[0]
+
+
+def _attend_positioned(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: PagedAttentionMetadata,
+    group: int,
+    window: int | None,
+) -> torch.Tensor:
+    """In a sliding-window layer, attention of the sequences whose positions are not their slot indices, into their
+    rows of ``out``: a Prompt Cache prompt's slots hold module blocks in import order and skip the positions of
+    modules it does not import, so a window counted in slots would show a query the wrong keys (the schema's BOS
+    at slot ~n, far behind it by position). Each query sees the slots before it (the slot order, as everywhere)
+    whose position is within ``window`` of its own. Eager and masked: only such prompts in window layers pay it."""
+    if window is None or not metadata.key_positions:
+        return out
+    start = 0
+    for i, positions in enumerate(metadata.key_positions):
+        q_len, ctx_len = metadata.query_lens[i], metadata.context_lens[i]
+        rows = slice(start, start + q_len)
+        start += q_len
+        if positions is None:
+            continue
+        n = ctx_len + q_len
+        table = metadata.block_tables[group][i, : -(-n // metadata.block_size)]
+        keys = k_cache.index_select(0, table).flatten(0, 1)[:n].to(q.dtype)  # (n, Hkv, D)
+        values = v_cache.index_select(0, table).flatten(0, 1)[:n].to(q.dtype)
+        positions = positions.to(q.device)
+        mask = causal_mask(q_len, ctx_len, device=q.device) & (
+            positions[ctx_len:, None] - positions[None, :] < window
+        )  # (T, n)
+        qh, kh, vh = q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+        attended = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+        out[rows] = attended[0].transpose(0, 1).to(out.dtype)
+    return out
 
 
 def attend_prefill(
