@@ -113,3 +113,25 @@ def test_window_groups_hold_fewer_blocks(engines):
     # 3 global layers keep the context, 15 sliding layers a window (+ the block being written).
     assert held["windowed"] <= (3 * context_blocks + 15 * (window_blocks + 1)) * layer_bytes
     assert held["windowed"] < 0.45 * held["full"]
+
+
+def test_prompt_cache_module_past_the_window_gives_the_plain_prompts_tokens(engines):
+    """Prompt Cache on Gemma 3: a ~2,000-token document module after the schema's prefix (BOS and text), then a
+    question. Its window layers see positions, not slots, and the module was encoded after the prefix, so the
+    PML prompt is the plain prompt: the same greedy tokens. (Encoded alone, or with windows counted in slots, the
+    first token already differed from the plain prompt's on QuALITY questions: benchmarks/accuracy.)"""
+    _, full = engines
+    document = PROMPTS[-1].replace("&", "and").replace("<", " ").replace(">", " ")
+    schema = f'<schema name="austen">Read the story.<module name="doc">\n{document}</module></schema>'
+    full.engine.register_schema(schema)
+    prompt = '<prompt schema="austen"><doc/>\nWho is the story about? It is about</prompt>'
+    prepared = full.engine.prompt_cache.prepare(prompt)
+    full.engine.prompt_cache.release(prepared.modules)
+    order = sorted(range(len(prepared.positions)), key=lambda i: prepared.positions[i])
+    assert [prepared.positions[i] for i in order] == list(range(len(order))) and len(order) > 3 * WINDOW
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    (cached,) = full.generate([prompt], params, use_tqdm=False)
+    (plain,) = full.generate([[prepared.token_ids[i] for i in order]], params, use_tqdm=False)
+    assert cached.num_cached_tokens > 3 * WINDOW  # the document came from the cache
+    assert cached.outputs[0].token_ids == plain.outputs[0].token_ids
+    full.engine.prompt_cache.remove("austen")

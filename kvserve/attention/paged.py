@@ -498,14 +498,16 @@ def _attend_positioned(
         start += q_len
         if positions is None:
             continue
-        n = ctx_len + q_len
-        table = metadata.block_tables[group][i, : -(-n // metadata.block_size)]
-        keys = k_cache.index_select(0, table).flatten(0, 1)[:n].to(q.dtype)  # (n, Hkv, D)
-        values = v_cache.index_select(0, table).flatten(0, 1)[:n].to(q.dtype)
         positions = positions.to(q.device)
-        mask = causal_mask(q_len, ctx_len, device=q.device) & (
-            positions[ctx_len:, None] - positions[None, :] < window
-        )  # (T, n)
+        query_positions = positions[ctx_len:]  # (T,)
+        # Only slots within the window of the step's earliest query: about a window's worth, not the context.
+        seen = torch.nonzero(positions > query_positions.min() - window).squeeze(1)  # (K,) slot indices, ascending
+        block_size = metadata.block_size
+        slots = metadata.block_tables[group][i].to(q.device).long()[seen // block_size] * block_size + seen % block_size
+        keys = k_cache.flatten(0, 1).index_select(0, slots).to(q.dtype)  # (K, Hkv, D)
+        values = v_cache.flatten(0, 1).index_select(0, slots).to(q.dtype)
+        rows_at = torch.arange(ctx_len, ctx_len + q_len, device=q.device)
+        mask = (seen[None, :] <= rows_at[:, None]) & (query_positions[:, None] - positions[seen][None, :] < window)
         qh, kh, vh = q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
         attended = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
         out[rows] = attended[0].transpose(0, 1).to(out.dtype)

@@ -941,6 +941,9 @@ def cmd_bench_prompt_cache(args: argparse.Namespace) -> int:
     text_ids = loaded.tokenizer.encode(text, add_special_tokens=False)
     options = dict(dtype=args.dtype, device=args.device, weights=args.weights, kv_cache_memory=args.kv_cache_memory,
                    swap_space=0)  # fmt: skip
+    if any(w is not None for w in loaded.config.layer_windows):  # Prompt Cache needs every layer in one KV group
+        options["kv_window_groups"] = False
+        log("bench prompt-cache: sliding-window layers kept in one KV group (kv_window_groups=False) for every method")
     warm_up(loaded, options, text_ids)
     results = []
     for tokens in lengths:
