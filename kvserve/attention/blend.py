@@ -46,6 +46,7 @@ class BlendMetadata(AttentionMetadata):
     chunks: tuple[tuple[int, int, int], ...] = ()
     # The same keys in position order, and how many of them each query sees: for the prefill kernel.
     sorted_slots: torch.Tensor | None = None  # (C,) long
+    key_order: torch.Tensor | None = None  # (C,) long: sorted_slots = context_slots[key_order]
     key_ends: torch.Tensor | None = None  # (N,) long
 
 
@@ -85,17 +86,15 @@ class BlendAttention(AttentionBackend):
             k_cache.index_copy_(0, md.query_slots, k)
             v_cache.index_copy_(0, md.query_slots, v)
         window = md.window_of(layer)
-        bias = md.bias
-        if window is not None:  # a sliding-window layer: keys within the window by position, masked
-            distance = md.query_positions.unsqueeze(1) - md.context_positions.unsqueeze(0)  # (N, C)
-            bias = bias.masked_fill(distance >= window, -math.inf)
-        elif use_flash_prefill(q, k_cache):  # bfloat16 on AVX512-BF16: visible keys are a prefix in position order
+        if window is not None:
+            return _attend_window(q, k_cache, v_cache, md, window)
+        if use_flash_prefill(q, k_cache):  # bfloat16 on AVX512-BF16: visible keys are a prefix in position order
             keys, values = k_cache.index_select(0, md.sorted_slots), v_cache.index_select(0, md.sorted_slots)
             return flash_prefill(q, keys, values, 0, key_ends=md.key_ends)
         keys = k_cache.index_select(0, md.context_slots).transpose(0, 1).unsqueeze(0)  # (1, Hkv, C, D)
         values = v_cache.index_select(0, md.context_slots).transpose(0, 1).unsqueeze(0)
         qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, N, D)
-        bias = bias.to(q.dtype)
+        bias = md.bias.to(q.dtype)
         out = torch.empty_like(qh)
         for begin, end, seen in md.chunks:
             out[:, :, begin:end] = F.scaled_dot_product_attention(
@@ -103,6 +102,31 @@ class BlendAttention(AttentionBackend):
                 enable_gqa=True,
             )  # fmt: skip
         return out.squeeze(0).transpose(0, 1)  # (N, H, D)
+
+
+def _attend_window(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: BlendMetadata, window: int
+) -> torch.Tensor:
+    """A sliding-window layer: each query over the keys at most ``window - 1`` positions before it (its own
+    included). Queries go in position order, ``QUERY_CHUNK`` at a time, each chunk over the keys (in position
+    order) its window reaches: about a window's worth per chunk, not the whole prompt."""
+    key_positions = md.context_positions[md.key_order]  # ascending, as md.sorted_slots
+    query_order = md.query_positions.argsort()
+    out = torch.empty_like(q)  # (N, H, D)
+    for begin in range(0, len(query_order), QUERY_CHUNK):
+        rows = query_order[begin : begin + QUERY_CHUNK]
+        positions = md.query_positions[rows]
+        first = int(torch.searchsorted(key_positions, positions.min() - window + 1))
+        end = int(torch.searchsorted(key_positions, positions.max(), right=True))
+        slots = md.sorted_slots[first:end]
+        distance = positions[:, None] - key_positions[None, first:end]  # (chunk, keys)
+        mask = (distance >= 0) & (distance < window)
+        qh = q[rows].transpose(0, 1).unsqueeze(0)  # (1, H, chunk, D)
+        kh = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # (1, Hkv, keys, D)
+        vh = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        attended = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+        out[rows] = attended.squeeze(0).transpose(0, 1)
+    return out
 
 
 def kv_deviation(k: torch.Tensor, v: torch.Tensor, k_cached: torch.Tensor, v_cached: torch.Tensor) -> torch.Tensor:
@@ -161,7 +185,7 @@ def _metadata(
     return BlendMetadata(
         (seq_id,), (len(chosen),), (len(slots),), context_slots=slots, context_positions=positions,
         query_slots=slots[chosen], query_positions=query_positions, write=write, stop_at=stop_at, bias=bias,
-        chunks=_query_chunks(positions, query_positions), sorted_slots=slots[order],
+        chunks=_query_chunks(positions, query_positions), sorted_slots=slots[order], key_order=order,
         key_ends=torch.searchsorted(positions[order], query_positions, right=True), layer_windows=windows,
     )  # fmt: skip
 
