@@ -26,9 +26,9 @@ needs_kernel = pytest.mark.skipif(
 TOLERANCE = 1.6e-2
 
 
-def reference(q, k, v, ctx_len, window, key_ends=None):
+def reference(q, k, v, ctx_len, window, key_ends=None, key_starts=None):
     """Attention in float32 with an explicit mask: query t over keys before ``key_ends[t]`` (causal by default:
-    ctx_len + t + 1), the last ``window`` of them when given."""
+    ctx_len + t + 1), the last ``window`` of them when given, from ``key_starts[t]`` on when given."""
     tokens, heads, dim = q.shape
     group = heads // k.shape[1]
     qf = q.float().transpose(0, 1)
@@ -39,6 +39,8 @@ def reference(q, k, v, ctx_len, window, key_ends=None):
     visible = key < ends
     if window:
         visible &= key >= ends - window
+    if key_starts is not None:
+        visible &= key >= key_starts[:, None]
     return (logits.masked_fill(~visible, float("-inf")).softmax(-1) @ vf).transpose(0, 1)
 
 
@@ -93,6 +95,26 @@ def test_kernel_with_key_ends_matches_a_prefix_mask(window):
     assert (got.float() - reference(q, k, v, 0, window, key_ends=ends)).abs().max().item() <= TOLERANCE
     with pytest.raises(RuntimeError, match=r"key_ends must lie in \[0, 150\]"):
         flash_prefill(q, k, v, 0, key_ends=ends + 1)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 1, 256)], ids=["smollm2-g3", "gemma3-d256"])
+def test_kernel_with_key_starts_and_ends_matches_a_run_mask(heads, kv_heads, dim):
+    """Each query over keys [key_starts[t], key_ends[t]) (Prompt Cache's recompute in a sliding-window layer): any
+    order, runs of one key, runs that start mid-block and span several blocks."""
+    q, k, v = _inputs(90, 210, heads, kv_heads, dim)
+    k, v = k[:150], v[:150]
+    gen = torch.Generator().manual_seed(4)
+    ends = torch.randint(1, 151, (90,), generator=gen)
+    starts = (ends - torch.randint(1, 60, (90,), generator=gen)).clamp(min=0)
+    ends[:3], starts[:3] = torch.tensor([1, 150, 37]), torch.tensor([0, 149, 3])
+    got = flash_prefill(q, k, v, 0, key_ends=ends, key_starts=starts)
+    want = reference(q, k, v, 0, None, key_ends=ends, key_starts=starts)
+    assert (got.float() - want).abs().max().item() <= TOLERANCE
+    with pytest.raises(RuntimeError, match="each query must see a key"):
+        flash_prefill(q, k, v, 0, key_ends=ends, key_starts=ends)
+    with pytest.raises(RuntimeError, match="key_starts need key_ends"):
+        flash_prefill(q, k, v, 60, key_starts=starts)
 
 
 @needs_kernel
@@ -170,3 +192,25 @@ def test_real_model_bfloat16_prefill_matches_torch_kernel(monkeypatch):
     assert (kernel_lp - torch_lp).abs().mean().item() < 0.03
     assert abs(kernel_lp.mean().item() - torch_lp.mean().item()) < 0.005
     assert kernel_tokens == torch_tokens
+
+
+@needs_kernel
+def test_recompute_window_attention_on_the_kernel_equals_the_masked_chunks(monkeypatch):
+    """Selective recompute in a sliding-window layer (``blend._attend_window``): the kernel over runs of the keys in
+    position order gives what the masked torch chunks give, for imported tokens whose slots are not in position
+    order and whose positions have gaps."""
+    from kvserve.attention import blend
+
+    gen = torch.Generator().manual_seed(5)
+    num_keys, window = 300, 40
+    positions = torch.randperm(700, generator=gen)[:num_keys]  # gaps, any slot order
+    slots = torch.randperm(num_keys, generator=gen)
+    chosen = torch.randperm(num_keys, generator=gen)[:150]
+    md = blend._metadata(0, positions, slots, chosen, write=False, windows=(window,))
+    q = torch.randn(150, 9, 64, generator=gen).bfloat16()
+    k_cache = torch.randn(num_keys, 3, 64, generator=gen).bfloat16()
+    v_cache = torch.randn(num_keys, 3, 64, generator=gen).bfloat16()
+    got = blend._attend_window(q, k_cache, v_cache, md, window)
+    monkeypatch.setattr(blend, "use_flash_prefill", lambda q, k: False)
+    want = blend._attend_window(q, k_cache, v_cache, md, window)
+    assert (got.float() - want.float()).abs().max().item() <= TOLERANCE

@@ -108,9 +108,14 @@ def _attend_window(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: BlendMetadata, window: int
 ) -> torch.Tensor:
     """A sliding-window layer: each query over the keys at most ``window - 1`` positions before it (its own
-    included). Queries go in position order, ``QUERY_CHUNK`` at a time, each chunk over the keys (in position
-    order) its window reaches: about a window's worth per chunk, not the whole prompt."""
+    included): in position order they are a run of keys, which the bfloat16 prefill kernel takes as is. Otherwise
+    queries go in position order, ``QUERY_CHUNK`` at a time, each chunk over the keys (in position order) its
+    window reaches: about a window's worth per chunk, not the whole prompt."""
     key_positions = md.context_positions[md.key_order]  # ascending, as md.sorted_slots
+    if use_flash_prefill(q, k_cache):  # each query over a run of the sorted keys: [its window's first, itself]
+        starts = torch.searchsorted(key_positions, md.query_positions - window + 1)
+        keys, values = k_cache.index_select(0, md.sorted_slots), v_cache.index_select(0, md.sorted_slots)
+        return flash_prefill(q, keys, values, 0, key_ends=md.key_ends, key_starts=starts)
     query_order = md.query_positions.argsort()
     out = torch.empty_like(q)  # (N, H, D)
     for begin in range(0, len(query_order), QUERY_CHUNK):

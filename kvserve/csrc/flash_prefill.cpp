@@ -1,6 +1,7 @@
 // Causal prefill attention in bfloat16 on CPUs with AVX512-BF16 (vdpbf16ps): q (T, H, D) at cache positions
 // ctx_len.. over k, v (ctx_len + T, Hkv, D) -> (T, H, D), optionally over a sliding window; or, with key_ends,
-// query t over keys [0, key_ends[t]) of k, v (N, Hkv, D) (Prompt Cache's recompute: keys in position order).
+// query t over keys [0, key_ends[t]) of k, v (N, Hkv, D) (Prompt Cache's recompute: keys in position order), and
+// with key_starts too over [key_starts[t], key_ends[t]) (its sliding-window layers: a window by position).
 //
 // Why: torch's CPU flash attention runs bfloat16 at its float32 speed on a CPU without AMX (2,048 causal
 // queries x 9 heads x 64: 116 GFLOP/s on an AMD EPYC Zen 4, 2 threads), about half of a bfloat16 prefill.
@@ -71,6 +72,7 @@ struct Problem {
   int64_t T, H, Hkv, G, D, N;  // N = ctx_len + T keys
   int64_t ctx, window;          // window <= 0: none
   const int64_t* ends;          // (T,) keys each query sees (a prefix), or null: ctx + t + 1 (causal)
+  const int64_t* starts;        // (T,) with ends: the first key each query sees, or null: by window (or 0)
   float scale;
   const uint16_t* kp;  // per KV head: [N16 / 16][D / 2][16][2]
   const uint16_t* vp;  // per KV head: [NP / 2][D][2]
@@ -81,6 +83,7 @@ struct Problem {
 // The key after the last one query token t sees, and its first.
 inline int64_t key_hi(const Problem& p, int64_t t) { return p.ends ? p.ends[t] : p.ctx + t + 1; }
 inline int64_t key_lo(const Problem& p, int64_t t) {
+  if (p.starts) return p.starts[t];
   return p.window > 0 ? std::max<int64_t>(0, key_hi(p, t) - p.window) : 0;
 }
 
@@ -250,7 +253,8 @@ void pack(const at::Tensor& k, const at::Tensor& v, int64_t NP, at::Tensor& kp, 
 #endif  // KVSERVE_FLASH_PREFILL
 
 at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t ctx_len,
-                         int64_t window, double scale, const std::optional<at::Tensor>& key_ends) {
+                         int64_t window, double scale, const std::optional<at::Tensor>& key_ends,
+                         const std::optional<at::Tensor>& key_starts) {
   TORCH_CHECK(flash_prefill_available(), "flash_prefill: this build has no AVX512-BF16 kernel");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "flash_prefill: q, k, v must be (tokens, heads, dim)");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
@@ -261,6 +265,7 @@ at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k, const at::Ten
   TORCH_CHECK(k.size(2) == D && v.sizes() == k.sizes(), "flash_prefill: k and v must be (", N, ", Hkv, ", D, ")");
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "flash_prefill: ", H, " query heads do not group over ", Hkv, " KV heads");
   const int64_t* ends = nullptr;
+  const int64_t* starts = nullptr;
   if (key_ends.has_value()) {  // query t sees keys [0, key_ends[t]) (a window's last ones): any order of positions
     const at::Tensor& e = *key_ends;
     TORCH_CHECK(e.scalar_type() == at::kLong && e.dim() == 1 && e.size(0) == T && e.is_contiguous(),
@@ -268,7 +273,16 @@ at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k, const at::Ten
     TORCH_CHECK(T == 0 || (e.min().item<int64_t>() >= 0 && e.max().item<int64_t>() <= N),
                 "flash_prefill: key_ends must lie in [0, ", N, "]");
     ends = e.data_ptr<int64_t>();
+    if (key_starts.has_value()) {  // query t sees keys [key_starts[t], key_ends[t])
+      const at::Tensor& b = *key_starts;
+      TORCH_CHECK(b.scalar_type() == at::kLong && b.dim() == 1 && b.size(0) == T && b.is_contiguous(),
+                  "flash_prefill: key_starts must be ", T, " contiguous int64 values");
+      TORCH_CHECK(T == 0 || (b.min().item<int64_t>() >= 0 && (e - b).min().item<int64_t>() >= 1),
+                  "flash_prefill: each query must see a key: 0 <= key_starts < key_ends");
+      starts = b.data_ptr<int64_t>();
+    }
   } else {
+    TORCH_CHECK(!key_starts.has_value(), "flash_prefill: key_starts need key_ends");
     TORCH_CHECK(N == ctx_len + T, "flash_prefill: ", N, " keys for ", ctx_len, " cached + ", T, " new tokens");
   }
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "flash_prefill: the head dim must be dense");
@@ -290,6 +304,7 @@ at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k, const at::Ten
             ctx_len,
             window,
             ends,
+            starts,
             static_cast<float>(scale),
             reinterpret_cast<const uint16_t*>(kp.data_ptr<at::BFloat16>()),
             reinterpret_cast<const uint16_t*>(vp.data_ptr<at::BFloat16>()),
@@ -319,8 +334,8 @@ at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k, const at::Ten
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def(
-      "flash_prefill(Tensor q, Tensor k, Tensor v, int ctx_len, int window, float scale, Tensor? key_ends=None) -> "
-      "Tensor");
+      "flash_prefill(Tensor q, Tensor k, Tensor v, int ctx_len, int window, float scale, Tensor? key_ends=None, "
+      "Tensor? key_starts=None) -> Tensor");
   m.def("flash_prefill_available() -> bool", &flash_prefill_available);  // no tensors: one kernel for all
 }
 
