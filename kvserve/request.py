@@ -77,7 +77,9 @@ class CachedPrompt:
 
     shared_blocks: tuple[int, ...] = ()
     tail_slots: tuple[int, ...] = ()
-    module_seq_ids: tuple[int, ...] = ()  # the module sequences holding them: admitted once they are encoded
+    # The module sequences holding them (or, while a module is encoded after its context, the scratch sequence its
+    # encoding runs in): the prompt is admitted once none of them is still encoding.
+    module_seq_ids: tuple[int, ...] = ()
     group_shared: tuple[tuple[int, ...], ...] = ()
     group_tails: tuple[tuple[int, ...], ...] = ()
     num_tokens: int = 0

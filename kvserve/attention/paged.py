@@ -71,6 +71,16 @@ class _DecodeView:
 
 
 @dataclass(frozen=True)
+class _PositionedRead:
+    """What one sequence whose positions are not its slot indices reads in a sliding-window layer: the slots within
+    the window of its earliest query, and which of them each query sees (``_attend_positioned``)."""
+
+    rows: slice  # its queries' rows in the step
+    slots: torch.Tensor  # (K,) long cache slots
+    mask: torch.Tensor  # (T, K) bool
+
+
+@dataclass(frozen=True)
 class _StepPlan:
     """How a step splits into batched decodes and per-sequence prefills; built once, used by every layer."""
 
@@ -83,6 +93,8 @@ class _StepPlan:
     decode_views: dict[tuple[int, int | None], _DecodeView] = field(default_factory=dict)
     # (group, window) -> the batch-invariant mode's attention calls (row_invariant.py), made on first use
     row_plans: dict[tuple[int, int | None], RowPlan] = field(default_factory=dict)
+    # (group, window) -> the positioned sequences' reads (``_attend_positioned``), made on first use
+    positioned: dict[tuple[int, int], tuple[_PositionedRead, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -491,27 +503,38 @@ def _attend_positioned(
     whose position is within ``window`` of its own. Eager and masked: only such prompts in window layers pay it."""
     if window is None or not metadata.key_positions:
         return out
-    start = 0
+    reads, key = metadata.plan.positioned, (group, window)
+    if key not in reads:  # the same for every window layer of the group in this step
+        reads[key] = _positioned_reads(metadata, group, window, q.device)
+    for read in reads[key]:
+        keys = k_cache.flatten(0, 1).index_select(0, read.slots).to(q.dtype)  # (K, Hkv, D)
+        values = v_cache.flatten(0, 1).index_select(0, read.slots).to(q.dtype)
+        qh, kh, vh = q[read.rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+        attended = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=read.mask, enable_gqa=True)
+        out[read.rows] = attended[0].transpose(0, 1).to(out.dtype)
+    return out
+
+
+def _positioned_reads(
+    metadata: PagedAttentionMetadata, group: int, window: int, device: torch.device
+) -> tuple[_PositionedRead, ...]:
+    reads, start, block_size = [], 0, metadata.block_size
     for i, positions in enumerate(metadata.key_positions):
         q_len, ctx_len = metadata.query_lens[i], metadata.context_lens[i]
         rows = slice(start, start + q_len)
         start += q_len
         if positions is None:
             continue
-        positions = positions.to(q.device)
+        positions = positions.to(device)
         query_positions = positions[ctx_len:]  # (T,)
         # Only slots within the window of the step's earliest query: about a window's worth, not the context.
         seen = torch.nonzero(positions > query_positions.min() - window).squeeze(1)  # (K,) slot indices, ascending
-        block_size = metadata.block_size
-        slots = metadata.block_tables[group][i].to(q.device).long()[seen // block_size] * block_size + seen % block_size
-        keys = k_cache.flatten(0, 1).index_select(0, slots).to(q.dtype)  # (K, Hkv, D)
-        values = v_cache.flatten(0, 1).index_select(0, slots).to(q.dtype)
-        rows_at = torch.arange(ctx_len, ctx_len + q_len, device=q.device)
+        table = metadata.block_tables[group][i].to(device).long()
+        slots = table[seen // block_size] * block_size + seen % block_size
+        rows_at = torch.arange(ctx_len, ctx_len + q_len, device=device)
         mask = (seen[None, :] <= rows_at[:, None]) & (query_positions[:, None] - positions[seen][None, :] < window)
-        qh, kh, vh = q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
-        attended = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
-        out[rows] = attended[0].transpose(0, 1).to(out.dtype)
-    return out
+        reads.append(_PositionedRead(rows, slots, mask))
+    return tuple(reads)
 
 
 def attend_prefill(

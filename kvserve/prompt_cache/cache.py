@@ -170,8 +170,9 @@ class PromptCache:
         if not module.token_ids:
             return None
         stored = self.store.modules.get((schema, name))
-        context = self._context(layout, name)
-        return stored or self.store.add((schema, name), module.token_ids, module.positions, False, context)
+        if stored is not None:
+            return stored
+        return self.store.add((schema, name), module.token_ids, module.positions, False, self._context(layout, name))
 
     def _context(self, layout: SchemaLayout, name: str) -> tuple[list[int], list[int]]:
         """What module ``name`` attends to while encoded: the schema's shared prefix (not for the schema's own
