@@ -374,3 +374,8 @@ def test_role_tags_open_the_sequence_once_as_the_chat_template_does(loaded, adds
     assert prepared.token_ids == [t for piece in pieces for t in tokenizer.encode(piece, add_special_tokens=False)]
     assert prepared.token_ids.count(tokenizer.bos_token_id) == 1
     engine.prompt_cache.release(prepared.modules)
+
+
+def test_an_unknown_module_context_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"prompt_cache_context must be one of \('prefix', 'none'\), got 'all'"):
+        EngineConfig(model="unused", prompt_cache_context="all")
