@@ -120,9 +120,13 @@ class LLMEngine:
         # A module encoded after the schema's prefix is copied out of a scratch sequence: in this process, one
         # group for every layer (see config.prompt_cache_context).
         context = config.prompt_cache_context == "prefix" and not plan.per_layer_groups and self.tensor_parallel is None
+        windows = self.loaded.config.layer_windows
+        # Recompute selects by layer 1's KV deviation: a window on layer 0 bounds which tokens can deviate there.
+        probe_window = windows[0] if len(windows) > 1 else None
         return PromptCache(
-            self.tokenizer, self.max_model_len, store, eager, config.prompt_cache_recompute, module_context=context
-        )
+            self.tokenizer, self.max_model_len, store, eager, config.prompt_cache_recompute, module_context=context,
+            probe_window=probe_window,
+        )  # fmt: skip
 
     def _start_tensor_parallel(self):  # noqa: ANN202 - kvserve.parallel.tensor_group.TensorParallelGroup
         """Spawn this machine's other ranks (they load their shards while this process loads its own); this

@@ -87,6 +87,7 @@ class CachedPrompt:
     # sequence's own, copied blocks: none lies in ``shared_blocks``) and how many of them to recompute.
     recompute: tuple[int, ...] = ()
     recompute_count: int = 0
+    recompute_probe: tuple[int, ...] = ()  # the candidates whose layer-1 KV can deviate (prompt_cache/recompute.py)
 
     def group_slots(self, block_size: int) -> list[int]:
         """Slots each layer holds once the modules are imported."""

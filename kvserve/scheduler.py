@@ -82,6 +82,9 @@ class ModuleRecompute:
     slots: tuple[int, ...]  # their cache slots
     candidates: tuple[int, ...]  # indices into the above that may be recomputed (their slots are the sequence's own)
     count: int  # how many candidates to recompute (all of them: no selection pass)
+    # The candidates whose layer-1 KV can deviate: the selection pass runs only them when they are at least
+    # ``count`` (the others' deviation is zero). () : every candidate.
+    probe: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -304,10 +307,11 @@ class Scheduler:
         if not candidates:
             return
         count = min(len(candidates), cached.recompute_count)
+        probe = tuple(i for i in cached.recompute_probe if i >= computed)
         step.recomputes.append(
             ModuleRecompute(
                 seq.seq_id, tuple(seq.token_ids[:n]), request.positions(0, n), tuple(self.kv.slots(seq.seq_id, 0, n)),
-                candidates, count,
+                candidates, count, probe,
             )
         )  # fmt: skip
 

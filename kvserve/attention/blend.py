@@ -18,6 +18,7 @@ allowed), not by slot order, and in a sliding-window layer only to those within 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -40,7 +41,6 @@ class BlendMetadata(AttentionMetadata):
     query_positions: torch.Tensor  # (N,) long
     write: bool  # store the queries' fresh keys/values before attending (the recompute pass)
     stop_at: int | None = None  # the selection pass: layer whose fresh keys/values end the forward
-    bias: torch.Tensor | None = None  # (N, C) float: 0 where a query sees a key (by position), -inf elsewhere
     # (first query, end query, keys it may see): queries in chunks over the key prefix they reach (keys in
     # position order), so the step does about half of the (N, C) rectangle; one chunk over every key otherwise.
     chunks: tuple[tuple[int, int, int], ...] = ()
@@ -48,6 +48,13 @@ class BlendMetadata(AttentionMetadata):
     sorted_slots: torch.Tensor | None = None  # (C,) long
     key_order: torch.Tensor | None = None  # (C,) long: sorted_slots = context_slots[key_order]
     key_ends: torch.Tensor | None = None  # (N,) long
+
+    @functools.cached_property
+    def bias(self) -> torch.Tensor:
+        """(N, C) float: 0 where a query sees a key (by position), -inf elsewhere; built on first use (only torch's
+        attention takes it: at 4k tokens it is as large as the selection pass's projections)."""
+        visible = self.context_positions.unsqueeze(0) <= self.query_positions.unsqueeze(1)  # causal by position
+        return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, -math.inf)
 
 
 QUERY_CHUNK = 128  # queries per attention call: each call reads only the keys its last query may see
@@ -83,16 +90,16 @@ class BlendAttention(AttentionBackend):
             raise _LayerKV(k, v)
         k_cache, v_cache = self.layer_kv(layer)
         if md.write:
-            k_cache.index_copy_(0, md.query_slots, k)
-            v_cache.index_copy_(0, md.query_slots, v)
+            k_cache.flatten(1).index_copy_(0, md.query_slots, k.flatten(1))
+            v_cache.flatten(1).index_copy_(0, md.query_slots, v.flatten(1))
         window = md.window_of(layer)
         if window is not None:
             return _attend_window(q, k_cache, v_cache, md, window)
         if use_flash_prefill(q, k_cache):  # bfloat16 on AVX512-BF16: visible keys are a prefix in position order
-            keys, values = k_cache.index_select(0, md.sorted_slots), v_cache.index_select(0, md.sorted_slots)
+            keys, values = _rows(k_cache, md.sorted_slots), _rows(v_cache, md.sorted_slots)
             return flash_prefill(q, keys, values, 0, key_ends=md.key_ends)
-        keys = k_cache.index_select(0, md.context_slots).transpose(0, 1).unsqueeze(0)  # (1, Hkv, C, D)
-        values = v_cache.index_select(0, md.context_slots).transpose(0, 1).unsqueeze(0)
+        keys = _rows(k_cache, md.context_slots).transpose(0, 1).unsqueeze(0)  # (1, Hkv, C, D)
+        values = _rows(v_cache, md.context_slots).transpose(0, 1).unsqueeze(0)
         qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, N, D)
         bias = md.bias.to(q.dtype)
         out = torch.empty_like(qh)
@@ -114,7 +121,7 @@ def _attend_window(
     key_positions = md.context_positions[md.key_order]  # ascending, as md.sorted_slots
     if use_flash_prefill(q, k_cache):  # each query over a run of the sorted keys: [its window's first, itself]
         starts = torch.searchsorted(key_positions, md.query_positions - window + 1)
-        keys, values = k_cache.index_select(0, md.sorted_slots), v_cache.index_select(0, md.sorted_slots)
+        keys, values = _rows(k_cache, md.sorted_slots), _rows(v_cache, md.sorted_slots)
         return flash_prefill(q, keys, values, 0, key_ends=md.key_ends, key_starts=starts)
     query_order = md.query_positions.argsort()
     out = torch.empty_like(q)  # (N, H, D)
@@ -127,11 +134,17 @@ def _attend_window(
         distance = positions[:, None] - key_positions[None, first:end]  # (chunk, keys)
         mask = (distance >= 0) & (distance < window)
         qh = q[rows].transpose(0, 1).unsqueeze(0)  # (1, H, chunk, D)
-        kh = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # (1, Hkv, keys, D)
-        vh = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        kh = _rows(k_cache, slots).transpose(0, 1).unsqueeze(0)  # (1, Hkv, keys, D)
+        vh = _rows(v_cache, slots).transpose(0, 1).unsqueeze(0)
         attended = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
         out[rows] = attended.squeeze(0).transpose(0, 1)
     return out
+
+
+def _rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``cache[slots]`` of a (slots, Hkv, D) cache, gathered as rows of Hkv * D: index_select is ~3x slower over a
+    (.., 1, D) shape (one KV head)."""
+    return cache.flatten(1).index_select(0, slots).view(-1, *cache.shape[1:])
 
 
 def kv_deviation(k: torch.Tensor, v: torch.Tensor, k_cached: torch.Tensor, v_cached: torch.Tensor) -> torch.Tensor:
@@ -155,6 +168,8 @@ def recompute_modules(model: torch.nn.Module, cache: AttentionBackend, job: Modu
     slots = torch.tensor(job.slots, dtype=torch.long, device=device)
     chosen = torch.tensor(job.candidates, dtype=torch.long, device=device)  # (M,) indices into the C tokens
     if job.count < len(job.candidates):
+        if job.count <= len(job.probe) < len(job.candidates):  # the others deviate by zero: ranked after these
+            chosen = torch.tensor(job.probe, dtype=torch.long, device=device)
         deviation = _deviation(model, blend, job.seq_id, ids, positions, slots, chosen)  # (M,)
         chosen = chosen[select_deviating(deviation, job.count)]
     metadata = _metadata(job.seq_id, positions, slots, chosen, write=True, windows=blend.cache.layer_windows)
@@ -175,7 +190,7 @@ def _deviation(
     except _LayerKV as fresh:
         k_cache, v_cache = blend.layer_kv(layer)
         cand_slots = slots[candidates]
-        return kv_deviation(fresh.k, fresh.v, k_cache.index_select(0, cand_slots), v_cache.index_select(0, cand_slots))
+        return kv_deviation(fresh.k, fresh.v, _rows(k_cache, cand_slots), _rows(v_cache, cand_slots))
     raise RuntimeError(f"the model never reached layer {layer}'s attention")
 
 
@@ -184,12 +199,10 @@ def _metadata(
     stop_at: int | None = None, windows: tuple[int | None, ...] = (),
 ) -> BlendMetadata:  # fmt: skip
     query_positions = positions[chosen]
-    visible = positions.unsqueeze(0) <= query_positions.unsqueeze(1)  # (N, C): causal by position
-    bias = torch.zeros(visible.shape, dtype=torch.float32, device=positions.device).masked_fill_(~visible, -math.inf)
     order = positions.argsort(stable=True)
     return BlendMetadata(
         (seq_id,), (len(chosen),), (len(slots),), context_slots=slots, context_positions=positions,
-        query_slots=slots[chosen], query_positions=query_positions, write=write, stop_at=stop_at, bias=bias,
+        query_slots=slots[chosen], query_positions=query_positions, write=write, stop_at=stop_at,
         chunks=_query_chunks(positions, query_positions), sorted_slots=slots[order], key_order=order,
         key_ends=torch.searchsorted(positions[order], query_positions, right=True), layer_windows=windows,
     )  # fmt: skip

@@ -317,7 +317,8 @@ class PagedKVCache(AttentionBackend):
         src_t = torch.tensor(src, dtype=torch.long, device=self.k.device)
         dst_t = torch.tensor(dst, dtype=torch.long, device=self.k.device)
         for cache in (self.k, self.v):
-            cache.index_copy_(1, dst_t, cache.index_select(1, src_t))  # (L, n, block_size, Hkv, D)
+            blocks = cache.flatten(2)  # (L, n, block_size * Hkv * D): index_select is ~3x slower over (.., 1, D)
+            blocks.index_copy_(1, dst_t, blocks.index_select(1, src_t))
 
     def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy single token slots ``(src, dst)`` (slot = block * block_size + offset) in every layer:
@@ -328,7 +329,7 @@ class PagedKVCache(AttentionBackend):
         src_t = torch.tensor(src, dtype=torch.long, device=self.k.device)
         dst_t = torch.tensor(dst, dtype=torch.long, device=self.k.device)
         for cache in (self.k, self.v):
-            flat = cache.view(cache.shape[0], self.num_slots, self.num_kv_heads, self.head_dim)
+            flat = cache.view(cache.shape[0], self.num_slots, self.num_kv_heads * self.head_dim)
             flat.index_copy_(1, dst_t, flat.index_select(1, src_t))
 
     def read_slots(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -72,11 +72,13 @@ class PromptCache:
         eager: bool,
         recompute: float = 0.0,
         module_context: bool = False,
+        probe_window: int | None = None,
     ) -> None:
         """``recompute``: share of a prompt's imported module tokens recomputed across modules (``recompute.py``).
-        ``module_context``: modules are encoded after the schema's shared prefix (``SchemaLayout.shared_prefix``)."""
+        ``module_context``: modules are encoded after the schema's shared prefix (``SchemaLayout.shared_prefix``).
+        ``probe_window``: the model's layer 0 window, if it has one (which candidates recompute's selection probes)."""
         self.tokenizer, self.max_model_len, self.store, self.eager = tokenizer, max_model_len, store, eager
-        self.recompute, self.module_context = recompute, module_context
+        self.recompute, self.module_context, self.probe_window = recompute, module_context, probe_window
         self._schemas: dict[str, _Registered] = {}
 
     @cached_property
@@ -161,7 +163,7 @@ class PromptCache:
             raise
         prepared = _assemble(pinned, layout.token_ids, layout.positions, self.store.kv.block_size, registered.text)
         if self.recompute > 0 and not self.store.per_layer_groups:
-            return _with_recompute(prepared, pinned, self.store.kv.block_size, self.recompute)
+            return _with_recompute(prepared, pinned, self.store.kv.block_size, self.recompute, self.probe_window)
         return prepared
 
     def _stored(self, schema: str, name: str, layout: SchemaLayout) -> CachedModule | None:
@@ -220,19 +222,21 @@ def _assemble(
 
 
 def _with_recompute(
-    prepared: PreparedPrompt, pinned: list[ModuleBlocks], block_size: int, share: float
+    prepared: PreparedPrompt, pinned: list[ModuleBlocks], block_size: int, share: float, probe_window: int | None
 ) -> PreparedPrompt:
     """The prompt with selective recompute: the candidates to rewrite, and the full blocks holding any of them
     copied into the request's own blocks (their slots go before the tails: token order is unchanged)."""
     cached = prepared.cached
     owners = [i for i, b in enumerate(pinned) for _ in range(len(b.full_blocks) * block_size)]
     owners += [i for i, b in enumerate(pinned) for _ in range(len(b.tail_slots))]
-    plan = plan_recompute(owners, prepared.positions[: len(owners)], len(cached.shared_blocks), block_size, share)
+    contexts = [b.module.context_positions for b in pinned]
+    positions = prepared.positions[: len(owners)]
+    plan = plan_recompute(owners, positions, len(cached.shared_blocks), block_size, share, contexts, probe_window)
     if not plan.count:
         return prepared
     copied = [b * block_size + j for b in cached.shared_blocks[plan.num_shared :] for j in range(block_size)]
     cached = dataclasses.replace(
         cached, shared_blocks=cached.shared_blocks[: plan.num_shared], tail_slots=(*copied, *cached.tail_slots),
-        recompute=plan.candidates, recompute_count=plan.count,
+        recompute=plan.candidates, recompute_count=plan.count, recompute_probe=plan.probe,
     )  # fmt: skip
     return dataclasses.replace(prepared, cached=cached, salt=(*prepared.salt, "recompute", repr(share)))

@@ -2,9 +2,15 @@
 
 CacheBlend (Yao et al., EuroSys'25, https://arxiv.org/abs/2405.16444): modules encoded alone miss attention to
 each other; recomputing the few tokens whose KV deviates most once they are put together recovers most of it.
-A token needs no recompute when no other module has a token at an earlier position: everything it attends to
-in the assembled prompt is in its own module already, as when it was encoded (the first segment). Every other
-module token is a *candidate*; the runner picks ``count`` of them by deviation (``attention/blend.py``).
+A token needs no recompute when every token at an earlier position is its own module's or one it was encoded
+after (its *context*: the schema's prefix, ``PromptCache``'s module context): it attends to what it attended to
+when encoded (the first segment; a module right after the prefix it was encoded behind). Every other module
+token is a *candidate*; the runner picks ``count`` of them by deviation (``attention/blend.py``).
+
+The runner measures deviation at layer 1, after layer 0. When layer 0 is a sliding-window layer, a candidate whose
+window holds no other module's token gets layer 1's keys and values exactly as encoded: its deviation is zero, and
+it can only be chosen after every candidate that deviates. The plan names the others (the *probe*), so the
+selection pass runs only them through layer 0 (Gemma 3: the first window of each module, not the whole prompt).
 
 The request rewrites its own copy of the blocks holding candidates: only the leading full blocks before the
 first candidate stay shared with the module store; the others are copied slot by slot like module tails.
@@ -12,7 +18,9 @@ first candidate stay shared with the module store; the others are copied slot by
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 
@@ -21,25 +29,39 @@ class RecomputePlan:
     candidates: tuple[int, ...]  # token indices (sequence order) that may be recomputed, ascending
     count: int  # how many of them the runner recomputes
     num_shared: int  # leading full blocks still shared (they hold no candidate)
+    probe: tuple[int, ...] = ()  # the candidates whose layer-1 KV can deviate (all of them without a probe window)
 
 
 def plan_recompute(
-    owners: list[int], positions: list[int], num_full_blocks: int, block_size: int, share: float
-) -> RecomputePlan:
+    owners: list[int], positions: list[int], num_full_blocks: int, block_size: int, share: float,
+    contexts: Sequence[Collection[int]] = (), probe_window: int | None = None,
+) -> RecomputePlan:  # fmt: skip
     """``owners[i]``, ``positions[i]``: module and position of imported token i (sequence order);
-    ``num_full_blocks``: the shared full blocks the tokens start with; ``share``: of the candidates, in (0, 1]."""
+    ``num_full_blocks``: the shared full blocks the tokens start with; ``share``: of the candidates, in (0, 1];
+    ``contexts[m]``: the positions module m was encoded after (none if absent); ``probe_window``: layer 0's
+    sliding window, if it has one."""
     if not 0.0 < share <= 1.0:
         raise ValueError(f"recompute share must be in (0, 1], got {share!r}")
-    candidates = tuple(i for i, first in enumerate(_first_other(owners, positions)) if first < positions[i])
+    foreign = _last_foreign(owners, positions, contexts)
+    candidates = tuple(i for i, last in enumerate(foreign) if last is not None)
     if not candidates:
         return RecomputePlan((), 0, num_full_blocks)
     count = min(len(candidates), math.ceil(share * len(candidates)))
-    return RecomputePlan(candidates, count, min(num_full_blocks, candidates[0] // block_size))
+    probe = candidates
+    if probe_window is not None:  # a foreign token within the window: the window is [p - w + 1, p]
+        probe = tuple(i for i in candidates if foreign[i] > positions[i] - probe_window)
+    return RecomputePlan(candidates, count, min(num_full_blocks, candidates[0] // block_size), probe)
 
 
-def _first_other(owners: list[int], positions: list[int]) -> list[float]:
-    """Per token, the earliest position held by a token of another module (inf: none)."""
-    first: dict[int, float] = {}
+def _last_foreign(owners: list[int], positions: list[int], contexts: Sequence[Collection[int]]) -> list[int | None]:
+    """Per token, the last earlier position held by another module's token outside the token's module's context
+    (None: there is none, so the token attends to what it was encoded with)."""
+    foreign: dict[int, list[int]] = {}
+    for owner in set(owners):
+        context = set(contexts[owner]) if owner < len(contexts) else set()
+        foreign[owner] = sorted(p for o, p in zip(owners, positions, strict=True) if o != owner and p not in context)
+    out: list[int | None] = []
     for owner, position in zip(owners, positions, strict=True):
-        first[owner] = min(first.get(owner, math.inf), position)
-    return [min((p for o, p in first.items() if o != owner), default=math.inf) for owner in owners]
+        earlier = bisect.bisect_left(foreign[owner], position)
+        out.append(foreign[owner][earlier - 1] if earlier else None)
+    return out
