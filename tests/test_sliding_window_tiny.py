@@ -203,3 +203,45 @@ def test_prompt_cache_recompute_of_every_module_token_is_the_plain_prompt_in_win
     assert cached.keys() == plain.keys()
     for token, logprob in cached.items():
         assert logprob == pytest.approx(plain[token], abs=1e-4)
+
+
+def test_prompt_cache_recompute_selection_probes_only_tokens_whose_layer_one_kv_can_deviate(tiny, monkeypatch):
+    """Layer 0 is a window layer: a candidate whose window holds only its own module's tokens gets layer 1's keys
+    and values as encoded (deviation zero), so the selection pass runs only the others, and chooses what a pass
+    over every candidate would."""
+    from kvserve import runner
+    from kvserve.attention import blend
+
+    folder, loaded, _ = tiny
+    # Module two holds ~170 tokens: 3% of them are fewer than the 7 whose window reaches module one.
+    llm = LLM(str(folder), dtype="float32", block_size=4, kv_window_groups=False, prompt_cache_recompute=0.03)
+    first, second = " ".join(f"w{i}" for i in range(12)), " ".join(f"v{i}" for i in range(45))
+    llm.engine.register_schema(
+        f'<schema name="s">a b c d<module name="one"> {first}</module><module name="two"> {second}</module></schema>'
+    )
+    seen = {}
+    deviation, recompute = blend._deviation, blend.recompute_modules
+
+    def record_deviation(model, cache, seq_id, ids, positions, slots, candidates):  # noqa: ANN001, ANN202
+        every = torch.tensor(seen["job"].candidates)
+        scores = deviation(model, cache, seq_id, ids, positions, slots, every)
+        seen["every"] = dict(zip(every.tolist(), scores.tolist(), strict=True))
+        seen["probed"] = candidates.tolist()
+        return deviation(model, cache, seq_id, ids, positions, slots, candidates)
+
+    def record_job(model, cache, job):  # noqa: ANN001, ANN202
+        seen["job"] = job
+        return recompute(model, cache, job)
+
+    monkeypatch.setattr(blend, "_deviation", record_deviation)
+    monkeypatch.setattr(runner, "recompute_modules", record_job)
+    _first_logprobs(llm, '<prompt schema="s"><one/><two/> and so</prompt>')
+    job = seen["job"]
+    probed = seen["probed"]
+    assert job.count <= len(probed) < len(job.candidates) and probed == list(job.probe)
+    first_of_two = min(job.positions[i] for i in job.candidates)  # module one right after the prefix: exact
+    assert all(job.positions[i] - first_of_two < WINDOW - 1 for i in probed)  # the window reaches module one
+    others = [d for i, d in seen["every"].items() if i not in job.probe]
+    assert max(others) < 1e-9 * max(seen["every"].values())
+    largest = sorted(seen["every"], key=seen["every"].get)[-job.count :]
+    assert set(largest) <= set(probed)

@@ -104,6 +104,19 @@ def test_plan_excludes_the_first_segment_and_keeps_its_blocks_shared():
     assert plan_recompute([0, 0, 0], [0, 1, 2], 0, 4, 1.0).candidates == ()
 
 
+def test_plan_leaves_a_module_right_after_the_prefix_it_was_encoded_behind_and_probes_by_window():
+    # The schema's text (owner 0) at positions 0-3; modules 1 (4-9) and 2 (10-17), each encoded after 0-3.
+    owners = [0] * 4 + [1] * 6 + [2] * 8
+    positions = list(range(18))
+    contexts = [(), (0, 1, 2, 3), (0, 1, 2, 3)]
+    plan = plan_recompute(owners, positions, 0, 4, 0.25, contexts, probe_window=3)
+    assert plan.candidates == tuple(range(10, 18))  # module 1 sees only the prefix it was encoded behind
+    assert plan.count == 2
+    assert plan.probe == (10, 11)  # a window [p - 2, p] that reaches module 1: p = 10, 11
+    assert plan_recompute(owners, positions, 0, 4, 0.25, contexts).probe == plan.candidates  # no window
+    assert plan_recompute(owners, positions, 0, 4, 0.25).candidates == tuple(range(4, 18))  # encoded alone
+
+
 def test_selection_takes_the_largest_kv_deviation():
     k_cached = torch.zeros(5, 2, 3)
     v_cached = torch.ones(5, 2, 3)
