@@ -136,10 +136,10 @@ class Request:
         if not self.prompt_positions:
             return ()
         num_prompt = len(self.prompt_positions)
-        return tuple(
-            self.prompt_positions[i] if i < num_prompt else self._next_position + i - num_prompt
-            for i in range(start, end)
-        )
+        # Slices and a range, not a generator: a sliding-window step asks for a whole context every step.
+        offset = self._next_position - num_prompt  # generated token i takes position offset + i
+        generated = range(offset + max(start, num_prompt), offset + end)
+        return tuple(self.prompt_positions[start:end]) + tuple(generated)
 
     def position_of(self, index: int) -> int:
         """The position token ``index`` of a sequence takes (the context length bounds it)."""

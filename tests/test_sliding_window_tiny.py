@@ -182,6 +182,27 @@ def test_prompt_cache_windows_count_positions_not_slots(tiny):
         assert logprob == pytest.approx(plain[token], abs=1e-4)
 
 
+def test_prompt_cache_decodes_by_position_in_window_layers(tiny):
+    """Decode steps of a Prompt Cache prompt (several sequences at once, beside a plain one) read the slots within
+    each row's window by position, as the prefill does: greedy tokens for several windows past the prompt are the
+    plain prompt's, and differ where windows count slots."""
+    folder, loaded, _ = tiny
+    llm = LLM(str(folder), dtype="float32", block_size=4, kv_window_groups=False)
+    words = " ".join(f"w{i}" for i in range(30))
+    llm.engine.register_schema(f'<schema name="s">a b c d<module name="doc"> {words}</module></schema>')
+    prompts = ['<prompt schema="s"><doc/> and so</prompt>', '<prompt schema="s"><doc/> then</prompt>']
+    plain = []
+    for prompt in prompts:
+        prepared = llm.engine.prompt_cache.prepare(prompt)
+        llm.engine.prompt_cache.release(prepared.modules)
+        plain.append([t for _, t in sorted(zip(prepared.positions, prepared.token_ids, strict=True))])
+    params = SamplingParams(max_tokens=3 * WINDOW, temperature=0, ignore_eos=True, logprobs=2)
+    reference = [out.outputs[0].token_ids for out in llm.generate(plain, params, use_tqdm=False)]
+    cached = llm.generate([*prompts, plain[0][:5]], params, use_tqdm=False)  # decoding together, one not positioned
+    for out, want in zip(cached, reference, strict=False):
+        assert_greedy_equal_up_to_ties(out.outputs[0], want)
+
+
 def test_prompt_cache_recompute_of_every_module_token_is_the_plain_prompt_in_window_layers(tiny):
     """Selective recompute of every imported token attends by position, window layers within their window: two
     modules many windows long, all recomputed, give the plain prompt's next-token distribution."""

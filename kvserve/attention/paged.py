@@ -81,6 +81,16 @@ class _PositionedRead:
 
 
 @dataclass(frozen=True)
+class _PositionedDecodes:
+    """The positioned sequences decoding one token, in a sliding-window layer: each row reads the slots whose
+    position is within the window of its own, every slot taken as a block of one token (``paged_decode``)."""
+
+    rows: torch.Tensor  # (Bp,) long: their queries' rows in the step
+    tables: torch.Tensor  # (Bp, K) int32: the slots each reads, ascending, padded
+    ends: torch.Tensor  # (Bp,) int32: how many of them
+
+
+@dataclass(frozen=True)
 class _StepPlan:
     """How a step splits into batched decodes and per-sequence prefills; built once, used by every layer."""
 
@@ -94,7 +104,9 @@ class _StepPlan:
     # (group, window) -> the batch-invariant mode's attention calls (row_invariant.py), made on first use
     row_plans: dict[tuple[int, int | None], RowPlan] = field(default_factory=dict)
     # (group, window) -> the positioned sequences' reads (``_attend_positioned``), made on first use
-    positioned: dict[tuple[int, int], tuple[_PositionedRead, ...]] = field(default_factory=dict)
+    positioned: dict[tuple[int, int], tuple[tuple[_PositionedRead, ...], _PositionedDecodes | None]] = field(
+        default_factory=dict
+    )
 
 
 @dataclass(frozen=True)
@@ -501,13 +513,23 @@ def _attend_positioned(
     rows of ``out``: a Prompt Cache prompt's slots hold module blocks in import order and skip the positions of
     modules it does not import, so a window counted in slots would show a query the wrong keys (the schema's BOS
     at slot ~n, far behind it by position). Each query sees the slots before it (the slot order, as everywhere)
-    whose position is within ``window`` of its own. Eager and masked: only such prompts in window layers pay it."""
+    whose position is within ``window`` of its own. Decode rows go through the decode kernel, over those slots read
+    in place; several rows of a sequence (a prompt chunk) are eager and masked: only such prompts pay it."""
     if window is None or not metadata.key_positions:
         return out
-    reads, key = metadata.plan.positioned, (group, window)
-    if key not in reads:  # the same for every window layer of the group in this step
-        reads[key] = _positioned_reads(metadata, group, window, q.device)
-    for read in reads[key]:
+    plans, key = metadata.plan.positioned, (group, window)
+    if key not in plans:  # the same for every window layer of the group in this step
+        plans[key] = _positioned_reads(metadata, group, window, q.device)
+    reads, decodes = plans[key]
+    if decodes is not None:
+        by_slot = (-1, 1, *k_cache.shape[2:])  # every slot a block of one token
+        starts = torch.zeros_like(decodes.ends)
+        attended = paged_decode(
+            q.index_select(0, decodes.rows), k_cache.view(by_slot), v_cache.view(by_slot), decodes.tables, starts,
+            decodes.ends,
+        )[0]  # fmt: skip
+        out.index_copy_(0, decodes.rows, attended.to(out.dtype))
+    for read in reads:
         keys = k_cache.flatten(0, 1).index_select(0, read.slots).to(q.dtype)  # (K, Hkv, D)
         values = v_cache.flatten(0, 1).index_select(0, read.slots).to(q.dtype)
         qh, kh, vh = q[read.rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
@@ -518,8 +540,9 @@ def _attend_positioned(
 
 def _positioned_reads(
     metadata: PagedAttentionMetadata, group: int, window: int, device: torch.device
-) -> tuple[_PositionedRead, ...]:
+) -> tuple[tuple[_PositionedRead, ...], _PositionedDecodes | None]:
     reads, start, block_size = [], 0, metadata.block_size
+    decode_rows, decode_slots = [], []
     for i, positions in enumerate(metadata.key_positions):
         q_len, ctx_len = metadata.query_lens[i], metadata.context_lens[i]
         rows = slice(start, start + q_len)
@@ -532,10 +555,19 @@ def _positioned_reads(
         seen = torch.nonzero(positions > query_positions.min() - window).squeeze(1)  # (K,) slot indices, ascending
         table = metadata.block_tables[group][i].to(device).long()
         slots = table[seen // block_size] * block_size + seen % block_size
+        if q_len == 1:  # a decode row sees every slot before it: exactly those within its window
+            decode_rows.append(rows.start)
+            decode_slots.append(slots)
+            continue
         rows_at = torch.arange(ctx_len, ctx_len + q_len, device=device)
         mask = (seen[None, :] <= rows_at[:, None]) & (query_positions[:, None] - positions[seen][None, :] < window)
         reads.append(_PositionedRead(rows, slots, mask))
-    return tuple(reads)
+    decodes = None
+    if decode_rows:
+        ends = torch.tensor([len(s) for s in decode_slots], dtype=torch.int32, device=device)
+        tables = torch.nn.utils.rnn.pad_sequence(decode_slots, batch_first=True).to(torch.int32)
+        decodes = _PositionedDecodes(torch.tensor(decode_rows, dtype=torch.long, device=device), tables, ends)
+    return tuple(reads), decodes
 
 
 def attend_prefill(
