@@ -18,10 +18,11 @@ first candidate stay shared with the module store; the others are copied slot by
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,14 @@ def plan_recompute(
 
 def _last_foreign(owners: list[int], positions: list[int], contexts: Sequence[Collection[int]]) -> list[int | None]:
     """Per token, the last earlier position held by another module's token outside the token's module's context
-    (None: there is none, so the token attends to what it was encoded with)."""
-    foreign: dict[int, list[int]] = {}
-    for owner in set(owners):
-        context = set(contexts[owner]) if owner < len(contexts) else set()
-        foreign[owner] = sorted(p for o, p in zip(owners, positions, strict=True) if o != owner and p not in context)
-    out: list[int | None] = []
-    for owner, position in zip(owners, positions, strict=True):
-        earlier = bisect.bisect_left(foreign[owner], position)
-        out.append(foreign[owner][earlier - 1] if earlier else None)
-    return out
+    (None: there is none, so the token attends to what it was encoded with). Array passes per module: a schema of
+    many modules and long prompts stays cheap."""
+    owner_of, position_of = np.asarray(owners), np.asarray(positions)
+    last = np.full(len(owners), -1, dtype=np.int64)
+    for owner in np.unique(owner_of):
+        own = owner_of == owner
+        context = np.asarray(list(contexts[owner]) if owner < len(contexts) else [], dtype=position_of.dtype)
+        foreign = np.sort(position_of[~own & ~np.isin(position_of, context)])
+        earlier = np.searchsorted(foreign, position_of[own])  # foreign positions before each own token
+        last[own] = np.where(earlier > 0, foreign[np.maximum(earlier - 1, 0)] if len(foreign) else -1, -1)
+    return [int(p) if p >= 0 else None for p in last]
