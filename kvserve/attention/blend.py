@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata, UnsupportedKVOperation
 from kvserve.attention.flash_prefill import flash_prefill, use_flash_prefill
-from kvserve.attention.paged import PagedKVCache
+from kvserve.attention.paged import PagedKVCache, slot_rows
 from kvserve.scheduler import ModuleRecompute
 
 
@@ -96,10 +96,10 @@ class BlendAttention(AttentionBackend):
         if window is not None:
             return _attend_window(q, k_cache, v_cache, md, window)
         if use_flash_prefill(q, k_cache):  # bfloat16 on AVX512-BF16: visible keys are a prefix in position order
-            keys, values = _rows(k_cache, md.sorted_slots), _rows(v_cache, md.sorted_slots)
+            keys, values = slot_rows(k_cache, md.sorted_slots), slot_rows(v_cache, md.sorted_slots)
             return flash_prefill(q, keys, values, 0, key_ends=md.key_ends)
-        keys = _rows(k_cache, md.context_slots).transpose(0, 1).unsqueeze(0)  # (1, Hkv, C, D)
-        values = _rows(v_cache, md.context_slots).transpose(0, 1).unsqueeze(0)
+        keys = slot_rows(k_cache, md.context_slots).transpose(0, 1).unsqueeze(0)  # (1, Hkv, C, D)
+        values = slot_rows(v_cache, md.context_slots).transpose(0, 1).unsqueeze(0)
         qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, N, D)
         bias = md.bias.to(q.dtype)
         out = torch.empty_like(qh)
@@ -121,7 +121,7 @@ def _attend_window(
     key_positions = md.context_positions[md.key_order]  # ascending, as md.sorted_slots
     if use_flash_prefill(q, k_cache):  # each query over a run of the sorted keys: [its window's first, itself]
         starts = torch.searchsorted(key_positions, md.query_positions - window + 1)
-        keys, values = _rows(k_cache, md.sorted_slots), _rows(v_cache, md.sorted_slots)
+        keys, values = slot_rows(k_cache, md.sorted_slots), slot_rows(v_cache, md.sorted_slots)
         return flash_prefill(q, keys, values, 0, key_ends=md.key_ends, key_starts=starts)
     query_order = md.query_positions.argsort()
     out = torch.empty_like(q)  # (N, H, D)
@@ -134,17 +134,11 @@ def _attend_window(
         distance = positions[:, None] - key_positions[None, first:end]  # (chunk, keys)
         mask = (distance >= 0) & (distance < window)
         qh = q[rows].transpose(0, 1).unsqueeze(0)  # (1, H, chunk, D)
-        kh = _rows(k_cache, slots).transpose(0, 1).unsqueeze(0)  # (1, Hkv, keys, D)
-        vh = _rows(v_cache, slots).transpose(0, 1).unsqueeze(0)
+        kh = slot_rows(k_cache, slots).transpose(0, 1).unsqueeze(0)  # (1, Hkv, keys, D)
+        vh = slot_rows(v_cache, slots).transpose(0, 1).unsqueeze(0)
         attended = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
         out[rows] = attended.squeeze(0).transpose(0, 1)
     return out
-
-
-def _rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``cache[slots]`` of a (slots, Hkv, D) cache, gathered as rows of Hkv * D: index_select is ~3x slower over a
-    (.., 1, D) shape (one KV head)."""
-    return cache.flatten(1).index_select(0, slots).view(-1, *cache.shape[1:])
 
 
 def kv_deviation(k: torch.Tensor, v: torch.Tensor, k_cached: torch.Tensor, v_cached: torch.Tensor) -> torch.Tensor:
@@ -190,7 +184,7 @@ def _deviation(
     except _LayerKV as fresh:
         k_cache, v_cache = blend.layer_kv(layer)
         cand_slots = slots[candidates]
-        return kv_deviation(fresh.k, fresh.v, _rows(k_cache, cand_slots), _rows(v_cache, cand_slots))
+        return kv_deviation(fresh.k, fresh.v, slot_rows(k_cache, cand_slots), slot_rows(v_cache, cand_slots))
     raise RuntimeError(f"the model never reached layer {layer}'s attention")
 
 

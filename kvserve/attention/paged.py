@@ -530,12 +530,18 @@ def _attend_positioned(
         )[0]  # fmt: skip
         out.index_copy_(0, decodes.rows, attended.to(out.dtype))
     for read in reads:
-        keys = k_cache.flatten(0, 1).index_select(0, read.slots).to(q.dtype)  # (K, Hkv, D)
-        values = v_cache.flatten(0, 1).index_select(0, read.slots).to(q.dtype)
+        keys = slot_rows(k_cache.flatten(0, 1), read.slots).to(q.dtype)  # (K, Hkv, D)
+        values = slot_rows(v_cache.flatten(0, 1), read.slots).to(q.dtype)
         qh, kh, vh = q[read.rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
         attended = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=read.mask, enable_gqa=True)
         out[read.rows] = attended[0].transpose(0, 1).to(out.dtype)
     return out
+
+
+def slot_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``cache[slots]`` of a (slots, Hkv, D) cache view, gathered as rows of Hkv * D: index_select is ~3x slower over
+    a (.., 1, D) shape (one KV head)."""
+    return cache.flatten(1).index_select(0, slots).view(-1, *cache.shape[1:])
 
 
 def _positioned_reads(
