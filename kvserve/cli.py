@@ -169,16 +169,20 @@ def cmd_tune_runahead(args: argparse.Namespace) -> int:
 def cmd_infinigen_setup(args: argparse.Namespace) -> int:
     from kvserve.policies.skewing import skewing_for
 
-    target = ThresholdCalibration(args.calibration_mass, args.calibration_quantile)  # raises on a bad value
+    target = ThresholdCalibration(  # raises on a bad value
+        args.calibration_mass, args.calibration_quantile, args.calibration_window_mass
+    )
     InfiniGen(partial_ratio=args.partial_ratio)  # raises on a bad ratio, before the model loads
     loaded = load_from_args(args)
     directory = Path(args.output).expanduser() if args.output else None
     dims = InfiniGen(partial_ratio=args.partial_ratio).partial_dims(loaded.config.head_dim)
     skewing, file = skewing_for(loaded, directory, refresh=args.refresh, partial_dims=dims, target=target)
     layers, heads, dim = skewing.ranking.shape
-    alphas = " ".join(f"{a:.2f}" for a in skewing.alphas[dims][1:])
-    print(f"infinigen-setup: {loaded.path.name}: alpha auto, layers 1-{layers - 1} ({dims} of {dim} partial dims; "
-          f"keeps {target.mass:g} of the attention on {target.quantile:g} of the sample's rows): {alphas}")  # fmt: skip
+    windows = loaded.config.layer_windows
+    first = 0 if windows[0] is not None else 1  # a full-attention layer 0 reads everything: no alpha
+    alphas = " ".join(f"{a:.2f}" for a in skewing.alphas[dims][first:])
+    print(f"infinigen-setup: {loaded.path.name}: alpha auto, layers {first}-{layers - 1} ({dims} of {dim} partial "
+          f"dims; keeps {target.describe(any(w is not None for w in windows))}): {alphas}")  # fmt: skip
     print(f"infinigen-setup: {loaded.path.name}: skewing for {layers} layers x {heads} KV heads (head dim {dim}) "
           f"in {file}")  # fmt: skip
     return 0
@@ -241,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="share of a row's attention the selection keeps (%(default)s)")  # fmt: skip
     setup.add_argument("--calibration-quantile", type=float, default=ThresholdCalibration.quantile,
                        help="share of the sample's rows that keep it (%(default)s)")  # fmt: skip
+    setup.add_argument("--calibration-window-mass", type=float, default=ThresholdCalibration.window_mass,
+                       help="--calibration-mass in sliding-window layers (%(default)s)")  # fmt: skip
     setup.set_defaults(func=cmd_infinigen_setup)
 
     worker = sub.add_parser(

@@ -218,13 +218,15 @@ def test_infinigen_setup_calibrates_alpha_auto_as_asked(model, tmp_path, capsys)
     output = tmp_path / "skewing"
     capsys.readouterr()
     flags = ["--output", str(output), "--partial-ratio", "1", "--calibration-mass", "0.8"]
-    file = run_setup(model, capsys, *flags, "--calibration-quantile", "0.5")
+    file = run_setup(model, capsys, *flags, "--calibration-quantile", "0.5", "--calibration-window-mass", "0.85")
     calibration = torch.load(file, weights_only=True)["calibration"]
-    assert (calibration["mass"], calibration["quantile"]) == (0.8, 0.5)
+    assert (calibration["mass"], calibration["quantile"], calibration["window_mass"]) == (0.8, 0.5, 0.85)
     assert set(calibration["alphas"]) == {20, SPEC.head_dim}  # the default ratio's and the one asked for
     assert len(calibration["alphas"][SPEC.head_dim]) == SPEC.num_layers
     assert main(["infinigen-setup", "--model", model, *COMMON, "--calibration-mass", "0"]) == 2
     assert "infinigen calibration mass must be in (0, 1], got 0.0" in capsys.readouterr().err
+    assert main(["infinigen-setup", "--model", model, *COMMON, "--calibration-window-mass", "1.5"]) == 2
+    assert "infinigen calibration window_mass must be in (0, 1], got 1.5" in capsys.readouterr().err
 
 
 def test_bench_offload_writes_a_consistent_report(model, tmp_path, capsys) -> None:

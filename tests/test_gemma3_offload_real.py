@@ -1,5 +1,6 @@
 """Gemma 3 270M (float32) with its KV offloaded to the host tier: the full offload's window layers read only
-their window, and it generates the paged engine's greedy tokens after a prompt longer than the window."""
+their window, and it generates the paged engine's greedy tokens after a prompt longer than the window;
+InfiniGen's calibrated default selects in every layer, window layers included."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from kvserve.attention.offloaded import OffloadedKVCache
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine
 from kvserve.eval.data import WIKITEXT2, require
+from kvserve.policies.skewing import SKEWING_DIR_ENV
 
 pytestmark = pytest.mark.real_model
 
@@ -33,3 +35,25 @@ def test_full_offload_generates_the_device_engines_tokens(gemma3_model):
     assert tokens["host"] == tokens["none"]
     fractions = cache.stats.fetch_fraction()
     assert [f == 1.0 for f in fractions] == [w is None for w in gemma3_model.config.layer_windows]
+
+
+def test_infinigen_selects_in_every_layer_window_layers_included(gemma3_model, tmp_path, monkeypatch):
+    """The calibrated default on Gemma 3: every layer, layer 0 and the window layers included, reads fewer rows
+    than the full offload does; a window layer's alpha is calibrated for its own query at the window mass."""
+    monkeypatch.setenv(SKEWING_DIR_ENV, str(tmp_path))
+    text = require(WIKITEXT2, "WikiText-2").read_text(encoding="utf-8")[:8000]
+    ids = gemma3_model.tokenizer.encode(text, add_special_tokens=False)[:PROMPT_TOKENS]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    fractions = {}
+    for policy in ("full", "infinigen"):
+        config = EngineConfig(model="gemma3-270m", dtype="float32", max_num_batched_tokens=256,
+                              kv_cache_memory="256MiB", kv_offload="host", kv_policy=policy)  # fmt: skip
+        llm = LLM.from_engine(LLMEngine(config, gemma3_model))
+        (out,) = llm.generate([ids], params, use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 8
+        cache = llm.engine.runner.cache
+        llm.engine.close()
+        fractions[policy] = cache.stats.fetch_fraction()
+    assert cache.rehearsal.speculated_layers == set(range(gemma3_model.config.num_layers))
+    assert all(a > 0 for a in cache.policy.alpha)  # every layer calibrated, layer 0 included
+    assert all(s < f for s, f in zip(fractions["infinigen"], fractions["full"], strict=True)), fractions

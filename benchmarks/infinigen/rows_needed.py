@@ -9,9 +9,10 @@ On InfiniGen's calibration sample (the first 2,048 tokens of Emma, 128 query row
 
 Each column is the mean share of a row's earlier tokens the layer reads at the alpha the calibration would
 choose for that predictor (``ThresholdCalibration``: ``--mass`` of the attention on ``--quantile`` of the rows);
-a sliding-window layer (Gemma 3) would select within its window. ``kvserve now`` is what the engine reads: layer
-0 and window layers everything they see, layer 1 its own query's selection, the other layers the rehearsal's.
-The last row averages over layers, as the accuracy tables do.
+a sliding-window layer (Gemma 3) selects within its window. ``kvserve now`` is what the engine reads at
+``--mass``: layer 0 everything it sees, layer 1 and window layers their own query's selection, the others the
+rehearsal's (the engine's window layers keep ``--calibration-window-mass`` instead, and a window layer 0 selects
+too: neither is modelled here). The last row averages over layers, as the accuracy tables do.
 
     python benchmarks/infinigen/rows_needed.py --threads 1 --output benchmarks/infinigen/rows-needed.json
     python benchmarks/infinigen/rows_needed.py --threads 1 --model gemma3-270m \
@@ -99,8 +100,7 @@ def main() -> int:
             row = {"kvserve now": float((valid.sum(-1).float() / earlier.sum(-1)).mean())}  # window, or everything
             if layer > 0:
                 row.update(_predicted(sample, rehearsal, layer, valid, earlier, target))
-                if window is None:  # a window layer reads its whole window
-                    row["kvserve now"] = row["own query" if layer in rehearsal.OWN_QUERY_LAYERS else "rehearsal"]
+                row["kvserve now"] = row["own query" if layer in rehearsal.own_query_layers else "rehearsal"]
             layers[layer] = row
             print(f"layer {layer}: " + ", ".join(f"{n} {v:.3f}" for n, v in row.items()), file=sys.stderr)
     columns = ("kvserve now", *PREDICTORS)
@@ -112,8 +112,7 @@ def main() -> int:
     }  # fmt: skip
     lines = [f"Rows read per layer (share of a row's earlier tokens) to keep {args.mass:.0%} of the attention on "
              f"{args.quantile:.0%} of the sample's rows ({report['model']}; `{report['command']}`; "
-             f"{report['machine']}, {report['threads']} threads). Window layers: selecting within their window; "
-             "kvserve reads their whole window.", "",
+             f"{report['machine']}, {report['threads']} threads). Window layers select within their window.", "",
              "| layer | " + " | ".join(columns) + " |", "| ---: |" + " ---: |" * len(columns)]  # fmt: skip
     lines += [f"| {layer} | " + " | ".join(f"{row[c]:.1%}" if c in row else "-" for c in columns) + " |"
               for layer, row in layers.items()]  # fmt: skip

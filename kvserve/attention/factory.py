@@ -53,10 +53,10 @@ def infinigen_rehearsal(policy: InfiniGen, loaded: LoadedModel) -> tuple[InfiniG
     policy = policy.resolve_alpha(skewing.alphas.get(dims))
     if auto:
         get_logger().info(
-            "InfiniGen: infinigen_alpha='auto' -> per-layer alphas %s (each keeps %g of the attention on %g of "
-            "the sample's rows)", " ".join(f"{a:.2f}" for a in policy.alpha), skewing.target.mass,
-            skewing.target.quantile,
-        )  # fmt: skip
+            "InfiniGen: infinigen_alpha='auto' -> per-layer alphas %s (each keeps %s)",
+            " ".join(f"{a:.2f}" for a in policy.alpha),
+            skewing.target.describe(any(w is not None for w in loaded.config.layer_windows)),
+        )
     skew = skewing.partial(dims)  # (L, Hkv, D, r)
     if loaded.shard is not None:  # this rank's KV heads
         skew = skew[:, loaded.shard.kv_heads(loaded.config.num_kv_heads)]

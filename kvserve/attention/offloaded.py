@@ -7,8 +7,9 @@ KV manager hands out; the device holds only what a step reads. Per decode step a
    ``TransferQueue``, so it overlaps layer i's compute: every cached row (``full``), every row in 4-bit
    codes (``int4``), or the rows InfiniGen's rehearsal selects (``infinigen``: layer i + 1's partial
    query from layer i's input against layer i + 1's partial key cache, which stays on the device);
-   layer 0 fetches its whole cache at its own input; InfiniGen's layer 1 selects with its own query once
-   projected (``Rehearsal.OWN_QUERY_LAYERS``: layer 0's input predicts nothing of it), a fetch not overlapped;
+   layer 0 fetches its whole cache at its own input (unless it has a window, below); InfiniGen's layer 1
+   selects with its own query once projected (``Rehearsal.own_query_layers``: layer 0's input predicts
+   nothing of it), a fetch not overlapped;
 2. layer i waits for its fetch, attends over the fetched rows plus the step's own keys, and queues the
    store of its new keys/values (behind any fetch already queued, so a later fetch reads them).
 
@@ -24,8 +25,9 @@ Sliding-window layers (``layer_windows``, Gemma 3): the tier keeps every layer's
 group (the simplest layout; the tier is the large, cheap memory), but a window layer reads only the last
 ``window`` positions (its own included): a decode fetches just the blocks that cover its window, a chunk
 fetches the rows its first row's window reaches and attends with the window's mask. InfiniGen speculates
-for global layers only; a window layer reads its whole window (layer 0 too, within its window if it has
-one). A KV pool limit overwrites slots in place, so positions no longer follow slots: not with windows.
+in window layers too, layer 0 included, among the rows of the window and from the layer's own query
+(``Rehearsal.own_query_layers``: a fetch of a few rows of a bounded window, not overlapped). A KV pool
+limit overwrites slots in place, so positions no longer follow slots: not with windows.
 """
 
 from __future__ import annotations
@@ -322,12 +324,12 @@ class OffloadedKVCache(AttentionBackend):
             return
         step = metadata.state
         nxt = layer + 1
-        rehearsed = self._speculates(nxt) and nxt not in self.rehearsal.OWN_QUERY_LAYERS
+        rehearsed = self._speculates(nxt) and nxt not in self.rehearsal.own_query_layers
         if rehearsed:
             step.partial_queries[nxt] = self.rehearsal.partial_query(nxt, x, rope)  # (N, Hkv, G, r)
         if not step.decodes:
             return
-        if layer == 0:
+        if layer == 0 and not self._speculates(0):
             step.pending[0] = self._fetch_blocks(0, step)
         if nxt < self.num_layers and not self._speculates(nxt):
             step.pending[nxt] = self._fetch_blocks(nxt, step)
@@ -335,8 +337,9 @@ class OffloadedKVCache(AttentionBackend):
             step.pending[nxt] = self._fetch_selected(nxt, step, metadata)
 
     def _speculates(self, layer: int) -> bool:
-        """Whether InfiniGen selects ``layer``'s rows (not layer 0, not a window layer, not past the last)."""
-        return self.rehearsal is not None and 0 < layer < self.num_layers and self._window(layer) is None
+        """Whether InfiniGen selects ``layer``'s rows (every layer but a full-attention layer 0; a window layer
+        among its window's rows)."""
+        return self.rehearsal is not None and layer in self.rehearsal.speculated_layers
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
@@ -345,7 +348,7 @@ class OffloadedKVCache(AttentionBackend):
             raise TypeError(f"OffloadedKVCache needs OffloadAttentionMetadata, got {type(metadata).__name__}")
         starts = row_starts(metadata.query_lens)
         step = metadata.state
-        if self._speculates(layer) and layer in self.rehearsal.OWN_QUERY_LAYERS:  # selects from its own query
+        if self._speculates(layer) and layer in self.rehearsal.own_query_layers:  # selects from its own query
             step.partial_queries[layer] = self.rehearsal.partial_from_query(layer, q)
             if step.decodes:
                 step.pending[layer] = self._fetch_selected(layer, step, metadata)
@@ -405,7 +408,7 @@ class OffloadedKVCache(AttentionBackend):
     def _fetch_selected(self, layer: int, step: _Step, meta: OffloadAttentionMetadata) -> _Fetch:
         """The rows layer ``layer``'s rehearsal selects for each decode sequence (InfiniGen)."""
         partial_q = step.partial_queries[layer].index_select(0, step.rows)  # (B, Hkv, G, r)
-        view = step.views[None]  # speculation runs in global layers only
+        view = step.views[self._window(layer)]  # a window layer selects among its window's rows
         batch = partial_q.shape[0]
         selection, slots = self.policy.select_decode_rows(
             layer, partial_q, self.partial_keys[layer], view.candidates, self.head_dim, self.rank_mean
@@ -452,7 +455,7 @@ class OffloadedKVCache(AttentionBackend):
         m = q.shape[0]
         context = meta.context_lens[i]
         bulk = max(0, min(m, self._capacity(meta, i) - context))  # rows that still find a free slot of their own
-        selective = isinstance(self.policy, InfiniGen) and layer > 0 and self._window(layer) is None
+        selective = isinstance(self.policy, InfiniGen) and self._speculates(layer)
         if not selective and meta.scored_from:  # speculation counts its own picks (_select_rows)
             self._count_reads(layer, meta, i, context + min(meta.scored_from[i], m), context + m)
         first_scored = min(meta.scored_from[i], bulk) if meta.scored_from and selective else 0
@@ -508,13 +511,15 @@ class OffloadedKVCache(AttentionBackend):
         partial_q = meta.state.partial_queries[layer][first_row : first_row + m]  # (m, Hkv, G, r)
         cached = self._partial_rows(layer)[:, slots // self.block_size, slots % self.block_size]  # (Hkv, h, r)
         partial_k = torch.cat((cached, self.rehearsal.partial_key(layer, k).transpose(0, 1)), dim=1)  # (Hkv, h + m, r)
-        allowed = self.policy.rows_allowed(layer, partial_q, partial_k, held, self.head_dim, self.rank_mean)
+        window = self._window(layer)
+        allowed = self.policy.rows_allowed(layer, partial_q, partial_k, held, self.head_dim, self.rank_mean, window)
         # allowed: (m, Hkv, h + m)
         cached_picks = allowed[:, :, :held]
-        # Per row: rows selected among the h + j before it (every KV head), against all of them.
-        self._count(
-            layer, (int(allowed.sum()) - m * self.num_kv_heads) // self.num_kv_heads, held * m + m * (m - 1) // 2
-        )
+        # Per row: rows selected among the h + j before it (every KV head), against all of them (a window layer's
+        # h cached rows are its first row's window: against every row before each, as _count_reads counts).
+        before = held * m if window is None else token * m
+        selected = (int(allowed.sum()) - m * self.num_kv_heads) // self.num_kv_heads
+        self._count(layer, selected, before + m * (m - 1) // 2)
         if self.pool is not None:
             last_row = torch.tensor([token + m - 1], dtype=torch.int32, device=self.device)
             every = slots[None, None, :].expand(1, self.num_kv_heads, held)
@@ -674,8 +679,8 @@ def _attend(
     window: int | None = None,
 ) -> torch.Tensor:
     """q (m, H, D) at positions held.. over keys/values (held + m, Hkv, D), each row over the last ``window`` of
-    them (None: all); ``allowed`` (m, Hkv, held + m) restricts each row further (InfiniGen's selection, global
-    layers only). -> (m, H, D)."""
+    them (None: all); ``allowed`` (m, Hkv, held + m) instead says what each row reads (InfiniGen's selection, made
+    within the window). -> (m, H, D)."""
     if allowed is None:
         return attend_prefill(q, keys, values, held, window)
     m, num_heads, head_dim = q.shape

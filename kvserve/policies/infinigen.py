@@ -6,10 +6,12 @@ attention: layer i's query projection applied to layer i-1's attention input, ro
 against a partial key cache of the same dimensions kept on the device. A token is fetched when its
 speculated score is within ``alpha`` of the best one; how many tokens is one count per layer (the mean
 over heads of each head's count, as the paper), and each KV head fetches its own top tokens. Layer 0
-reads its whole cache. Layer 1 speculates from its own query instead (``Rehearsal.OWN_QUERY_LAYERS``): the
+reads its whole cache. Layer 1 speculates from its own query instead (``Rehearsal.own_query_layers``): the
 input of layer 0 is the token embedding, which says nothing of where layer 1 attends (SmolLM2-135M's
 calibration sample: 99.8% of the rows to keep 93% of the attention from layer 0's input, 28.4% from layer 1's
-own query), so its fetch waits for its own projection instead of overlapping layer 0.
+own query), so its fetch waits for its own projection instead of overlapping layer 0. Sliding-window layers
+(Gemma 3), layer 0 included, select among their window's rows, from their own query too, at their own
+calibrated share of the attention (``ThresholdCalibration.window_mass``).
 
 ``alpha="auto"`` (the default) takes each layer's alpha from the model's calibration (``policies/calibration.py``:
 the smallest alpha that keeps a target share of the attention on the sample text); the place that loads the
@@ -136,14 +138,19 @@ class InfiniGen(KVPolicy):
         held: int,
         head_dim: int,
         rank_mean: RankMean | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Which of h cached and m new rows each of m new rows of a chunk reads at layer ``layer``, as decoding
         them one by one would: partial queries (m, Hkv, G, r) against partial keys (Hkv, h + m, r) ->
-        (m, Hkv, h + m) bool, each row its selection among the rows before it, plus itself."""
+        (m, Hkv, h + m) bool, each row its selection among the rows before it (the last ``window`` - 1 of them in
+        a window layer, whose h cached rows are then the first row's window), plus itself."""
         m, hkv = partial_q.shape[:2]
         device = partial_q.device
         row = torch.arange(m, device=device)
-        earlier = torch.arange(held + m, device=device)[None, :] < held + row[:, None]  # (m, h + m)
+        position = torch.arange(held + m, device=device)[None, :]
+        earlier = position < held + row[:, None]  # (m, h + m)
+        if window is not None:
+            earlier &= position > held + row[:, None] - window
         grouped = partial_q.permute(1, 0, 2, 3).flatten(1, 2)  # (Hkv, m * G, r): one matmul per KV head
         logits = partial_logits(grouped, partial_k, head_dim).view(hkv, m, -1, held + m).transpose(0, 1)
         selection = speculate(logits, earlier, self.layer_alpha(layer), rank_mean)  # over (m, Hkv, G, h + m) logits
@@ -296,11 +303,12 @@ class Rehearsal:
     it in, quantised or not, by applying it to the identity), the query's per-head norm and scale where the
     model has them (Gemma 3), and the skewing restricted to the kept dimensions.
 
-    Layers in ``OWN_QUERY_LAYERS`` are not rehearsed: their partial query is their own query's skewed
-    dimensions (``partial_from_query``), since the layer before them sees only token embeddings.
+    Layers in ``own_query_layers`` are not rehearsed: their partial query is their own query's skewed
+    dimensions (``partial_from_query``). Layer 1, since the layer before it sees only token embeddings; and
+    sliding-window layers (Gemma 3), whose fetch is a few rows of a bounded window and whose rehearsal
+    predicts worse (Gemma 3 270M: 31.4% against 27.3% of the rows for 96% of the attention,
+    benchmarks/infinigen/rows-needed-gemma3-mass096.md).
     """
-
-    OWN_QUERY_LAYERS = frozenset({1})
 
     def __init__(self, model: torch.nn.Module, skew_partial: torch.Tensor) -> None:
         cfg = model.config
@@ -314,7 +322,11 @@ class Rehearsal:
         # Gemma 3: queries are RMS-normalised per head before RoPE and scaled after it.
         self.q_norms = [getattr(layer.self_attn, "q_norm", None) for layer in model.layers]
         self.q_scales = [getattr(layer.self_attn, "q_scale", 1.0) for layer in model.layers]
-        self.layer_windows = tuple(cfg.layer_windows)  # a window layer reads its window: nothing to predict
+        self.layer_windows = tuple(cfg.layer_windows)  # a window layer selects among its window's rows
+        windowed = {i for i, window in enumerate(self.layer_windows) if window is not None}
+        self.own_query_layers = frozenset({1} | windowed)
+        # Layer 0 reads its whole cache unless it has a window (then it selects in it, from its own query too).
+        self.speculated_layers = frozenset(range(1, cfg.num_layers)) | self.own_query_layers
         with torch.inference_mode():
             for layer in model.layers:
                 proj = layer.self_attn.qkv_proj

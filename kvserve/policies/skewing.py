@@ -36,8 +36,8 @@ from kvserve.policies.infinigen import InfiniGen, Rehearsal
 SKEWING_DIR_ENV = "KVSERVE_INFINIGEN_DIR"
 SAMPLE_TOKENS = 2048
 CALIBRATION_ROWS = 128  # query rows of the sample's second half that calibrate the threshold
-_FORMAT = 4  # bump when the cached file's meaning changes (2: per-layer calibrated alphas; 3: sliding windows;
-# 4: layer 1's alpha for its own query)
+_FORMAT = 5  # bump when the cached file's meaning changes (2: per-layer calibrated alphas; 3: sliding windows;
+# 4: layer 1's alpha for its own query; 5: window layers' alphas, for their own query at window_mass)
 
 
 @dataclass(frozen=True)
@@ -189,13 +189,14 @@ def load_skewing(file: Path) -> Skewing | None:
     if saved.get("format") != _FORMAT:
         return None
     calibration = saved["calibration"]
-    target = ThresholdCalibration(calibration["mass"], calibration["quantile"])
+    target = ThresholdCalibration(calibration["mass"], calibration["quantile"], calibration["window_mass"])
     alphas = {int(dims): tuple(float(a) for a in values) for dims, values in calibration["alphas"].items()}
     return Skewing(saved["matrices"], saved["ranking"], target, alphas)
 
 
 def _file_contents(skewing: Skewing) -> dict:
-    calibration = {"mass": skewing.target.mass, "quantile": skewing.target.quantile,
+    target = skewing.target
+    calibration = {"mass": target.mass, "quantile": target.quantile, "window_mass": target.window_mass,
                    "alphas": {dims: list(values) for dims, values in skewing.alphas.items()}}  # fmt: skip
     return {"format": _FORMAT, "matrices": skewing.matrices, "ranking": skewing.ranking, "calibration": calibration}
 

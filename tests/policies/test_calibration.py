@@ -1,6 +1,7 @@
 """InfiniGen's calibrated threshold (``infinigen_alpha="auto"``): a row's alpha is the smallest whose selection
 keeps the target attention mass (hand-made and random logits), a layer's the smallest that does so for the target
-share of rows; on a tiny model the calibration is deterministic and reaches its target on the sample; the skewing
+share of rows; on a tiny model the calibration is deterministic and reaches its target on the sample (on a
+sliding-window model, window layers their own target in their window); the skewing
 file stores it (an older file is recomputed, a tensor-parallel rank told to run the setup); "auto" resolves to
 per-layer alphas that drive which rows each layer fetches, a number overrides; bad values are refused by name."""
 
@@ -37,6 +38,7 @@ from kvserve.policies.skewing import (
     skewing_for,
 )
 from kvserve.sampling_params import SamplingParams
+from tests.test_sliding_window_tiny import SPECS
 from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
 
 SPEC = TinySpec(num_heads=4, num_kv_heads=2, num_layers=3, head_dim=32, max_position_embeddings=256, seed=31)
@@ -137,6 +139,34 @@ def test_calibration_is_deterministic_and_reaches_its_target_on_the_sample(loade
         speculated, exact = layer_logits(sample, rehearsal, layer)
         share = float(reaching(speculated, exact, valid, alphas[layer], target.mass).float().mean())
         below = float(reaching(speculated, exact, valid, alphas[layer] * (1 - 1e-4), target.mass).float().mean())
+        assert share >= target.quantile > below, (layer, share, below)
+
+
+def test_window_layers_calibrate_their_own_query_in_their_window_at_the_window_mass(tmp_path) -> None:
+    """Tiny Gemma 3 (window 8, layer 5 global): every layer speculates, layer 0 included; a window layer's alpha is
+    the smallest at which its own query's selection among its window's rows keeps ``window_mass``, the global
+    layer's the smallest at which its rehearsal keeps ``mass``."""
+    loaded = load_model(write_tiny_model(tmp_path, SPECS["gemma3"]), dtype=torch.float32)
+    windows = loaded.config.layer_windows
+    recorder, n = sample_of(loaded)
+    dims = InfiniGen().partial_dims(loaded.config.head_dim)
+    rehearsal = Rehearsal(loaded.model, compute_skewing(loaded.model, sample_tokens(loaded.tokenizer, n)).partial(dims))
+    assert rehearsal.speculated_layers == set(range(6)) and rehearsal.own_query_layers == {0, 1, 2, 3, 4}
+    target = ThresholdCalibration(mass=0.7, quantile=0.75, window_mass=0.9)
+    sample = recorder.sample()
+    alphas = calibrate_alphas(sample, rehearsal, target)
+    position = torch.arange(n)[None, :]
+    for layer, window in enumerate(windows):
+        valid = candidates(sample, n)
+        if window is not None:
+            valid &= position > sample.rows[:, None] - window
+            partial_q = rehearsal.partial_from_query(layer, sample.queries[layer])
+        else:
+            partial_q = rehearsal.partial_query(layer, sample.inputs[layer - 1], sample.rope[layer - 1])
+        speculated, exact = layer_logits(sample, rehearsal, layer, partial_q)
+        mass = target.window_mass if window is not None else target.mass
+        share = float(reaching(speculated, exact, valid, alphas[layer], mass).float().mean())
+        below = float(reaching(speculated, exact, valid, alphas[layer] * (1 - 1e-4), mass).float().mean())
         assert share >= target.quantile > below, (layer, share, below)
 
 

@@ -221,7 +221,8 @@ class SlidingWindowKV(ContiguousKVCache):
 class InfiniGenReference(ContiguousKVCache):
     """InfiniGen written out for one sequence: a prompt attends causally; a decode row at layer i >= 1
     attends to itself and, per KV head, the top ``count`` cached rows by the speculated logits of layer i's
-    partial query (from layer i - 1's input; layer 1: from its own query) against the cached partial keys."""
+    partial query (from layer i - 1's input; layer 1 and window layers: from its own query) against the cached
+    partial keys (a window layer, layer 0 included: those of its window)."""
 
     rehearsal: Rehearsal
     alpha = 0.0
@@ -229,28 +230,31 @@ class InfiniGenReference(ContiguousKVCache):
     def observe_input(self, layer, x, rope, metadata) -> None:  # noqa: ANN001 - AttentionBackend's
         if layer == 0:
             self.partial_q = {}
-        if 1 < layer + 1 < len(self.rehearsal.weights):
+        if 1 < layer + 1 < len(self.rehearsal.weights) and metadata.window_of(layer + 1) is None:
             self.partial_q[layer + 1] = self.rehearsal.partial_query(layer + 1, x, rope)  # (n, Hkv, G, r)
 
     def forward(self, layer, q, k, v, metadata) -> torch.Tensor:  # noqa: ANN001 - ContiguousKVCache's
         ctx, n = metadata.context_lens[0], q.shape[0]
-        if layer == 1:  # layer 0's input is the token embedding: layer 1 speculates with its own query
+        # Layer 0's input is the token embedding: layer 1 speculates with its own query, as window layers do.
+        window = metadata.window_of(layer)
+        if layer == 1 or window is not None:
             d = q.shape[-1]
             grouped = q.view(n, self.rehearsal.num_kv_heads, -1, d)  # (n, Hkv, G, D)
-            self.partial_q[1] = torch.einsum("nhgd,hdr->nhgr", grouped, self.rehearsal.skew[1])
+            self.partial_q[layer] = torch.einsum("nhgd,hdr->nhgr", grouped, self.rehearsal.skew[layer])
         if layer == 0 and ctx == 0:  # a new sequence
             self.partial_k = {}
         new_partial = self.rehearsal.partial_key(layer, k).transpose(0, 1)  # (Hkv, n, r)
         cached_partial = self.partial_k.get(layer)
         self.partial_k[layer] = new_partial if cached_partial is None else torch.cat((cached_partial, new_partial), 1)
-        if n > 1 or layer == 0:
+        if n > 1 or (layer == 0 and window is None):  # a full-attention layer 0 reads everything
             return super().forward(layer, q, k, v, metadata)
         partial_q = self.partial_q[layer][0]  # (Hkv, G, r) of the one decode row
-        logits = partial_logits(partial_q, cached_partial, self.rehearsal.head_dim)  # (Hkv, G, ctx)
+        first = max(0, ctx + 1 - window) if window else 0  # a window layer selects among its window's rows
+        logits = partial_logits(partial_q, cached_partial[:, first:], self.rehearsal.head_dim)  # (Hkv, G, ctx - first)
         selection = speculate(logits[None], None, self.alpha)
         count = int(selection.counts[0])
         allowed = torch.zeros(q.shape[1] // self.rehearsal.group, ctx + 1, dtype=torch.bool)
-        allowed.scatter_(1, selection.index[0, :, :count], True)
+        allowed.scatter_(1, first + selection.index[0, :, :count], True)
         allowed[:, ctx] = True
         self.k[layer, 0, :, ctx], self.v[layer, 0, :, ctx] = k[0], v[0]
         keys, values = self.k[layer, 0, :, : ctx + 1], self.v[layer, 0, :, : ctx + 1]  # (Hkv, ctx + 1, D)
@@ -268,7 +272,9 @@ def greedy_reference(
     out, logprobs = [], []
     step, ctx = prompt[: len(prompt) if first is None else first], 0
     while len(out) < max_tokens:
-        meta = AttentionMetadata(seq_ids=(0,), query_lens=(len(step),), context_lens=(ctx,))
+        meta = AttentionMetadata(
+            seq_ids=(0,), query_lens=(len(step),), context_lens=(ctx,), layer_windows=loaded.config.layer_windows
+        )
         hidden = loaded.model(torch.tensor(step), torch.arange(ctx, ctx + len(step)), cache, meta)
         ctx += len(step)
         if ctx < len(prompt):  # the rest of the prompt: no token sampled yet

@@ -1,8 +1,9 @@
 """The offloaded cache on sliding-window models (tiny random Gemma 3 and Mistral, window 8, blocks of 4 tokens):
 fetch-everything and InfiniGen selecting everything give the paged engine's tokens and logprobs (window groups),
 through chunked prefill, scored chunks and decoding past several windows; a window layer fetches only the
-blocks that cover its window; InfiniGen's default alpha speculates on the global layers only; INT4 reads the
-same rows as the full offload; the rehearsal rotates and normalises queries as the layer it predicts."""
+blocks that cover its window; InfiniGen speculates in every layer past the first and in every window layer
+(among its window's rows, from its own query), as a written-out reference does; INT4 reads the same rows as the
+full offload; the rehearsal rotates and normalises queries as the layer it predicts."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvserve.attention.offloaded import OffloadedKVCache
 from kvserve.models import load_model
 from kvserve.policies.infinigen import Rehearsal
 from kvserve.policies.skewing import record_sample, skew_recorded
+from tests.policies.test_offload_engine_tiny import InfiniGenReference, greedy_reference
 from tests.test_sliding_window_tiny import SPECS
 from tests.tiny_models import skewing_in_tmp, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixtures
 
@@ -80,8 +82,7 @@ def test_infinigen_selecting_everything_is_the_full_offload(tiny, full) -> None:
     outputs, llm = generate(folder, loaded, kv_offload="host", **EVERYTHING)
     llm.engine.close()
     assert_same(outputs, full[0])
-    ours, theirs = llm.engine.runner.cache.stats, full[1].stats
-    assert (ours.fetched_rows, ours.cached_rows) == (theirs.fetched_rows, theirs.cached_rows)  # every read counted
+    assert llm.engine.runner.cache.stats.fetch_fraction() == full[1].stats.fetch_fraction()
 
 
 def test_window_layers_fetch_their_window_and_count_it(tiny, full) -> None:
@@ -118,21 +119,43 @@ def test_window_layers_fetch_their_window_and_count_it(tiny, full) -> None:
     assert [f < 1 for f in full[1].stats.fetch_fraction()] == [w is not None for w in windows]
 
 
-def test_infinigen_default_alpha_speculates_on_global_layers(tiny, full) -> None:
+def test_infinigen_speculates_in_window_layers_too(tiny, full) -> None:
+    """Every layer reads fewer rows than the full offload at a small alpha: a global layer among all its rows, a
+    window layer among its window's (layer 0 has one in both models, so it selects too)."""
     folder, loaded = tiny
-    outputs, llm = generate(folder, loaded, kv_offload="host", kv_policy="infinigen")
+    outputs, llm = generate(folder, loaded, kv_offload="host", kv_policy="infinigen", infinigen_alpha=0.5)
     llm.engine.close()
     cache = llm.engine.runner.cache
     assert [len(o.outputs[0].token_ids) for o in outputs] == [MAX_TOKENS] * len(LENGTHS)
     fractions, baseline = cache.stats.fetch_fraction(), full[1].stats.fetch_fraction()
-    windows = loaded.config.layer_windows
-    for layer, window in enumerate(windows):
-        if window is not None or layer == 0:
-            assert fractions[layer] == baseline[layer]  # a window layer reads its window
-        else:
-            assert fractions[layer] < baseline[layer]
-    if any(w is None for w in windows[1:]):
-        assert cache.queue.stats.bytes_fetched < full[1].queue.stats.bytes_fetched
+    assert loaded.config.layer_windows[0] is not None
+    assert all(f < b for f, b in zip(fractions, baseline, strict=True))
+    assert cache.queue.stats.bytes_fetched < full[1].queue.stats.bytes_fetched
+
+
+def test_infinigen_decodes_and_scores_what_the_written_out_selection_does(tiny) -> None:
+    """Window layers select among their window's rows, as ``InfiniGenReference`` written out over a contiguous
+    cache: decoding after a whole prompt, and a prompt scored in chunks (each scored row reads what decoding it
+    alone would) after its first chunk."""
+    folder, loaded = tiny
+    prompt = prompts(loaded)[0]
+    for options, first in (({}, None), ({"prompt_logprobs": 1}, 16)):
+        llm = LLM(str(folder), dtype="float32", block_size=BLOCK, max_num_batched_tokens=16, kv_cache_memory="4MiB",
+                  enable_prefix_caching=False, kv_offload="host", kv_policy="infinigen",
+                  infinigen_alpha=0.5)  # fmt: skip
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=2, **options)
+        (out,) = llm.generate([prompt], params, use_tqdm=False)
+        llm.engine.close()
+        cfg = loaded.config
+        reference = InfiniGenReference(
+            cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, len(prompt) + MAX_TOKENS, torch.float32
+        )
+        reference.rehearsal, reference.alpha = llm.engine.runner.cache.rehearsal, 0.5
+        expected, logprobs = greedy_reference(loaded, reference, prompt, MAX_TOKENS, first=first)
+        assert out.outputs[0].token_ids == expected, options
+        for exact, top in zip(logprobs, out.outputs[0].logprobs, strict=True):
+            for token, logprob in top.items():
+                assert logprob == pytest.approx(float(exact[token]), abs=1e-4), options
 
 
 def test_int4_reads_the_full_offloads_rows(tmp_path) -> None:
