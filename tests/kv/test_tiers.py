@@ -5,6 +5,7 @@ queue and in the offloading engine), block copies and the double-buffered stagin
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ LAYERS, SLOTS = 3, 16
 
 @pytest.fixture
 def queue():
-    q = TransferQueue("cpu")
+    q = TransferQueue("cpu", inline=False)  # the worker thread (inline copies: their own test)
     yield q
     q.close()
 
@@ -160,6 +161,33 @@ def test_wait_is_what_makes_a_slow_copy_visible(queue) -> None:
     assert written.is_set() and torch.equal(staging, source)
 
 
+def test_inline_copies_run_at_submission_where_compute_takes_every_core(monkeypatch) -> None:
+    """With no core left for a worker, each copy runs when it is submitted (a store has landed before the next
+    line runs, a fetch's rows are there before ``wait``), errors still surface at ``wait``, bytes are counted."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # one core, one compute thread (autouse)
+    q = TransferQueue("cpu")
+    assert q.inline and q._worker is None
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert not TransferQueue("cpu").inline  # a free core: the worker overlaps
+    tier = make_tier("host", torch.float32)
+    index, rows = torch.tensor([2, 5]), random_rows(2, (2, 8), torch.float32, 4)
+    store(q, tier, "k", 1, index, rows)  # not waited on
+    assert torch.equal(tier.arrays["k"][1, index], rows)
+    transfer, out = fetch(q, tier, "k", 1, index.flip(0))
+    assert torch.equal(out, rows.flip(0))
+    transfer.wait()
+
+    def broken() -> None:
+        raise RuntimeError("copy failed")
+
+    failed = q.store(broken, 0)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        failed.wait()
+    assert q.fetch(lambda: "still serving", 0).wait() == "still serving"
+    assert (q.stats.bytes_stored, q.stats.bytes_fetched) == (2 * 64, 2 * 64)
+    q.close()
+
+
 def test_staging_buffers_alternate_by_layer_and_grow() -> None:
     buffers = StagingBuffers({"k": RowSpec((2, 4), torch.float32), "v": RowSpec((3,), torch.uint8)}, "cpu")
     layer0, layer1, layer2 = (buffers.get("k", layer, 4) for layer in range(3))
@@ -228,6 +256,7 @@ def test_offloaded_engine_waits_for_slow_fetches(loaded, monkeypatch) -> None:
         tiers.gather_rows(src, index, out)
 
     monkeypatch.setattr("kvserve.attention.offloaded.gather_rows", slow_gather)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))  # a core free for the worker
     slow = generate(loaded, kv_offload="host")
     assert calls and set(calls) == {"kvserve-transfer"}  # the copies ran on the worker, and were slowed
     assert slow == offloaded == paged
