@@ -52,8 +52,8 @@ def _picks(selection, slots):
 @pytest.mark.parametrize("alpha", [0.5, 3.0, 1e9])
 def test_kernel_selects_what_the_reference_selects(dtype, kv_heads, group, dims, block_size, alpha):
     assert cpu_kernels.cpu_kernels_available()
-    # One candidate, a block boundary either side, a window start mid-block, a long row.
-    ranges = [(0, 1), (0, block_size), (0, block_size + 1), (3, 2 * block_size + 3), (0, 613), (100, 301)]
+    # One candidate, a block boundary either side, a window start mid-block, long rows.
+    ranges = [(0, 1), (0, block_size), (0, block_size + 1), (3, 2 * block_size + 3), (0, 613), (100, 301), (7, 4099)]
     partial_q, partial_keys, candidates = _case(len(ranges), kv_heads, group, dims, block_size, ranges, dtype)
     policy = InfiniGen(alpha=alpha)
     got, got_slots = policy.select_decode_rows(0, partial_q, partial_keys, candidates, head_dim=64)
