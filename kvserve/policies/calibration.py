@@ -13,7 +13,9 @@ weights (softmax over the earlier tokens, mean over a KV head's query heads) say
 each KV head's top c tokens hold. The row's alpha is the smallest whose count (``speculate``'s rule: the mean
 over query heads of each head's tokens within alpha of its best, truncated) reaches the smallest c that keeps
 ``mass`` of it (mean over KV heads). The layer's alpha is the smallest at which a share ``quantile`` of the rows
-keep ``mass``. Layer 0 reads its whole cache; its alpha (0) is never used.
+keep ``mass``. Layer 0 reads its whole cache (its alpha, 0, is never used) unless it has a sliding window;
+sliding-window layers (Gemma 3) speculate from their own query among their window's rows and keep
+``window_mass``.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class SampleRows:
 def layer_logits(
     sample: SampleRows, rehearsal: Rehearsal, layer: int, partial_q: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer ``layer`` (>= 1) at the calibration rows: speculated and exact logits, both (R, Hkv, G, n) float32.
+    """Layer ``layer`` at the calibration rows: speculated and exact logits, both (R, Hkv, G, n) float32.
     The speculation's partial queries (R, Hkv, G, r) are ``partial_q`` if given, else decode's: from layer - 1's
     input, or the layer's own query for ``Rehearsal.own_query_layers``."""
     keys = sample.keys[layer].to(rehearsal.skew.dtype)  # (n, Hkv, D)
