@@ -33,7 +33,7 @@ from kvserve.models.dtype import DTYPE_CHOICES, DTYPES, resolve_dtype_name
 from kvserve.models.loader import LoadedModel, load_model
 from kvserve.models.sharding import TensorShard
 from kvserve.policies.calibration import ThresholdCalibration
-from kvserve.policies.infinigen import InfiniGen
+from kvserve.policies.infinigen import InfiniGen, speculated_layers
 from kvserve.progress import DelayedProgress
 from kvserve.sampling_params import SamplingParams
 
@@ -179,10 +179,10 @@ def cmd_infinigen_setup(args: argparse.Namespace) -> int:
     skewing, file = skewing_for(loaded, directory, refresh=args.refresh, partial_dims=dims, target=target)
     layers, heads, dim = skewing.ranking.shape
     windows = loaded.config.layer_windows
-    first = 0 if windows[0] is not None else 1  # a full-attention layer 0 reads everything: no alpha
+    first = min(speculated_layers(windows))  # a full-attention layer 0 reads everything: no alpha
     alphas = " ".join(f"{a:.2f}" for a in skewing.alphas[dims][first:])
     print(f"infinigen-setup: {loaded.path.name}: alpha auto, layers {first}-{layers - 1} ({dims} of {dim} partial "
-          f"dims; keeps {target.describe(any(w is not None for w in windows))}): {alphas}")  # fmt: skip
+          f"dims; keeps {target.describe(windows)}): {alphas}")  # fmt: skip
     print(f"infinigen-setup: {loaded.path.name}: skewing for {layers} layers x {heads} KV heads (head dim {dim}) "
           f"in {file}")  # fmt: skip
     return 0

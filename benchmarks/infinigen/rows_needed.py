@@ -91,12 +91,11 @@ def main() -> int:
     target = ThresholdCalibration(args.mass, args.quantile)
     layers = {}
     n = sample.keys[0].shape[0]
-    position = torch.arange(n)[None, :]
     earlier = candidates(sample, n)  # (R, n): the share is of each row's earlier tokens, as the accuracy tables'
     with torch.inference_mode():
         for layer in range(cfg.num_layers):
             window = cfg.layer_windows[layer] if cfg.layer_windows else None
-            valid = earlier & (position > sample.rows[:, None] - window) if window else earlier
+            valid = candidates(sample, n, window)
             row = {"kvserve now": float((valid.sum(-1).float() / earlier.sum(-1)).mean())}  # window, or everything
             if layer > 0:
                 row.update(_predicted(sample, rehearsal, layer, valid, earlier, target))

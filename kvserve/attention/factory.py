@@ -55,7 +55,7 @@ def infinigen_rehearsal(policy: InfiniGen, loaded: LoadedModel) -> tuple[InfiniG
         get_logger().info(
             "InfiniGen: infinigen_alpha='auto' -> per-layer alphas %s (each keeps %s)",
             " ".join(f"{a:.2f}" for a in policy.alpha),
-            skewing.target.describe(any(w is not None for w in loaded.config.layer_windows)),
+            skewing.target.describe(loaded.config.layer_windows),
         )
     skew = skewing.partial(dims)  # (L, Hkv, D, r)
     if loaded.shard is not None:  # this rank's KV heads

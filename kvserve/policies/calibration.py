@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,8 +49,9 @@ class ThresholdCalibration:
         """This target as a sliding-window layer keeps it."""
         return dataclasses.replace(self, mass=self.window_mass)
 
-    def describe(self, windowed: bool) -> str:
+    def describe(self, layer_windows: Sequence[int | None]) -> str:
         """What the alphas keep, in words (the window layers' share only for a model that has them)."""
+        windowed = any(w is not None for w in layer_windows)
         window = f" (sliding-window layers {self.window_mass:g})" if windowed else ""
         return f"{self.mass:g}{window} of the attention on {self.quantile:g} of the sample's rows"
 
@@ -123,9 +125,12 @@ def layer_logits(
     return speculated.transpose(0, 1), exact.transpose(0, 1)
 
 
-def candidates(sample: SampleRows, n: int) -> torch.Tensor:
-    """(R, n) bool: each calibration row's earlier tokens (its own key is always read, so not a candidate)."""
-    return torch.arange(n)[None, :] < sample.rows[:, None]
+def candidates(sample: SampleRows, n: int, window: int | None = None) -> torch.Tensor:
+    """(R, n) bool: each calibration row's earlier tokens (its own key is always read, so not a candidate); in a
+    sliding-window layer only those within its window."""
+    position = torch.arange(n)[None, :]
+    earlier = position < sample.rows[:, None]
+    return earlier & (position > sample.rows[:, None] - window) if window else earlier
 
 
 @torch.inference_mode()
@@ -133,14 +138,13 @@ def calibrate_alphas(sample: SampleRows, rehearsal: Rehearsal, target: Threshold
     """Each layer's calibrated alpha for the rehearsal's partial dimensions (0, unused, where it does not
     speculate: a full-attention layer 0); a sliding-window layer's over the candidates in its window."""
     n = sample.keys[0].shape[0]
-    earlier = candidates(sample, n)
     alphas = []
     for layer in range(len(sample.keys)):
         if layer not in rehearsal.speculated_layers:
             alphas.append(0.0)
             continue
         window = rehearsal.layer_windows[layer] if rehearsal.layer_windows else None
-        valid = earlier & (torch.arange(n)[None, :] > sample.rows[:, None] - window) if window else earlier
+        valid = candidates(sample, n, window)
         speculated, exact = layer_logits(sample, rehearsal, layer)
         kept = target.for_window() if window else target
         alphas.append(kept.layer_alpha(kept.row_alphas(speculated, exact, valid)))

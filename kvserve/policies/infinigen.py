@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -296,6 +296,12 @@ def choose_victims(
     return key.masked_fill(~older, torch.iinfo(torch.long).max).argmin(dim=-1)
 
 
+def speculated_layers(layer_windows: Sequence[int | None]) -> frozenset[int]:
+    """The layers InfiniGen selects rows in: every one but a full-attention layer 0, which reads its whole cache
+    (a window layer 0 selects within its window, from its own query)."""
+    return frozenset(i for i, window in enumerate(layer_windows) if i > 0 or window is not None)
+
+
 class Rehearsal:
     """Layer i's partial query from layer i-1's attention input, and the partial keys, for a model.
 
@@ -323,10 +329,9 @@ class Rehearsal:
         self.q_norms = [getattr(layer.self_attn, "q_norm", None) for layer in model.layers]
         self.q_scales = [getattr(layer.self_attn, "q_scale", 1.0) for layer in model.layers]
         self.layer_windows = tuple(cfg.layer_windows)  # a window layer selects among its window's rows
+        self.speculated_layers = speculated_layers(self.layer_windows)
         windowed = {i for i, window in enumerate(self.layer_windows) if window is not None}
-        self.own_query_layers = frozenset({1} | windowed)
-        # Layer 0 reads its whole cache unless it has a window (then it selects in it, from its own query too).
-        self.speculated_layers = frozenset(range(1, cfg.num_layers)) | self.own_query_layers
+        self.own_query_layers = frozenset({1} | windowed) & self.speculated_layers
         with torch.inference_mode():
             for layer in model.layers:
                 proj = layer.self_attn.qkv_proj
