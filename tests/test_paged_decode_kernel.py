@@ -72,6 +72,24 @@ def test_float32_queries_over_a_narrower_cache(kv_dtype, heads, kv_heads, head_d
     assert torch.allclose(got_weights, want_weights, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 64), (4, 4, 128), (2, 2, 64), (4, 1, 256)], ids=str
+)
+def test_bfloat16_queries_score_as_float32_arithmetic_would(heads, kv_heads, head_dim):
+    """bfloat16 queries over a bfloat16 cache take the CPU's bfloat16 dot products where it has them (exact
+    products, float32 sums): the log-sum-exps and probabilities must match float32 queries holding the same
+    rounded values to float32 rounding, over odd lengths and block boundaries (4-key chunks with a tail)."""
+    ranges = [(0, 1), (0, 3), (0, 17), (3, 35), (0, 257), (100, 613)]
+    q, k, v, tables, starts, ends = _case(len(ranges), heads, kv_heads, head_dim, 16, ranges, torch.bfloat16)
+    got, got_lse = paged_decode_lse(q, k, v, tables, starts, ends)
+    wide, wide_lse = paged_decode_lse(q.float(), k, v, tables, starts, ends)
+    _, got_weights = paged_decode(q, k, v, tables, starts, ends, want_weights=True)
+    _, wide_weights = paged_decode(q.float(), k, v, tables, starts, ends, want_weights=True)
+    assert torch.allclose(got_lse, wide_lse, atol=1e-5, rtol=0)
+    assert torch.allclose(got_weights, wide_weights, atol=1e-6, rtol=1e-5)
+    assert (got.float() - wide).abs().max().item() <= 8e-3  # the bfloat16 output's rounding
+
+
 def test_a_cache_wider_than_the_queries_is_refused():
     q, k, v, tables, starts, ends = _case(1, 4, 2, 16, 4, [(0, 5)], torch.bfloat16)
     with pytest.raises(RuntimeError, match="narrower under float32 q; got q BFloat16, k_cache Float"):

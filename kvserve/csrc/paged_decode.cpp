@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -311,6 +312,180 @@ inline void for_each_block(int64_t block_size, int64_t first, int64_t last, F&& 
   }
 }
 
+// Each of the H rows of scores (H, n) -> exp(score - the row's max) in place; m, l: the max and the sum, and with
+// logits (not null) row j's scores first copied to logits + j * stride.
+inline void softmax_rows(float* scores, int64_t H, int64_t n, float* m, float* l, float* logits, int64_t stride) {
+  for (int64_t j = 0; j < H; ++j) {
+    float* s = scores + j * n;
+    if (logits != nullptr) std::memcpy(logits + j * stride, s, sizeof(float) * n);
+    const float mx = max_of(s, n);
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - mx);
+    m[j] = mx;
+    l[j] = ordered_sum(s, n);
+  }
+}
+#if defined(__AVX512BF16__)
+// bfloat16 queries over a bfloat16 cache, on the CPU's bfloat16 dot products (vdpbf16ps: pairs of products
+// exact in float32, summed into float32 lanes). Per key and query head the float32 kernel above spent a
+// 16-lane horizontal sum besides its FMAs, and it widened every key to float32 first; here the keys are used
+// as stored and four keys' sums are reduced together (reduce4). Both passes walk a row's whole span per KV
+// head, the accumulators in registers throughout (a span's keys, <= 256 x Hkv x D, stay in L2).
+
+// Positions first, first + 1, ... of KV head h through a block table, without a division per key.
+struct KeyCursor {
+  const Geometry& g;
+  const int32_t* table;
+  int64_t h, block, offset;
+  KeyCursor(const Geometry& geo, const int32_t* t, int64_t head, int64_t first)
+      : g(geo), table(t), h(head), block(first / geo.block_size), offset(first % geo.block_size) {}
+  // The next key's first element in a cache, then one position on.
+  int64_t next() {
+    const int64_t slot = table[block] * g.block_stride + offset * g.token_stride + h * g.dim;
+    if (++offset == g.block_size) offset = 0, ++block;
+    return slot;
+  }
+};
+
+// Lane i = the sum of a_i's 16 lanes, by the same tree for every i (so a key's score does not depend on which
+// of the four it was): the quarters pairwise, then the four lanes of what is left.
+inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+  __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+  w = _mm512_add_ps(w, _mm512_permute_ps(w, 0xB1));  // lanes (0+1, 1+0, 2+3, 3+2) in each quarter
+  w = _mm512_add_ps(w, _mm512_permute_ps(w, 0x4E));  // lane 0 of quarter i: key i's sum
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                          0, 0), w));
+}
+
+// scores[(h * G + j) * n + t] = scale * q_hj . key_h(first + t) for every KV head h, q (H, D) bfloat16
+// unscaled, n = last - first. Keys four at a time, every KV head of a key before the next (a key's heads are one
+// contiguous row: the cache streams in order); a run's last chunk repeats its last key, so every key goes
+// through the same instructions. The same rows of the value cache are prefetched for the value pass.
+template <int G, int D>
+void key_pass_bf16(const Geometry& g, const uint16_t* q, float scale, const uint16_t* k_cache,
+                   const uint16_t* v_cache, const int32_t* table, int64_t first, int64_t last, float* scores) {
+  constexpr int C = D / 32;
+  const int64_t n = last - first, row_bytes = g.kv_heads * D * 2;
+  KeyCursor cursor(g, table, 0, first);
+  const __m128 s = _mm_set1_ps(scale);
+  for (int64_t pos = first; pos < last; pos += 4) {
+    const int64_t count = std::min<int64_t>(4, last - pos);
+    int64_t rows[4];
+    for (int i = 0; i < 4; ++i) rows[i] = i < count ? cursor.next() : rows[count - 1];
+    for (int i = 0; i < count; ++i) {
+      const char* v = reinterpret_cast<const char*>(v_cache + rows[i]);
+      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(v + b, _MM_HINT_T1);
+    }
+    for (int64_t h = 0; h < g.kv_heads; ++h) {
+      __m512 sums[G][4];
+      for (int j = 0; j < G; ++j)
+        for (int i = 0; i < 4; ++i) sums[j][i] = _mm512_setzero_ps();
+      const uint16_t* qh = q + h * G * D;
+      for (int c = 0; c < C; ++c) {
+        for (int i = 0; i < 4; ++i) {
+          const __m512bh kc = (__m512bh)_mm512_loadu_si512(k_cache + rows[i] + h * D + c * 32);
+          for (int j = 0; j < G; ++j)
+            sums[j][i] = _mm512_dpbf16_ps(sums[j][i], (__m512bh)_mm512_loadu_si512(qh + j * D + c * 32), kc);
+        }
+      }
+      for (int j = 0; j < G; ++j) {
+        const __m128 s4 = _mm_mul_ps(reduce4(sums[j][0], sums[j][1], sums[j][2], sums[j][3]), s);
+        float* out = scores + (h * G + j) * n + (pos - first);
+        if (count == 4) {
+          _mm_storeu_ps(out, s4);
+        } else {
+          float tmp[4];
+          _mm_storeu_ps(tmp, s4);
+          for (int64_t i = 0; i < count; ++i) out[i] = tmp[i];
+        }
+      }
+    }
+  }
+}
+
+// acc[j] += probs[j * stride + t] * value(first + t) in float32, columns [c0, c0 + W) at a time. 32 stored
+// bfloat16 widen in two instructions as their even and odd columns (a shift, a mask), so the accumulators
+// hold the columns in that order and are put back in place at the end.
+template <int G, int D>
+void value_pass_bf16(const Geometry& g, const uint16_t* v_cache, const int32_t* table, int64_t h, int64_t first,
+                     int64_t last, const float* probs, int64_t stride, float* acc) {
+  constexpr int W = 64;  // columns per walk: 4 G accumulators in registers
+  constexpr int C = W / 32;
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512i to_even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i to_odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const __m512i from_lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i from_hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int64_t c0 = 0; c0 < D; c0 += W) {
+    __m512 even[G][C], odd[G][C];
+    for (int j = 0; j < G; ++j)
+      for (int c = 0; c < C; ++c) {
+        const __m512 lo = _mm512_loadu_ps(acc + j * D + c0 + c * 32), hi = _mm512_loadu_ps(acc + j * D + c0 + c * 32 + 16);
+        even[j][c] = _mm512_permutex2var_ps(lo, to_even, hi);
+        odd[j][c] = _mm512_permutex2var_ps(lo, to_odd, hi);
+      }
+    KeyCursor cursor(g, table, h, first);
+    for (int64_t t = 0; t < last - first; ++t) {
+      const uint16_t* row = v_cache + cursor.next() + c0;
+      __m512 p[G];
+      for (int j = 0; j < G; ++j) p[j] = _mm512_set1_ps(probs[j * stride + t]);
+      for (int c = 0; c < C; ++c) {
+        const __m512i raw = _mm512_loadu_si512(row + c * 32);
+        const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+        const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+        for (int j = 0; j < G; ++j) {
+          even[j][c] = _mm512_fmadd_ps(p[j], ve, even[j][c]);
+          odd[j][c] = _mm512_fmadd_ps(p[j], vo, odd[j][c]);
+        }
+      }
+    }
+    for (int j = 0; j < G; ++j)
+      for (int c = 0; c < C; ++c) {
+        _mm512_storeu_ps(acc + j * D + c0 + c * 32, _mm512_permutex2var_ps(even[j][c], from_lo, odd[j][c]));
+        _mm512_storeu_ps(acc + j * D + c0 + c * 32 + 16, _mm512_permutex2var_ps(even[j][c], from_hi, odd[j][c]));
+      }
+  }
+}
+
+// One work item as attend_span, for bfloat16 queries and cache: G and D fixed, D a multiple of 32.
+template <int G, int D>
+void attend_span_bf16(const Geometry& g, const uint16_t* q, float scale, const uint16_t* k_cache,
+                      const uint16_t* v_cache, const int32_t* table, int64_t first, int64_t last, float* m, float* l,
+                      float* acc, float* logits, int64_t stride) {
+  const int64_t n = last - first, H = g.heads;
+  std::vector<float> scores(H * n);
+  key_pass_bf16<G, D>(g, q, scale, k_cache, v_cache, table, first, last, scores.data());
+  softmax_rows(scores.data(), H, n, m, l, logits, stride);
+  std::fill(acc, acc + H * D, 0.f);
+  for (int64_t h = 0; h < g.kv_heads; ++h)
+    value_pass_bf16<G, D>(g, v_cache, table, h, first, last, scores.data() + h * G * n, n, acc + h * G * D);
+}
+
+// The fixed-shape span function for G query heads per KV head and head dim D, or null where there is none.
+using SpanFn = void (*)(const Geometry&, const uint16_t*, float, const uint16_t*, const uint16_t*, const int32_t*,
+                        int64_t, int64_t, float*, float*, float*, float*, int64_t);
+template <int D>
+SpanFn span_bf16_for_group(int64_t group) {
+  switch (group) {
+    case 1: return &attend_span_bf16<1, D>;
+    case 2: return &attend_span_bf16<2, D>;
+    case 3: return &attend_span_bf16<3, D>;
+    case 4: return &attend_span_bf16<4, D>;
+    default: return nullptr;
+  }
+}
+inline SpanFn span_bf16(int64_t group, int64_t dim) {
+  switch (dim) {
+    case 64: return span_bf16_for_group<64>(group);
+    case 128: return span_bf16_for_group<128>(group);
+    case 256: return span_bf16_for_group<256>(group);
+    default: return nullptr;
+  }
+}
+#endif
+
 // One work item: every query head of a row over key positions [first, last) of its block table `table`,
 // block by block and every KV head within a block, so a block's rows are read while they are in cache.
 // Writes m (H), l (H), acc (H, D) float32; if `logits` is not null, head j's logits to logits + j * stride.
@@ -323,15 +498,7 @@ void attend_span(const Geometry& g, const float* q, const T* k_cache, const T* v
     for (int64_t h = 0; h < g.kv_heads; ++h)
       key_pass(g, q + h * G * D, k_cache, table, h, a, b, scores.data() + h * G * n + (a - first), n);
   });
-  for (int64_t j = 0; j < H; ++j) {
-    float* s = scores.data() + j * n;
-    if (logits != nullptr) std::memcpy(logits + j * stride, s, sizeof(float) * n);
-    const float mx = max_of(s, n);
-#pragma omp simd
-    for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - mx);
-    m[j] = mx;
-    l[j] = ordered_sum(s, n);
-  }
+  softmax_rows(scores.data(), H, n, m, l, logits, stride);
   std::fill(acc, acc + H * D, 0.f);
   for_each_block(g.block_size, first, last, [&](int64_t a, int64_t b) {
     for (int64_t h = 0; h < g.kv_heads; ++h)
@@ -364,14 +531,27 @@ void decode(const Geometry& g, const at::Tensor& q, const at::Tensor& k_cache, c
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const int32_t* tp = tables.data_ptr<int32_t>();
+#if defined(__AVX512BF16__)
+  const SpanFn fast = std::is_same_v<TQ, at::BFloat16> && std::is_same_v<T, at::BFloat16> ? span_bf16(g.group, D)
+                                                                                           : nullptr;
+#endif
   // Grain: a short context runs on one thread (the fork costs more than it saves).
   const int64_t grain = std::max<int64_t>(1, 1024 / (SPAN * g.kv_heads));
   at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = item_row[i];
       float* lg = weights != nullptr ? logits.data() + b * H * length + item_first[i] : nullptr;  // row b, head 0
-      attend_span<T>(g, qf.data() + b * H * D, kp, vp, tp + b * g.width, item_first[i], item_last[i],
-                     m.data() + i * H, l.data() + i * H, acc.data() + i * H * D, lg, length);
+      float *mi = m.data() + i * H, *li = l.data() + i * H, *ai = acc.data() + i * H * D;
+#if defined(__AVX512BF16__)
+      if (fast != nullptr) {
+        const auto raw = [](const auto* p) { return reinterpret_cast<const uint16_t*>(p); };
+        fast(g, raw(qp) + b * H * D, static_cast<float>(scale), raw(kp), raw(vp), tp + b * g.width, item_first[i],
+             item_last[i], mi, li, ai, lg, length);
+        continue;
+      }
+#endif
+      attend_span<T>(g, qf.data() + b * H * D, kp, vp, tp + b * g.width, item_first[i], item_last[i], mi, li, ai,
+                     lg, length);
     }
   });
   // Merge each row's spans in order, per query head.
