@@ -12,7 +12,8 @@
 // a row's result does not depend on the rest of the batch.
 //
 // The cache may hold a narrower type than q (float32 queries over a bfloat16 or float16 cache): keys and values
-// widen to float32 as they load, as they do for a bfloat16 model.
+// widen to float32 as they load. bfloat16 queries over a bfloat16 cache use the CPU's bfloat16 dot products where
+// it has them (attend_span_bf16); elsewhere they widen as well.
 //
 // Optional output: each key's softmax probability averaged over the H query heads, (B, W * block_size)
 // float32, indexed by position (zero outside a row's range): what H2O and PyramidInfer fold into their
@@ -27,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -313,16 +315,16 @@ inline void for_each_block(int64_t block_size, int64_t first, int64_t last, F&& 
 }
 
 // Each of the H rows of scores (H, n) -> exp(score - the row's max) in place; m, l: the max and the sum, and with
-// logits (not null) row j's scores first copied to logits + j * stride.
-inline void softmax_rows(float* scores, int64_t H, int64_t n, float* m, float* l, float* logits, int64_t stride) {
+// probs (not null) row j's result also copied to probs + j * stride.
+inline void softmax_rows(float* scores, int64_t H, int64_t n, float* m, float* l, float* probs, int64_t stride) {
   for (int64_t j = 0; j < H; ++j) {
     float* s = scores + j * n;
-    if (logits != nullptr) std::memcpy(logits + j * stride, s, sizeof(float) * n);
     const float mx = max_of(s, n);
 #pragma omp simd
     for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - mx);
     m[j] = mx;
     l[j] = ordered_sum(s, n);
+    if (probs != nullptr) std::memcpy(probs + j * stride, s, sizeof(float) * n);
   }
 }
 #if defined(__AVX512BF16__)
@@ -453,11 +455,11 @@ void value_pass_bf16(const Geometry& g, const uint16_t* v_cache, const int32_t* 
 template <int G, int D>
 void attend_span_bf16(const Geometry& g, const uint16_t* q, float scale, const uint16_t* k_cache,
                       const uint16_t* v_cache, const int32_t* table, int64_t first, int64_t last, float* m, float* l,
-                      float* acc, float* logits, int64_t stride) {
+                      float* acc, float* probs, int64_t stride) {
   const int64_t n = last - first, H = g.heads;
   std::vector<float> scores(H * n);
   key_pass_bf16<G, D>(g, q, scale, k_cache, v_cache, table, first, last, scores.data());
-  softmax_rows(scores.data(), H, n, m, l, logits, stride);
+  softmax_rows(scores.data(), H, n, m, l, probs, stride);
   std::fill(acc, acc + H * D, 0.f);
   for (int64_t h = 0; h < g.kv_heads; ++h)
     value_pass_bf16<G, D>(g, v_cache, table, h, first, last, scores.data() + h * G * n, n, acc + h * G * D);
@@ -488,17 +490,17 @@ inline SpanFn span_bf16(int64_t group, int64_t dim) {
 
 // One work item: every query head of a row over key positions [first, last) of its block table `table`,
 // block by block and every KV head within a block, so a block's rows are read while they are in cache.
-// Writes m (H), l (H), acc (H, D) float32; if `logits` is not null, head j's logits to logits + j * stride.
+// Writes m (H), l (H), acc (H, D) float32; if `probs` is not null, head j's exp(logit - m[j]) to probs + j * stride.
 template <typename T>
 void attend_span(const Geometry& g, const float* q, const T* k_cache, const T* v_cache, const int32_t* table,
-                 int64_t first, int64_t last, float* m, float* l, float* acc, float* logits, int64_t stride) {
+                 int64_t first, int64_t last, float* m, float* l, float* acc, float* probs, int64_t stride) {
   const int64_t n = last - first, G = g.group, D = g.dim, H = g.heads;
   std::vector<float> scores(H * n);
   for_each_block(g.block_size, first, last, [&](int64_t a, int64_t b) {
     for (int64_t h = 0; h < g.kv_heads; ++h)
       key_pass(g, q + h * G * D, k_cache, table, h, a, b, scores.data() + h * G * n + (a - first), n);
   });
-  softmax_rows(scores.data(), H, n, m, l, logits, stride);
+  softmax_rows(scores.data(), H, n, m, l, probs, stride);
   std::fill(acc, acc + H * D, 0.f);
   for_each_block(g.block_size, first, last, [&](int64_t a, int64_t b) {
     for (int64_t h = 0; h < g.kv_heads; ++h)
@@ -525,7 +527,9 @@ void decode(const Geometry& g, const at::Tensor& q, const at::Tensor& k_cache, c
   row_item[B] = num_items;
   const int64_t length = g.width * g.block_size;
   std::vector<float> qf(B * H * D), m(num_items * H), l(num_items * H), acc(num_items * H * D);
-  std::vector<float> logits(weights != nullptr ? B * H * length : 0);
+  // With weights: each span's exp(logit - its max), rescaled once the row's log-sum-exp is known (uninitialised:
+  // only a row's own range is read).
+  std::unique_ptr<float[]> probs(weights != nullptr ? new float[B * H * length] : nullptr);
   const TQ* qp = q.data_ptr<TQ>();
   for (int64_t i = 0; i < B * H * D; ++i) qf[i] = to_float(qp[i]) * static_cast<float>(scale);
   const T* kp = k_cache.data_ptr<T>();
@@ -540,7 +544,7 @@ void decode(const Geometry& g, const at::Tensor& q, const at::Tensor& k_cache, c
   at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = item_row[i];
-      float* lg = weights != nullptr ? logits.data() + b * H * length + item_first[i] : nullptr;  // row b, head 0
+      float* lg = weights != nullptr ? probs.get() + b * H * length + item_first[i] : nullptr;  // row b, head 0
       float *mi = m.data() + i * H, *li = l.data() + i * H, *ai = acc.data() + i * H * D;
 #if defined(__AVX512BF16__)
       if (fast != nullptr) {
@@ -583,12 +587,15 @@ void decode(const Geometry& g, const at::Tensor& q, const at::Tensor& k_cache, c
     for (int64_t b = begin; b < end; ++b) {
       float* w = weights + b * length;
       std::fill(w, w + length, 0.f);
-      for (int64_t head = 0; head < H; ++head) {
-        const float* lg = logits.data() + (b * H + head) * length;
-        const float shift = lp[b * H + head];
-        for (int64_t t = starts[b]; t < ends[b]; ++t) w[t] += std::exp(lg[t] - shift);
+      for (int64_t i = row_item[b]; i < row_item[b + 1]; ++i) {
+        for (int64_t head = 0; head < H; ++head) {
+          const float* p = probs.get() + (b * H + head) * length;
+          // exp(logit - lse) = exp(logit - m) * exp(m - lse), averaged over the heads
+          const float f = std::exp(m[i * H + head] - lp[b * H + head]) / static_cast<float>(H);
+#pragma omp simd
+          for (int64_t t = item_first[i]; t < item_last[i]; ++t) w[t] += f * p[t];
+        }
       }
-      for (int64_t t = starts[b]; t < ends[b]; ++t) w[t] /= static_cast<float>(H);
     }
   });
 }
