@@ -58,13 +58,15 @@ _SELECT_ROWS = 256  # rows of a chunk speculated at once
 
 @dataclass
 class _Fetch:
-    """Rows of one layer on their way to the device, for the step's decode sequences: (B, T, Hkv, D) keys and
-    values, sequence b's in its own T rows (whole blocks, or the rows InfiniGen selects, each KV head its own).
-    Sequence b attends to its rows ``starts[b] .. own[b]``, its new row going in at ``own[b]``."""
+    """Rows of one layer on their way to the device, for the step's decode sequences, as (N, T, Hkv, D) keys
+    and values: whole blocks, sequence b's in block b's T rows, or the rows InfiniGen selects (each KV head its
+    own), every sequence's one after the other in one block. Sequence b attends to rows ``starts[b] .. own[b]``
+    of its block ``blocks[b]``, its new row going in at ``own[b]``."""
 
     transfer: Transfer
     buffers: dict[str, torch.Tensor]  # the staging buffers it lands in
-    shape: tuple[int, ...]  # (B, T, Hkv, D): of the keys/values they hold
+    shape: tuple[int, ...]  # (N, T, Hkv, D): of the keys/values they hold
+    blocks: torch.Tensor  # (B,) long
     starts: torch.Tensor  # (B,) int32
     own: torch.Tensor  # (B,) long
 
@@ -372,15 +374,13 @@ class OffloadedKVCache(AttentionBackend):
     ) -> torch.Tensor:
         """One new row per decode sequence: q (B, H, D), k/v (B, Hkv, D) -> (B, H, D)."""
         step = meta.state
-        batch = q.shape[0]
         fetch = step.pending.pop(layer)
         fetch.transfer.wait()
-        keys, values = self._dequantized(fetch.buffers, fetch.shape)  # (B, T, Hkv, D)
+        keys, values = self._dequantized(fetch.buffers, fetch.shape)  # (N, T, Hkv, D)
         # The step's own key/value is on the device already: it takes the spare row each fetch left.
-        batch_rows = torch.arange(batch, device=q.device)
-        keys[batch_rows, fetch.own], values[batch_rows, fetch.own] = k, v
-        # Each sequence's T rows are one block of the paged kernel: no copy, only its range is read.
-        tables = batch_rows.to(torch.int32)[:, None]
+        keys[fetch.blocks, fetch.own], values[fetch.blocks, fetch.own] = k, v
+        # The fetched rows are blocks of the paged kernel: no copy, only each sequence's range is read.
+        tables = fetch.blocks.to(torch.int32)[:, None]
         out, _ = paged_decode(q, keys, values, tables, fetch.starts, (fetch.own + 1).to(torch.int32))
         self._store_decodes(layer, k, v, meta)
         return out
@@ -403,7 +403,8 @@ class OffloadedKVCache(AttentionBackend):
 
         shape = (batch, num_rows // batch, self.num_kv_heads, self.head_dim)
         transfer = self.queue.fetch(copy, num_rows * self._row_bytes())
-        return _Fetch(transfer, out, shape, view.candidates.starts, view.own)
+        blocks_of = torch.arange(batch, device=self.device)
+        return _Fetch(transfer, out, shape, blocks_of, view.candidates.starts, view.own)
 
     def _fetch_selected(self, layer: int, step: _Step, meta: OffloadAttentionMetadata) -> _Fetch:
         """The rows layer ``layer``'s rehearsal selects for each decode sequence (InfiniGen)."""
@@ -415,17 +416,21 @@ class OffloadedKVCache(AttentionBackend):
         )  # slots (B, Hkv, K)
         # One more row per (sequence, head), any row: the step's own key/value goes there once fetched.
         slots = F.pad(slots, (0, 1))
+        counts = selection.counts.to(slots.device)
         heads = torch.arange(self.num_kv_heads, device=slots.device)[None, :, None]
-        # Rows of the tier's (slots * Hkv, D) view, ordered (B, K + 1, Hkv): row j of sequence b holds each KV
-        # head's j-th pick, so the fetched buffer is a (B, K + 1, Hkv, D) cache like a whole-blocks fetch.
-        flat = (slots * self.num_kv_heads + heads).transpose(1, 2).reshape(-1)
-        top = slots.shape[-1]
+        # Rows of the tier's (slots * Hkv, D) view, ordered (row, Hkv): row j of a sequence holds each KV head's
+        # j-th pick. Only its count of picks and the spare row: past its count a sequence's slots are
+        # placeholders (K is the batch's largest count), so the sequences' rows go one after the other.
+        keep = torch.arange(slots.shape[-1], device=slots.device)[None, :] <= counts[:, None]  # (B, K + 1)
+        flat = (slots * self.num_kv_heads + heads).transpose(1, 2)[keep].reshape(-1)
+        own = torch.cumsum(counts + 1, 0) - 1  # each sequence's spare row, after its picks
+        total = flat.numel() // self.num_kv_heads
         self._count(layer, int(selection.counts.sum()), step.cached)
         if self.pool is not None:
             self._note_selected(
                 layer, slots[..., :-1], selection.chosen, step.tokens
             )  # the selected, not the spare row
-        out = {name: self.staging.get(name, layer, batch * top) for name in self.rows}  # (B * K) x every head
+        out = {name: self.staging.get(name, layer, total) for name in self.rows}  # total x every head
 
         def copy() -> None:
             for name, buffer in out.items():
@@ -433,9 +438,11 @@ class OffloadedKVCache(AttentionBackend):
                 gather_rows(array.view(self.num_slots * self.num_kv_heads, -1), flat, buffer.view(flat.numel(), -1))
 
         nbytes = flat.numel() * self._row_bytes() // self.num_kv_heads
-        shape = (batch, top, self.num_kv_heads, self.head_dim)
-        starts = torch.zeros(batch, dtype=torch.int32, device=self.device)
-        return _Fetch(self.queue.fetch(copy, nbytes), out, shape, starts, selection.counts.to(self.device))
+        shape = (1, total, self.num_kv_heads, self.head_dim)  # one block: every sequence's rows
+        blocks = torch.zeros(batch, dtype=torch.long, device=self.device)
+        own = own.to(self.device)
+        starts = (own - counts.to(self.device)).to(torch.int32)
+        return _Fetch(self.queue.fetch(copy, nbytes), out, shape, blocks, starts, own)
 
     def _store_decodes(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: OffloadAttentionMetadata) -> None:
         """The decode rows' keys/values (B, Hkv, D) to the tier: at their own slot, or over a victim's."""

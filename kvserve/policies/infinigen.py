@@ -355,14 +355,21 @@ class Rehearsal:
         q = RotaryEmbedding.apply(q, rope)
         if self.q_scales[layer] != 1.0:
             q = q * self.q_scales[layer]
-        q = q.view(x.shape[0], self.num_kv_heads, self.group, self.head_dim)
-        return torch.matmul(q, self.skew[layer])  # (N, Hkv, G, D) @ (Hkv, D, r)
+        return self._skewed(layer, q)
 
     def partial_from_query(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q (N, H, D), ``layer``'s own rotated (and, for Gemma 3, normalised and scaled) queries -> (N, Hkv, G, r)
         skewed partial queries."""
-        q = q.view(q.shape[0], self.num_kv_heads, self.group, self.head_dim).to(self.skew.dtype)
-        return torch.matmul(q, self.skew[layer])
+        return self._skewed(layer, q.to(self.skew.dtype))
+
+    def _skewed(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q (N, H, D) -> (N, Hkv, G, r): each KV head's G x N query rows times its skewed partial matrix (D, r),
+        one bmm over the KV heads (a broadcast matmul would first copy the matrix out to every row)."""
+        n = q.shape[0]
+        grouped = q.reshape(n, self.num_kv_heads, self.group * self.head_dim).transpose(0, 1)
+        grouped = grouped.reshape(self.num_kv_heads, n * self.group, self.head_dim)  # (Hkv, N * G, D)
+        partial = torch.bmm(grouped, self.skew[layer])  # (Hkv, N * G, r)
+        return partial.view(self.num_kv_heads, n, self.group, -1).transpose(0, 1)
 
     def partial_key(self, layer: int, k: torch.Tensor) -> torch.Tensor:
         """k (N, Hkv, D) rotated keys -> (N, Hkv, r) skewed partial keys."""

@@ -167,7 +167,9 @@ def test_metrics_show_a_killed_worker_and_the_restart_while_health_stays_200(tin
 # ----- close() -----
 
 
-def test_close_stops_the_offload_thread_leaves_no_file_and_refuses_new_requests(tiny, tmp_path) -> None:
+def test_close_stops_the_offload_thread_leaves_no_file_and_refuses_new_requests(tiny, tmp_path, monkeypatch) -> None:
+    # A core free for the transfer worker, however many threads torch runs here (else copies run inline).
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
     folder, loaded = tiny
     config = EngineConfig(model=str(folder), dtype="float32", kv_cache_memory="4MiB", kv_offload="disk",
                           kv_offload_path=str(tmp_path))  # fmt: skip
