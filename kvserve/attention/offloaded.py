@@ -403,8 +403,8 @@ class OffloadedKVCache(AttentionBackend):
 
         shape = (batch, num_rows // batch, self.num_kv_heads, self.head_dim)
         transfer = self.queue.fetch(copy, num_rows * self._row_bytes())
-        blocks_of = torch.arange(batch, device=self.device)
-        return _Fetch(transfer, out, shape, blocks_of, view.candidates.starts, view.own)
+        sequence_blocks = torch.arange(batch, device=self.device)  # sequence b's rows are block b
+        return _Fetch(transfer, out, shape, sequence_blocks, view.candidates.starts, view.own)
 
     def _fetch_selected(self, layer: int, step: _Step, meta: OffloadAttentionMetadata) -> _Fetch:
         """The rows layer ``layer``'s rehearsal selects for each decode sequence (InfiniGen)."""

@@ -49,6 +49,19 @@ using kvserve_cpu::hsum8x4;
 using kvserve_cpu::load8;
 #endif
 
+#if defined(__AVX512F__) || defined(KVSERVE_AVX2)
+// The first `count` (1-4) of four keys' scores to out (a run's last chunk of four may hold fewer keys).
+inline void store_scores(float* out, __m128 s4, int64_t count) {
+  if (count == 4) {
+    _mm_storeu_ps(out, s4);
+    return;
+  }
+  float tmp[4];
+  _mm_storeu_ps(tmp, s4);
+  for (int64_t i = 0; i < count; ++i) out[i] = tmp[i];
+}
+#endif
+
 // scores[j * stride] = q_j . k for the G query rows q (G, D) float32 and one key row k (D,).
 template <typename T>
 inline void dots(const float* __restrict q, const T* __restrict k, int64_t group, int64_t d, float* scores,
@@ -185,15 +198,8 @@ void key_pass8(const Geometry& g, const float* q, const T* k_cache, const int32_
       }
     }
     for (int j = 0; j < G; ++j) {
-      const __m128 s4 = hsum8x4(sums[j][0], sums[j][1], sums[j][2], sums[j][3]);
-      float* out = scores + j * stride + (pos - first);
-      if (count == 4) {
-        _mm_storeu_ps(out, s4);
-      } else {
-        float tmp[4];
-        _mm_storeu_ps(tmp, s4);
-        for (int64_t i = 0; i < count; ++i) out[i] = tmp[i];
-      }
+      store_scores(scores + j * stride + (pos - first), hsum8x4(sums[j][0], sums[j][1], sums[j][2], sums[j][3]),
+                   count);
     }
   }
 }
@@ -394,14 +400,7 @@ void key_pass_bf16(const Geometry& g, const uint16_t* q, float scale, const uint
       }
       for (int j = 0; j < G; ++j) {
         const __m128 s4 = _mm_mul_ps(reduce4(sums[j][0], sums[j][1], sums[j][2], sums[j][3]), s);
-        float* out = scores + (h * G + j) * n + (pos - first);
-        if (count == 4) {
-          _mm_storeu_ps(out, s4);
-        } else {
-          float tmp[4];
-          _mm_storeu_ps(tmp, s4);
-          for (int64_t i = 0; i < count; ++i) out[i] = tmp[i];
-        }
+        store_scores(scores + (h * G + j) * n + (pos - first), s4, count);
       }
     }
   }
