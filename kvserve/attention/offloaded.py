@@ -424,6 +424,7 @@ class OffloadedKVCache(AttentionBackend):
         keep = torch.arange(slots.shape[-1], device=slots.device)[None, :] <= counts[:, None]  # (B, K + 1)
         flat = (slots * self.num_kv_heads + heads).transpose(1, 2)[keep].reshape(-1)
         own = torch.cumsum(counts + 1, 0) - 1  # each sequence's spare row, after its picks
+        starts = own - counts  # its first pick
         total = flat.numel() // self.num_kv_heads
         self._count(layer, int(selection.counts.sum()), step.cached)
         if self.pool is not None:
@@ -440,9 +441,8 @@ class OffloadedKVCache(AttentionBackend):
         nbytes = flat.numel() * self._row_bytes() // self.num_kv_heads
         shape = (1, total, self.num_kv_heads, self.head_dim)  # one block: every sequence's rows
         blocks = torch.zeros(batch, dtype=torch.long, device=self.device)
-        own = own.to(self.device)
-        starts = (own - counts.to(self.device)).to(torch.int32)
-        return _Fetch(self.queue.fetch(copy, nbytes), out, shape, blocks, starts, own)
+        starts = starts.to(self.device, torch.int32)
+        return _Fetch(self.queue.fetch(copy, nbytes), out, shape, blocks, starts, own.to(self.device))
 
     def _store_decodes(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: OffloadAttentionMetadata) -> None:
         """The decode rows' keys/values (B, Hkv, D) to the tier: at their own slot, or over a victim's."""

@@ -337,8 +337,9 @@ inline void softmax_rows(float* scores, int64_t H, int64_t n, float* m, float* l
 // bfloat16 queries over a bfloat16 cache, on the CPU's bfloat16 dot products (vdpbf16ps: pairs of products
 // exact in float32, summed into float32 lanes). Per key and query head the float32 kernel above spent a
 // 16-lane horizontal sum besides its FMAs, and it widened every key to float32 first; here the keys are used
-// as stored and four keys' sums are reduced together (reduce4). Both passes walk a row's whole span per KV
-// head, the accumulators in registers throughout (a span's keys, <= 256 x Hkv x D, stay in L2).
+// as stored and four keys' sums are reduced together (reduce4). Both passes walk a row's whole span, not block
+// by block: the key pass every KV head of a key at once, the value pass one KV head at a time with its
+// accumulators in registers (the key pass prefetched the span's values, <= 256 x Hkv x D, to L2).
 
 // Positions first, first + 1, ... of KV head h through a block table, without a division per key.
 struct KeyCursor {
@@ -423,7 +424,8 @@ void value_pass_bf16(const Geometry& g, const uint16_t* v_cache, const int32_t* 
     __m512 even[G][C], odd[G][C];
     for (int j = 0; j < G; ++j)
       for (int c = 0; c < C; ++c) {
-        const __m512 lo = _mm512_loadu_ps(acc + j * D + c0 + c * 32), hi = _mm512_loadu_ps(acc + j * D + c0 + c * 32 + 16);
+        const float* a = acc + j * D + c0 + c * 32;
+        const __m512 lo = _mm512_loadu_ps(a), hi = _mm512_loadu_ps(a + 16);
         even[j][c] = _mm512_permutex2var_ps(lo, to_even, hi);
         odd[j][c] = _mm512_permutex2var_ps(lo, to_odd, hi);
       }
@@ -543,18 +545,18 @@ void decode(const Geometry& g, const at::Tensor& q, const at::Tensor& k_cache, c
   at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = item_row[i];
-      float* lg = weights != nullptr ? probs.get() + b * H * length + item_first[i] : nullptr;  // row b, head 0
+      float* pr = weights != nullptr ? probs.get() + b * H * length + item_first[i] : nullptr;  // row b, head 0
       float *mi = m.data() + i * H, *li = l.data() + i * H, *ai = acc.data() + i * H * D;
 #if defined(__AVX512BF16__)
       if (fast != nullptr) {
         const auto raw = [](const auto* p) { return reinterpret_cast<const uint16_t*>(p); };
         fast(g, raw(qp) + b * H * D, static_cast<float>(scale), raw(kp), raw(vp), tp + b * g.width, item_first[i],
-             item_last[i], mi, li, ai, lg, length);
+             item_last[i], mi, li, ai, pr, length);
         continue;
       }
 #endif
       attend_span<T>(g, qf.data() + b * H * D, kp, vp, tp + b * g.width, item_first[i], item_last[i], mi, li, ai,
-                     lg, length);
+                     pr, length);
     }
   });
   // Merge each row's spans in order, per query head.
