@@ -14,7 +14,6 @@ model, with a small KV cache so that building one is cheap.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ import kvserve.llm
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine
+from kvserve.eval.data import AUSTEN
 from kvserve.generation import Generator
 from kvserve.kv.manager import KVUsage
 from kvserve.kv.sizing import kv_block_bytes
@@ -31,7 +31,6 @@ from kvserve.scheduler import SchedulerOutput
 
 pytestmark = pytest.mark.real_model
 
-AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "prose" / "austen.txt"
 BLOCK_SIZE = 16
 MAX_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -46,8 +45,6 @@ HF_CHECKED = (0, 1, 2)  # prompts also compared with transformers' own greedy ge
 
 @pytest.fixture(scope="module")
 def austen() -> str:
-    if not AUSTEN.exists():
-        pytest.skip(f"{AUSTEN} is missing (see shared/data/README.md)")
     text = AUSTEN.read_text(encoding="utf-8")
     return text[text.index("Emma Woodhouse, handsome, clever, and rich") :]
 

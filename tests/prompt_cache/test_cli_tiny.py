@@ -8,7 +8,6 @@ import json
 import pytest
 
 from kvserve.cli import main
-from kvserve.eval.data import LEVAL
 from tests.tiny_models import TinySpec, write_tiny_model
 
 SPEC = TinySpec(num_heads=4, num_kv_heads=2, num_layers=2, max_position_embeddings=1024, seed=5)
@@ -28,7 +27,6 @@ def test_generate_with_a_schema_and_a_pml_prompt(tmp_path, capsys):
     assert "no module 'nope' at the top level of the schema" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not (LEVAL / "quality.jsonl").is_file(), reason="L-Eval data missing")
 @pytest.mark.parametrize("layout", ["prefix", "behind-parameter"])
 def test_bench_prompt_cache_report(tmp_path, layout):
     folder = write_tiny_model(tmp_path / "tiny", SPEC)

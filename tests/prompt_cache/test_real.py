@@ -10,7 +10,6 @@ recompute moves a multi-module prompt towards the plain prompt, in float32 and i
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 
@@ -19,11 +18,11 @@ from kvserve import LLM, SamplingParams
 from kvserve.attention.flash_prefill import flash_prefill_available
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine
+from kvserve.eval.data import AUSTEN
 from tests.prompt_cache.reference import plain_reference, prompt_cache_reference
 
 pytestmark = pytest.mark.real_model
 
-AUSTEN = Path(__file__).resolve().parents[3] / "shared" / "data" / "prose" / "austen.txt"
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
