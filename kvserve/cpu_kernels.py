@@ -12,6 +12,8 @@ The build uses ``torch.utils.cpp_extension`` (g++ and ninja) with ``-march=nativ
 of the sources, the flags, the torch version and the CPU's flags: a cached build made on another CPU is never loaded.
 It lands in ``$KVSERVE_KERNEL_CACHE`` (default ``~/.cache/kvserve/kernels``) and later starts load it in
 well under a second. Processes building at once take turns on a lock the system drops when its holder dies.
+``kvserve kernels build`` (``make``'s setup runs it) builds ahead of time, and a CPU engine loads the kernels when
+it starts (``prepare_cpu_kernels``), so a request never waits for a compile.
 When the build fails (no compiler), or ``KVSERVE_KERNELS=torch`` is set, every caller falls back to the torch
 reference beside the kernel, with one warning saying why.
 """
@@ -24,6 +26,7 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -94,35 +97,77 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("KVSERVE_KERNEL_CACHE", Path.home() / ".cache" / "kvserve" / "kernels"))
 
 
+def kernels_disabled() -> bool:
+    """``KVSERVE_KERNELS=torch``: the torch implementations everywhere, nothing built or loaded."""
+    return os.environ.get("KVSERVE_KERNELS", "").lower() == "torch"
+
+
+def build_directory() -> Path:
+    """Where this CPU's build lives (or will)."""
+    return _cache_dir() / build_name()
+
+
+def is_built() -> bool:
+    """Whether this CPU's build is in the cache: loading it then takes well under a second."""
+    return any(build_directory().glob("*.so"))
+
+
+def missing_ops() -> list[str]:
+    """The ops of ``OPS`` that ``torch.ops.kvserve`` does not have (all of them before a load)."""
+    return [op for op in OPS if not hasattr(torch.ops.kvserve, op)]
+
+
+def load_kernels(verbose: bool = False) -> Path:
+    """Build this CPU's kernels (first time, with a log line) or load the cached build; returns its folder.
+    Raises ``RuntimeError`` (no compiler or ninja, a failed compile) or ``OSError``/``ImportError``."""
+    from torch.utils import cpp_extension
+
+    compiler = cpp_extension.get_cxx_compiler()
+    if shutil.which((compiler.split() or [""])[0]) is None:  # CXX may carry a wrapper: "ccache g++"
+        raise RuntimeError(f"no C++ compiler: {compiler!r} is not on PATH (install g++, or set CXX)")
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError("no ninja: pip install ninja")
+    name = build_name()
+    directory = _cache_dir() / name
+    directory.mkdir(parents=True, exist_ok=True)
+    with build_lock(directory):
+        if not any(directory.glob("*.so")):
+            get_logger().info(
+                "building kvserve's CPU kernels for this CPU in %s (once; minutes on 2 cores; "
+                "`kvserve kernels build` does it ahead of time)", directory,
+            )  # fmt: skip
+        cpp_extension.load(
+            name=name,
+            sources=[str(s) for s in SOURCES],
+            extra_include_paths=[str(CSRC)],
+            extra_cflags=list(cflags()),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=verbose,
+        )
+    return directory
+
+
 @functools.cache
 def cpu_kernels_available() -> bool:
     """Build (first time on this machine) or load the CPU kernels; False, with a warning, if that fails."""
-    if os.environ.get("KVSERVE_KERNELS", "").lower() == "torch":
+    if kernels_disabled():
         return False
-    from torch.utils import cpp_extension
-
-    name = build_name()
-    directory = _cache_dir() / name
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with build_lock(directory):
-            if not any(directory.glob("*.so")):
-                log = get_logger().info
-                log("building kvserve's CPU kernels for this CPU (once; minutes on 2 cores) in %s", directory)
-            cpp_extension.load(
-                name=name,
-                sources=[str(s) for s in SOURCES],
-                extra_include_paths=[str(CSRC)],
-                extra_cflags=list(cflags()),
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(directory),
-                is_python_module=False,
-                verbose=False,
-            )
+        load_kernels()
     except (OSError, RuntimeError, ImportError) as error:  # no compiler or ninja, or the build failed
         get_logger().warning("kvserve's CPU kernels did not build (%s); using the torch implementations", error)
         return False
-    return all(hasattr(torch.ops.kvserve, op) for op in OPS)
+    return not missing_ops()
+
+
+def prepare_cpu_kernels(device: torch.device | str) -> bool:
+    """Load the kernels (building them the first time, with a log line) before anything runs on ``device``, so
+    that no request's latency includes a compile. Nothing on other devices or with ``KVSERVE_KERNELS=torch``."""
+    if torch.device(device).type != "cpu" or kernels_disabled():
+        return False
+    return cpu_kernels_available()
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kvserve.cpu_kernels import cpu_kernels_available
+from kvserve.cpu_kernels import cpu_kernels_available, prepare_cpu_kernels
 from kvserve.errors import ModelLoadError
 from kvserve.log import get_logger
 from kvserve.models import gguf_file
@@ -86,6 +86,7 @@ def load_model(
     path = resolve_model_path(path)
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
+    prepare_cpu_kernels(device)  # built (first time, logged) or loaded now, not in a request
     override = TokenizerOverride.read(tokenizer, chat_template)
     if path.is_dir():
         model, tokenizer = _load_hf_folder(path, dtype, progress, shard)
