@@ -77,17 +77,24 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return [self.backend.id_to_token(i) or "" for i in ids]
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` ([{"role": ..., "content": ...}]) with the model's own Jinja template."""
+    def apply_chat_template(
+        self, messages: Sequence[dict], add_generation_prompt: bool = True, tools: Sequence[dict] | None = None
+    ) -> str:
+        """Render ``messages`` ([{"role": ..., "content": ...}]) with the model's own Jinja template; ``tools``
+        (OpenAI's function tools) reach it as Hugging Face's ``apply_chat_template`` passes them."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass a plain prompt instead of --chat")
+        extra = {"tools": list(tools)} if tools else {}
         return self._compiled_template.render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_token_strings
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **extra, **self.special_token_strings
         )
 
-    def encode_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[dict], add_generation_prompt: bool = True, tools: Sequence[dict] | None = None
+    ) -> list[int]:
         """Token ids of the rendered chat; the template writes its own BOS, so none is added here."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        return self.encode(text, add_special_tokens=False)
 
     @cached_property
     def _compiled_template(self):  # noqa: ANN202 - jinja2 Template

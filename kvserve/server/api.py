@@ -47,6 +47,7 @@ from kvserve.server.schemas import create_schema, delete_schema, get_schema, lis
 from kvserve.server.serving import ClientDisconnected, ServeContext
 from kvserve.server.tokenize import detokenize, tokenize
 from kvserve.server.tokens import TokenTexts
+from kvserve.server.tool_parsers import PARSERS, detect_parser
 
 CLIENT_CLOSED = 499  # nginx's status for a client that hung up; nobody receives it
 KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")  # what needs the API key when the server has one
@@ -59,16 +60,22 @@ def build_app(
     model_aliases: Iterable[str] = (),
     model_root: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
-    """The app; its lifespan starts the engine thread and shuts it down (aborting what is left)."""
+    """The app; its lifespan starts the engine thread and shuts it down (aborting what is left).
+    ``tool_call_parser``: the syntax of the model's tool calls; default: the one its chat template teaches."""
     if max_request_bytes < 1:  # checked here: Starlette builds its middleware only at the first request
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ValueError(f"tool call parser {tool_call_parser!r} is not one of {', '.join(PARSERS)}")
+    tokenizer = async_engine.engine.tokenizer
     ctx = ServeContext(
         engine=async_engine,
         model_name=model_name,
         accepted_names=frozenset([model_name, *model_aliases]),
-        texts=TokenTexts(async_engine.engine.tokenizer),
+        texts=TokenTexts(tokenizer),
         blocking=BlockingWork(),
+        tool_parser=tool_call_parser or detect_parser(tokenizer.chat_template),
     )
 
     @asynccontextmanager

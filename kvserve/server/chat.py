@@ -1,9 +1,14 @@
-"""``POST /v1/chat/completions``: the model's chat template, then one engine request with ``n`` samples."""
+"""``POST /v1/chat/completions``: the model's chat template, then one engine request with ``n`` samples.
+
+With ``tools`` the output is read for tool calls (``server/tools.py``): a choice that made calls has
+``message.tool_calls`` and ``finish_reason: "tool_calls"``; a stream sends each call's index, id and name
+first, then its arguments in fragments, as OpenAI streams them.
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jinja2.exceptions import TemplateError
 from starlette.requests import Request
@@ -12,7 +17,7 @@ from starlette.responses import Response, StreamingResponse
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.prompt_cache.pml import is_pml_prompt
 from kvserve.server.errors import bad_request
-from kvserve.server.messages import check_messages, template_messages
+from kvserve.server.messages import check_messages, hermes_messages, renders_tools, template_messages
 from kvserve.server.params import chat_params
 from kvserve.server.protocol import (
     ChatChoice,
@@ -22,12 +27,17 @@ from kvserve.server.protocol import (
     ChatLogprobs,
     ChatResponseMessage,
     ChatStreamChoice,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
     UsageInfo,
     random_id,
 )
 from kvserve.server.serving import DONE, RequestStream, ServeContext, results, sse, sse_error
 from kvserve.server.tokens import chat_logprobs
+from kvserve.server.tools import ToolPlan, tool_plan
 from kvserve.server.truncation import check_keep, refuse_pml, truncate
 
 
@@ -35,29 +45,35 @@ async def create_chat_completion(ctx: ServeContext, body: ChatCompletionRequest,
     ctx.check_model(body.model)
     check_messages(body.messages)
     check_keep(body.truncate_prompt_tokens, ctx.max_model_len)
+    plan = tool_plan(body, ctx.tool_parser)
     prompt = _pml_prompt(body)
     if prompt is None:
         # Rendering the template and tokenising a long chat takes seconds: not on the event loop.
-        prompt = await ctx.blocking.run(sum(len(m.text()) for m in body.messages), _encode, ctx, body)
+        prompt = await ctx.blocking.run(sum(len(m.text()) for m in body.messages), _encode, ctx, body, plan)
         prompt = truncate(prompt, body.truncate_prompt_tokens)
         ctx.check_prompt(prompt, "messages")
     else:
         refuse_pml(body.truncate_prompt_tokens)
-    params = chat_params(body, len(prompt) if isinstance(prompt, list) else 0, ctx.max_model_len, ctx.max_num_seqs)
+        if plan is not None:
+            raise bad_request("tools cannot be offered with a Prompt Cache prompt ", "tools")
+    prompt_len = len(prompt) if isinstance(prompt, list) else 0
+    guided = plan.guided if plan is not None else None
+    params = chat_params(body, prompt_len, ctx.max_model_len, ctx.max_num_seqs, guided)
     request_id = random_id("chatcmpl")
     streams = await ctx.admit(request_id, [prompt], params, prompt_param="messages[0].content")
     if body.stream:
-        return StreamingResponse(_stream(ctx, body, request_id, streams[0]), media_type="text/event-stream")
+        return StreamingResponse(_stream(ctx, body, plan, request_id, streams[0]), media_type="text/event-stream")
     (out,) = await results(streams, raw)
     choices = [
         ChatChoice(
             index=o.index,
-            message=ChatResponseMessage(content=o.text),
+            message=message,
             logprobs=_logprobs(ctx, body, o.token_ids, o.logprobs),
-            finish_reason=o.finish_reason,
+            finish_reason=_finish_reason(o, bool(message.tool_calls)),
             stop_reason=o.stop_reason,
         )
         for o in out.outputs
+        for message in [_message(plan, o)]
     ]
     response = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=_usage(out))
     return Response(response.model_dump_json(), media_type="application/json")
@@ -70,12 +86,29 @@ def _pml_prompt(body: ChatCompletionRequest) -> str | None:
     return None
 
 
-def _encode(ctx: ServeContext, body: ChatCompletionRequest) -> list[int]:
+def _encode(ctx: ServeContext, body: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
     messages = template_messages(body.messages)
+    tools = plan.tools if plan is not None else None
+    if not renders_tools(ctx.tokenizer.chat_template):
+        messages, tools = hermes_messages(messages, tools or ()), None
     try:
-        return ctx.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
+        return ctx.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt, tools=tools)
     except (TemplateError, ValueError) as exc:
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+
+
+def _message(plan: ToolPlan | None, o: CompletionOutput) -> ChatResponseMessage:
+    if plan is None:
+        return ChatResponseMessage(content=o.text)
+    parsed = plan.read(o.text, final=True)
+    calls = [
+        ToolCall(id=plan.call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed.calls
+    ]
+    return ChatResponseMessage(content=parsed.content.strip() or None, tool_calls=calls or None)
+
+
+def _finish_reason(o: CompletionOutput, made_calls: bool) -> str | None:
+    return "tool_calls" if made_calls and o.finish_reason == "stop" else o.finish_reason
 
 
 def _logprobs(
@@ -96,10 +129,12 @@ def _usage(out: RequestOutput) -> UsageInfo:
 class _ChoiceState:
     num_chars: int = 0
     num_tokens: int = 0
+    content_chars: int = 0  # with tools: the content sent, and each call's argument characters sent
+    sent_arguments: list[int] = field(default_factory=list)
 
 
 async def _stream(
-    ctx: ServeContext, body: ChatCompletionRequest, request_id: str, stream: RequestStream
+    ctx: ServeContext, body: ChatCompletionRequest, plan: ToolPlan | None, request_id: str, stream: RequestStream
 ) -> AsyncIterator[str]:
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
         return sse(ChatCompletionChunk(id=request_id, model=ctx.model_name, choices=choices, usage=usage))
@@ -111,7 +146,7 @@ async def _stream(
         final = None
         async for out in stream:
             for o in out.outputs:
-                choice = _delta(ctx, body, o, states[o.index])
+                choice = _delta(ctx, body, plan, o, states[o.index])
                 if choice is not None:
                     yield chunk([choice])
             final = out
@@ -125,17 +160,40 @@ async def _stream(
 
 
 def _delta(
-    ctx: ServeContext, body: ChatCompletionRequest, o: CompletionOutput, state: _ChoiceState
+    ctx: ServeContext, body: ChatCompletionRequest, plan: ToolPlan | None, o: CompletionOutput, state: _ChoiceState
 ) -> ChatStreamChoice | None:
     text = o.text[state.num_chars :]
     ids, entries = o.token_ids[state.num_tokens :], (o.logprobs or [])[state.num_tokens :]
     state.num_chars, state.num_tokens = len(o.text), len(o.token_ids)
-    if not text and o.finish_reason is None and not (body.logprobs and ids):
+    delta = DeltaMessage(content=text) if text else DeltaMessage()
+    if plan is not None:
+        delta = _tool_delta(plan, o, state)
+    if delta.content is None and delta.tool_calls is None and o.finish_reason is None and not (body.logprobs and ids):
         return None
     return ChatStreamChoice(
         index=o.index,
-        delta=DeltaMessage(content=text) if text else DeltaMessage(),
+        delta=delta,
         logprobs=_logprobs(ctx, body, ids, entries),
-        finish_reason=o.finish_reason,
+        finish_reason=_finish_reason(o, bool(state.sent_arguments)),
         stop_reason=o.stop_reason,
     )
+
+
+def _tool_delta(plan: ToolPlan, o: CompletionOutput, state: _ChoiceState) -> DeltaMessage:
+    """What of the content and the calls read from the output so far has not been sent yet."""
+    parsed = plan.read(o.text, final=o.finish_reason is not None)
+    content = parsed.content[state.content_chars :]
+    state.content_chars = max(state.content_chars, len(parsed.content))
+    calls: list[DeltaToolCall] = []
+    for index, call in enumerate(parsed.calls):
+        if index == len(state.sent_arguments):
+            if call.name is None:  # a call is announced once its name is known
+                break
+            state.sent_arguments.append(0)
+            first = DeltaFunctionCall(name=call.name, arguments="")
+            calls.append(DeltaToolCall(index=index, id=plan.call_id(), type="function", function=first))
+        fragment = call.arguments[state.sent_arguments[index] :]
+        if fragment:
+            calls.append(DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=fragment)))
+            state.sent_arguments[index] = len(call.arguments)
+    return DeltaMessage(content=content or None, tool_calls=calls or None)

@@ -45,6 +45,13 @@ def add_serve_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
         help="largest request body accepted; a larger one gets 413 before it is read (default: 4 MiB)",
     )
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=("hermes", "llama3_json", "mistral"),
+        help="the syntax of the model's tool calls for tool_choice auto (default: the one its chat template "
+        "teaches; hermes for a template that renders no tools, where kvserve writes Hermes' tool prompt)",
+    )
     add_engine_args(serve)
     add_schema_arg(serve)
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -88,7 +95,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
     aliases = {str(path), str(path.resolve()), args.model or DEFAULT_SERVED_NAME}
     metrics = ServerMetrics(name)
-    app = build_app(AsyncEngine(engine, metrics, args.max_queue), name, args.api_key, aliases, str(path), max_bytes)
+    app = build_app(
+        AsyncEngine(engine, metrics, args.max_queue), name, args.api_key, aliases, str(path), max_bytes,
+        tool_call_parser=args.tool_call_parser,
+    )  # fmt: skip
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"kvserve: serving {name} at http://{host}:{args.port}/v1", file=sys.stderr)
     limits = f"context {engine.max_model_len} tokens, at most {config.max_num_seqs} sequences per step"

@@ -30,9 +30,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "suffix": (None, ""),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None, True),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -86,8 +83,8 @@ def _same(value: object, off: object) -> bool:
 
 # Fields whose refusal points to what kvserve offers instead.
 _INSTEAD = {
-    name: "tool calls are not implemented; use response_format json_schema or guided_json for JSON output"
-    for name in ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
+    name: "OpenAI's deprecated function calling; send tools and tool_choice instead"
+    for name in ("functions", "function_call")
 }
 
 

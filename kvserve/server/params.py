@@ -6,6 +6,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import ApiError, bad_request
 from kvserve.server.guided import guided_params
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from kvserve.structured import GuidedDecodingParams
 
 _FIELDS = (
     "n", "best_of", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -22,7 +23,14 @@ def completion_params(body: CompletionRequest, max_num_seqs: int) -> SamplingPar
     return _build(body, body.max_tokens, body.logprobs, prompt_logprobs, renames, max_num_seqs)
 
 
-def chat_params(body: ChatCompletionRequest, prompt_len: int, max_model_len: int, max_num_seqs: int) -> SamplingParams:
+def chat_params(
+    body: ChatCompletionRequest,
+    prompt_len: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    guided: GuidedDecodingParams | None = None,
+) -> SamplingParams:
+    """``guided``: the constraint a tool choice sets (``server/tools.py``), instead of the body's fields."""
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -30,7 +38,8 @@ def chat_params(body: ChatCompletionRequest, prompt_len: int, max_model_len: int
     if max_tokens is None:  # as OpenAI and vLLM: up to the end of the context
         max_tokens = max(1, max_model_len - prompt_len)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return _build(body, max_tokens, logprobs, None, {"max_tokens": field, "logprobs": "top_logprobs"}, max_num_seqs)
+    renames = {"max_tokens": field, "logprobs": "top_logprobs"}
+    return _build(body, max_tokens, logprobs, None, renames, max_num_seqs, guided)
 
 
 def _build(
@@ -40,11 +49,12 @@ def _build(
     prompt_logprobs: int | None,
     renames: dict[str, str],
     max_num_seqs: int,
+    guided: GuidedDecodingParams | None = None,
 ) -> SamplingParams:
     if body.seed is not None and not _SEED_RANGE[0] <= body.seed <= _SEED_RANGE[1]:
         raise bad_request(f"seed must be a 64-bit integer, got {body.seed}", "seed")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    guided = guided_params(body)
+    guided = guided or guided_params(body)
     try:
         params = SamplingParams(
             n=body.n,
@@ -106,7 +116,7 @@ def _named(message: str, body: _SamplingFields, renames: dict[str, str]) -> ApiE
             message = param + message[len(first) :]
         return bad_request(message, param)
     if message.startswith("guided_decoding"):
-        return bad_request(message, next(f for f in _STRUCTURED if getattr(body, f) is not None))
+        return bad_request(message, next((f for f in _STRUCTURED if getattr(body, f) is not None), "tool_choice"))
     if message.startswith("beam search"):
         return bad_request(message, "use_beam_search")
     return bad_request(message)

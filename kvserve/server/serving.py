@@ -38,6 +38,7 @@ class ServeContext:
     accepted_names: frozenset[str]
     texts: TokenTexts
     blocking: BlockingWork
+    tool_parser: str = "hermes"  # the syntax of the model's tool calls (``server/tool_parsers.py``)
 
     @property
     def tokenizer(self):  # noqa: ANN201 - kvserve.tokenizer.Tokenizer

@@ -89,8 +89,7 @@ def test_json_object_and_vllm_guided_fields(tiny_server):
         ),
         ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
         ({"guided_choice": ["a"], "use_beam_search": True, "n": 2, "temperature": 0}, "guided_choice", "beam search"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "use response_format json_schema"),
-        ({"tool_choice": "required"}, "tool_choice", "tool calls are not implemented"),
+        ({"functions": [{"name": "f"}]}, "functions", "send tools and tool_choice instead"),
     ],
 )
 def test_bad_constraints_are_a_400_naming_the_field(tiny_server, extra, param, words):

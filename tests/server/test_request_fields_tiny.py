@@ -22,7 +22,7 @@ BLOCK = TINY_OPTIONS["block_size"]
 # A value that asks for something kvserve does not do, per field.
 ASKING = {
     "suffix": " the end", "functions": [{"name": "f", "parameters": {}}],
-    "function_call": "auto", "parallel_tool_calls": False, "audio": {"voice": "alloy", "format": "wav"},
+    "function_call": "auto", "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "service_tier": "flex",
     "store": True, "web_search_options": {}, "reasoning_effort": "high", "verbosity": "low", "prompt_logprobs": 1,
     "spaces_between_special_tokens": False, "bad_words": ["the"],
@@ -31,7 +31,6 @@ ASKING = {
     "chat_template_kwargs": {"enable_thinking": True}, "documents": [{"text": "x"}], "mm_processor_kwargs": {},
     "priority": 1, "cache_salt": "salt", "request_id": "mine", "kv_transfer_params": {}, "vllm_xargs": {},
     "cache_prompt": False, "continuous_usage_stats": True,
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "auto",
 }  # fmt: skip
 REQUESTS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
 
