@@ -10,14 +10,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from jinja2.exceptions import TemplateError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.prompt_cache.pml import is_pml_prompt
 from kvserve.server.errors import bad_request
-from kvserve.server.messages import check_messages, hermes_messages, renders_tools, template_messages
+from kvserve.server.messages import check_messages, render_chat
 from kvserve.server.params import chat_params
 from kvserve.server.protocol import (
     ChatChoice,
@@ -87,14 +86,8 @@ def _pml_prompt(body: ChatCompletionRequest) -> str | None:
 
 
 def _encode(ctx: ServeContext, body: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
-    messages = template_messages(body.messages)
-    tools = plan.tools if plan is not None else None
-    if not renders_tools(ctx.tokenizer.chat_template):
-        messages, tools = hermes_messages(messages, tools or ()), None
-    try:
-        return ctx.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt, tools=tools)
-    except (TemplateError, ValueError) as exc:
-        raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+    text = render_chat(ctx.tokenizer, body.messages, body.add_generation_prompt, plan.tools if plan else None)
+    return ctx.tokenizer.encode(text, add_special_tokens=False)  # the template writes its own BOS
 
 
 def _message(plan: ToolPlan | None, o: CompletionOutput) -> ChatResponseMessage:

@@ -17,8 +17,11 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from jinja2.exceptions import TemplateError
+
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import ChatMessage
+from kvserve.tokenizer import Tokenizer
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TEMPLATE_ROLE = {"developer": "system"}
@@ -44,6 +47,20 @@ def check_messages(messages: Sequence[ChatMessage]) -> None:
             if not isinstance(arguments, dict):
                 field = f"{where}.tool_calls[{j}].function.arguments"
                 raise bad_request(f"{field} must be a JSON object's text, got {call.function.arguments!r}", field)
+
+
+def render_chat(
+    tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool, tools: Sequence[dict] | None
+) -> str:
+    """The chat as the model reads it (one rendering for chat completions and ``/tokenize``); a 400 if the
+    template refuses it."""
+    entries = template_messages(messages)
+    if not renders_tools(tokenizer.chat_template):
+        entries, tools = hermes_messages(entries, tools or ()), None
+    try:
+        return tokenizer.apply_chat_template(entries, add_generation_prompt, tools)
+    except (TemplateError, ValueError) as exc:
+        raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
 
 
 def template_messages(messages: Sequence[ChatMessage]) -> list[dict]:

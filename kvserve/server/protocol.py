@@ -201,6 +201,7 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_generation_prompt: bool = True  # messages only
+    tools: list[ChatTool] | None = None  # messages only: rendered as chat completions render them
     add_special_tokens: bool | None = None  # None: True for a prompt, False for messages (the template adds BOS)
     return_token_strs: bool = False
 

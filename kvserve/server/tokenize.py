@@ -1,7 +1,7 @@
 """``POST /tokenize`` and ``POST /detokenize``, in vLLM's shapes, with the served model's own tokenizer.
 
 ``/tokenize`` takes a ``prompt`` (BOS added unless ``add_special_tokens`` is false) or chat ``messages``
-(rendered by the chat template, which writes its own BOS; ``add_generation_prompt`` as for chat) and
+(rendered by the chat template, which writes its own BOS; ``add_generation_prompt`` and ``tools`` as for chat) and
 returns ``{"tokens", "count", "max_model_len"}`` (``token_strs`` too with ``return_token_strs``).
 ``/detokenize`` turns ``tokens`` back into ``{"prompt"}``, special tokens included. Large inputs are
 worked on off the event loop, like the generation endpoints' prompts.
@@ -9,11 +9,10 @@ worked on off the event loop, like the generation endpoints' prompts.
 
 from __future__ import annotations
 
-from jinja2.exceptions import TemplateError
 from starlette.responses import Response
 
 from kvserve.server.errors import bad_request
-from kvserve.server.messages import check_messages, template_messages
+from kvserve.server.messages import check_messages, render_chat
 from kvserve.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from kvserve.server.serving import ServeContext
 
@@ -38,10 +37,8 @@ def _tokenize(ctx: ServeContext, body: TokenizeRequest) -> tuple[list[int], list
         add_special = body.add_special_tokens if body.add_special_tokens is not None else True
         ids = tokenizer.encode(body.prompt, add_special_tokens=add_special)
     else:
-        try:
-            text = tokenizer.apply_chat_template(template_messages(body.messages), body.add_generation_prompt)
-        except (TemplateError, ValueError) as exc:
-            raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
+        text = render_chat(tokenizer, body.messages, body.add_generation_prompt, tools)
         ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
     return ids, tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
 

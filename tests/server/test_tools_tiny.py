@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -145,3 +146,13 @@ def test_a_bad_call_in_the_history_is_a_400_naming_it(tiny_server):
     with pytest.raises(openai.BadRequestError) as caught:
         tiny_server.client().chat.completions.create(model=TINY_NAME, messages=messages, max_tokens=2)
     assert caught.value.body["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_tokenize_counts_tools_and_calls_as_chat_does(tiny_server):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    body = {"model": TINY_NAME, "messages": messages, "tools": TOOLS}
+    counted = httpx.post(tiny_server.url + "/tokenize", json=body, timeout=30).json()["count"]
+    used = tiny_server.client().chat.completions.create(**body, max_tokens=1).usage.prompt_tokens
+    bare = httpx.post(tiny_server.url + "/tokenize", json={"model": TINY_NAME, "messages": MESSAGES}, timeout=30)
+    assert counted == used > bare.json()["count"] + 50
