@@ -7,6 +7,8 @@
   engine logs before the prompt is echoed, and lines logged while the text streams wait for its newline;
 - with ``--prefill-parallel 2`` the summary says whether the prompt prefilled over 2 processes or here, and why,
   and the workers log nothing at INFO;
+- a Python warning raised while the text streams is written to stderr after the text's newline, and a worker
+  that prints writes to stderr, not into the text on stdout;
 - the load progress is a tqdm bar on a terminal and draws nothing into a pipe or a log.
 """
 
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -128,6 +131,75 @@ def test_print_stream_holds_log_lines_until_the_newline(monkeypatch):
         "INFO kvserve: after\n"
     )
     assert logger.handlers == [handler]
+
+
+def test_print_stream_holds_warnings_until_the_newline(monkeypatch):
+    """A warning raised while the text streams is shown (on stderr, as Python shows it) after the text's newline."""
+    out = io.StringIO()
+    shown: list[str] = []
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        shown.append(f"{out.getvalue()!r}: {category.__name__}: {message}")
+
+    monkeypatch.setattr(warnings, "showwarning", showwarning)
+
+    def deltas():
+        yield "Hello"
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("mid-stream", UserWarning, stacklevel=1)
+        yield ", world"
+
+    print_stream(deltas(), "Say: ", out)
+    assert shown == ["'Say: Hello, world\\n': UserWarning: mid-stream"]
+    assert warnings.showwarning is showwarning
+
+
+NOISY_GENERATE = """
+import sys
+import warnings
+
+import kvserve.parallel.group as group
+
+_run_chunk = group.run_chunk
+
+
+def worker_chunk(*args, **kwargs):
+    print("a worker's print")
+    warnings.warn("a worker's warning")
+    return _run_chunk(*args, **kwargs)
+
+
+def engine_chunk(*args, **kwargs):
+    warnings.warn("a warning while the text streams")
+    return _run_chunk(*args, **kwargs)
+
+
+if __name__ == "__mp_main__":  # spawn runs this file again in each worker under this name
+    group.run_chunk = worker_chunk
+elif __name__ == "__main__":
+    from kvserve.cli import main
+
+    group.run_chunk = engine_chunk
+    sys.exit(main(["generate", *sys.argv[1:]]))
+"""
+
+
+def test_warnings_and_worker_prints_stay_off_stdout(tiny, tmp_path):
+    """A warning in this process while the text streams, and a print and a warning in a prefill worker (which
+    inherits this process's stdout): stdout is the prompt, the continuation and a newline, nothing else."""
+    loaded = load_model(tiny, torch.float32)
+    text = Generator(loaded).generate(LONG_PROMPT, SamplingParams(max_tokens=8, temperature=0)).text
+    script = tmp_path / "noisy_generate.py"
+    script.write_text(NOISY_GENERATE)
+    args = ["--model", tiny, *COMMON, "--prefill-parallel", "2", "--prefill-partition", "even", LONG_PROMPT]
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == LONG_PROMPT + text + "\n"
+    assert "a worker's print" in result.stderr and "UserWarning: a worker's warning" in result.stderr
+    assert "UserWarning: a warning while the text streams" in result.stderr
+    summary = summary_of(result.stderr)
+    assert summary.group(7) == f"prefill of {summary.group(1)} tokens over 2 processes"
 
 
 def test_summary_says_the_prompt_prefilled_over_two_processes(tiny):

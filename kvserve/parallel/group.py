@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 from kvserve.attention.backend import LayerKVSink
 from kvserve.errors import ParallelPrefillError
 from kvserve.heap import HeapTrimmer
-from kvserve.log import get_logger
+from kvserve.log import get_logger, stdout_to_stderr
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.parallel.chunks import ChunkJob, run_chunk
 
@@ -231,6 +231,7 @@ def _worker_main(
     status: mp.Queue,
 ) -> None:
     """A worker's life: load the model, join the group, run chunk jobs until told to stop (None)."""
+    stdout_to_stderr()  # the engine's stdout carries the text `kvserve generate` streams
     status.put(("started", rank, None))  # past the main module's import: the engine can tell the two apart
     # The engine's process logs the load; a worker's own INFO lines (a group restarting mid-generation)
     # would land inside the text `kvserve generate` streams.

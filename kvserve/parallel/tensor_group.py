@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 
 from kvserve.errors import TensorParallelError
 from kvserve.heap import HeapTrimmer
-from kvserve.log import get_logger
+from kvserve.log import get_logger, stdout_to_stderr
 from kvserve.models.sharding import TensorShard
 from kvserve.parallel.group import check_no_world, stop_workers
 from kvserve.parallel.tensor_model import CommStats, RankMean, parallelize
@@ -253,6 +253,7 @@ def _wait_loaded(workers: list[mp.Process], status: mp.Queue, timeout_s: float) 
 def _worker_main(args: _WorkerArgs, status: mp.Queue) -> None:
     """A worker's life: load its shard and build its cache, join the groups, run steps until told to stop."""
     name = f"kvserve-tp-{args.rank}"
+    stdout_to_stderr()  # the engine's stdout carries the text `kvserve generate` streams
     get_logger().setLevel(logging.WARNING)  # the engine's process logs; a worker's lines would interleave
     try:
         torch.set_num_threads(args.threads)
