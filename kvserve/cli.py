@@ -102,6 +102,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine_only = args.prefill_parallel > 1 or args.kv_policy != "full" or args.kv_offload != "none"
     engine_only = engine_only or args.batch_invariant or args.tensor_parallel_size > 1
     echo = args.prompt if args.echo and not args.chat and args.pml_prompt is None else ""
+    if engine_only and not args.schema and args.nnodes == 1:  # a Prompt Cache keeps its modules in the pool
+        config = _sized_for(config, loaded, prompt, args.max_tokens)
     if engine_only or args.pml_prompt is not None:
         with EngineStream(loaded, config, args.schema, prompt, params) as stream:  # its log lines before the text
             print_stream(stream, echo, sys.stdout)
@@ -113,6 +115,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.summary:
         get_logger().info(summary.line())
     return 0
+
+
+def _sized_for(config: EngineConfig, loaded: LoadedModel, prompt: str | list[int], max_tokens: int) -> EngineConfig:
+    """The engine's KV pool sized for this one request (its prompt and ``max_tokens``), not the server's 1 GiB."""
+    from kvserve.kv_plan import one_request_config
+
+    num_tokens = len(prompt) if isinstance(prompt, list) else len(loaded.tokenizer.encode(prompt))
+    num_tokens = min(num_tokens + max_tokens, loaded.config.max_position_embeddings)
+    return one_request_config(config, loaded.config, loaded.dtype, num_tokens)
 
 
 def _generate_request(args: argparse.Namespace) -> tuple[SamplingParams, str]:

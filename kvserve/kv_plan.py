@@ -128,6 +128,17 @@ def plan_kv(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> KVP
     )
 
 
+def one_request_config(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, num_tokens: int) -> EngineConfig:
+    """``config`` for an engine that runs one request of at most ``num_tokens`` tokens (``kvserve generate``): a KV
+    pool of the blocks it can hold (every KV group's blocks for all its tokens, and one more each), at most
+    ``kv_cache_memory``, and no host tier for swapping, which one sequence never needs. The pool is zeroed as the
+    engine starts: the 1 GiB defaults cost seconds before the first token."""
+    plan = plan_kv(config, model, dtype)
+    blocks = len(plan.groups(model.num_layers)) * (-(-num_tokens // config.block_size) + 1)
+    kv_bytes = min(config.kv_cache_bytes, blocks * plan.block_bytes)
+    return dataclasses.replace(config, kv_cache_memory=kv_bytes, swap_space=0)
+
+
 def kv_layout(config: EngineConfig, model: ModelConfig, policy: KVPolicy) -> KVLayout:
     """Window groups for a model with sliding-window layers (unless switched off), else one group;
     refuses the techniques that do not run over window groups, with the reason."""

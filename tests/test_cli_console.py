@@ -101,6 +101,9 @@ def test_logs_never_land_inside_the_text(tiny, expected):
     assert result.returncode == 0, result.stdout
     before, echoed, after = result.stdout.partition(PROMPT)
     assert echoed and "INFO kvserve: KV cache" in before
+    # One request's blocks (prompt and max_tokens, per layer under this policy), not 1 GiB; no swap tier.
+    assert int(re.search(r"KV cache: (\d+) blocks", before).group(1)) <= SPEC.num_layers * 8, before
+    assert "host tier for swapping: 0 blocks" in before
     first_log = LOG_LINE.search(after)
     text = after[: first_log.start()]
     assert len(text) > 1 and text.endswith("\n"), after  # the whole continuation, then its newline
