@@ -10,8 +10,9 @@ from kvserve.engine import LLMEngine
 from kvserve.outputs import RequestOutput
 from kvserve.prompts import Prompt, parse_prompts
 from kvserve.sampling_params import SamplingParams
+from kvserve.tool_prompt import chat_prompt
 
-Message = dict[str, str]
+Message = dict  # {"role", "content"}, and "tool_calls" / "tool_call_id" for tool turns
 
 
 class LLM:
@@ -82,11 +83,17 @@ class LLM:
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        tools: Sequence[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (a list of messages) or several."""
+        """Apply the model's chat template to one conversation (a list of messages) or several. ``tools``
+        (OpenAI's function tools) reach the template as Hugging Face passes them, or as Hermes-style text for a
+        template that renders none (``kvserve/tool_prompt.py``); the output is the model's text, calls included."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
-        prompts = [(tokenizer.encode_chat(conversation), False) for conversation in conversations]
+        prompts = [
+            (tokenizer.encode(chat_prompt(tokenizer, conversation, True, tools), add_special_tokens=False), False)
+            for conversation in conversations
+        ]
         return self._run(prompts, sampling_params, use_tqdm)
 
     def _run(

@@ -5,11 +5,8 @@ The roles are OpenAI's: ``system``, ``developer`` (its newer name for system ins
 null only for an assistant message (OpenAI's assistant turn that holds only tool calls); anything else
 gets a 400 naming the message, rather than reaching the template as an empty or unknown turn.
 
-Tool calls reach a template that renders tools as Hugging Face passes them: ``tools`` beside the messages,
-an assistant's ``tool_calls`` with their arguments as objects, a tool message's ``tool_call_id``. A template
-that renders no tools (SmolLM2's, Gemma 3's) gets them as Hermes-style text instead, the format Qwen2.5 and
-Hermes models are trained on: the tools in the system message, calls as ``<tool_call>`` blocks in the
-assistant's content, results as ``<tool_response>`` blocks in a user turn.
+Tool calls reach the template as Hugging Face passes them (``kvserve/tool_prompt.py``): an assistant's
+``tool_calls`` with their arguments as objects, a tool message's ``tool_call_id``.
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ from jinja2.exceptions import TemplateError
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import ChatMessage
 from kvserve.tokenizer import Tokenizer
+from kvserve.tool_prompt import chat_prompt
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TEMPLATE_ROLE = {"developer": "system"}
@@ -54,11 +52,8 @@ def render_chat(
 ) -> str:
     """The chat as the model reads it (one rendering for chat completions and ``/tokenize``); a 400 if the
     template refuses it."""
-    entries = template_messages(messages)
-    if not renders_tools(tokenizer.chat_template):
-        entries, tools = hermes_messages(entries, tools or ()), None
     try:
-        return tokenizer.apply_chat_template(entries, add_generation_prompt, tools)
+        return chat_prompt(tokenizer, template_messages(messages), add_generation_prompt, tools)
     except (TemplateError, ValueError) as exc:
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
 
@@ -80,47 +75,4 @@ def template_messages(messages: Sequence[ChatMessage]) -> list[dict]:
         if m.name is not None and m.role == "tool":
             entry["name"] = m.name
         out.append(entry)
-    return out
-
-
-def renders_tools(chat_template: str | None) -> bool:
-    """Whether the template writes tools and tool calls itself (it reads ``tools`` or ``tool_calls``)."""
-    return chat_template is not None and ("tools" in chat_template or "tool_calls" in chat_template)
-
-
-HERMES_TOOLS_PROMPT = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
-)
-
-
-def hermes_messages(messages: list[dict], tools: Sequence[dict]) -> list[dict]:
-    """``template_messages``' output written out as Hermes-style text, for a template that renders no tools."""
-    out: list[dict] = []
-    if tools:
-        prompt = HERMES_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
-        if messages and messages[0]["role"] == "system":
-            out.append({"role": "system", "content": messages[0]["content"] + "\n\n" + prompt})
-            messages = messages[1:]
-        else:
-            out.append({"role": "system", "content": prompt})
-    for m in messages:
-        if m["role"] == "tool":
-            block = f"<tool_response>\n{m['content']}\n</tool_response>"
-            if out and out[-1].get("tool_results"):  # results of one turn's calls share one user turn
-                out[-1]["content"] += "\n" + block
-            else:
-                out.append({"role": "user", "content": block, "tool_results": True})
-            continue
-        calls = [
-            "<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
-                                          ensure_ascii=False) + "\n</tool_call>"
-            for c in m.get("tool_calls", ())
-        ]  # fmt: skip
-        out.append({"role": m["role"], "content": "\n".join(filter(None, [m["content"], *calls]))})
-    for m in out:
-        m.pop("tool_results", None)
     return out

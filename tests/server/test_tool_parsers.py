@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from kvserve.server.messages import hermes_messages, renders_tools
 from kvserve.server.tool_parsers import detect_parser, parse
 from kvserve.tokenizer import Tokenizer
+from kvserve.tool_prompt import hermes_messages, renders_tools
 from tests.tiny_models import build_tiny_tokenizer
 
 CASES = {

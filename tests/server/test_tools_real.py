@@ -13,20 +13,19 @@ import json
 
 import pytest
 
+from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine
+from kvserve.structured import GuidedDecodingParams
 from tests.server.conftest import start_server
 
 pytestmark = pytest.mark.real_model
 
 NAME = "SmolLM2-135M-Instruct"
+PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {
     "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
+    "function": {"name": "get_weather", "description": "Get the current weather in a city", "parameters": PARAMETERS},
 }
 TIME = {
     "type": "function",
@@ -128,3 +127,14 @@ def test_an_agent_calls_the_tool_and_answers_from_its_result(server):
     kinds = [type(item).__name__ for item in result.new_items]
     assert kinds == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
     assert "21 degrees" in result.final_output
+
+
+def test_llm_chat_takes_tools_as_the_server_does(server):
+    llm = LLM.from_engine(server.engine.engine)
+    params = SamplingParams(max_tokens=20, temperature=0, guided_decoding=GuidedDecodingParams(json=PARAMETERS))
+    (out,) = llm.chat(QUESTION, params, use_tqdm=False, tools=[WEATHER, TIME])
+    prompt = llm.get_tokenizer().decode(out.prompt_token_ids, skip_special_tokens=False)
+    assert "<tools>" in prompt and '"name": "get_weather"' in prompt  # Hermes' tool prompt: SmolLM2 renders none
+    assert json.loads(out.outputs[0].text) == {"city": "Paris"}
+    named = ask(server, tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=20)
+    assert named.usage.prompt_tokens == len(out.prompt_token_ids)  # the same prompt as the server's
