@@ -300,6 +300,7 @@ class LLMEngine:
         request.stop_token_ids = frozenset((*params.stop_token_ids, *eos))
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(ids)
+            request.prompt_token_ranks = [None] * len(ids)
             # Every prompt position needs its logits, so cached blocks cannot stand in for them.
             request.cache_salt = ("prompt_logprobs", request_id)
         self.requests[request_id] = request
@@ -431,7 +432,9 @@ class LLMEngine:
             return
         logprobs = torch.log_softmax(logits[:rows], dim=-1)  # (rows, vocab); batched: evals score long windows
         targets = torch.tensor(prompt[start + 1 : start + 1 + rows], dtype=torch.long, device=logprobs.device)
-        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        chosen_t = logprobs.gather(1, targets[:, None])
+        ranks = ((logprobs > chosen_t).sum(dim=-1) + 1).tolist()  # as vLLM: 1 + the tokens more likely
+        chosen = chosen_t[:, 0].tolist()
         k = request.params.prompt_logprobs
         top_ids, top_values = ([[]] * rows, [[]] * rows)
         if k:  # max is several times faster than topk for the common k=1 (evals ask for it)
@@ -441,6 +444,7 @@ class LLMEngine:
             entry = dict(zip(top_ids[i], top_values[i], strict=True))
             entry[prompt[start + 1 + i]] = chosen[i]
             request.prompt_logprobs[start + 1 + i] = entry
+            request.prompt_token_ranks[start + 1 + i] = ranks[i]
 
     def _sample(self, sampled: dict[str, list[tuple[Sequence, torch.Tensor]]]) -> None:
         rows: list[tuple[Request, Sequence]] = []
@@ -615,6 +619,7 @@ class LLMEngine:
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             prompt_logprobs=request.prompt_logprobs,
+            prompt_token_ranks=request.prompt_token_ranks,
             outputs=outputs,
             finished=finished,
             num_cached_tokens=request.num_cached_prompt_tokens,

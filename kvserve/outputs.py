@@ -29,3 +29,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first token and finish times
+    # With prompt_logprobs: each prompt token's rank in the vocabulary (1: the most likely; None for the first).
+    prompt_token_ranks: list[int | None] | None = None

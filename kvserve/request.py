@@ -108,6 +108,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_ranks: list[int | None] | None = None  # with prompt_logprobs: each prompt token's rank (1: the top)
     first_token_time: float | None = None
     finish_time: float | None = None
     stop_token_ids: frozenset[int] = frozenset()  # ends a sequence: the request's stop ids, plus EOS unless ignored

@@ -3,6 +3,10 @@
 With ``tools`` the output is read for tool calls (``server/tools.py``): a choice that made calls has
 ``message.tool_calls`` and ``finish_reason: "tool_calls"``; a stream sends each call's index, id and name
 first, then its arguments in fragments, as OpenAI streams them.
+
+vLLM's extras: ``echo`` puts the last message's content before the reply when that message has the reply's
+role (``assistant``; any, with ``add_generation_prompt: false``), ``prompt_logprobs`` adds the prompt's in vLLM's
+shape to the whole response, and ``stream_options.continuous_usage_stats`` the usage so far to every chunk.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from kvserve.server.protocol import (
     random_id,
 )
 from kvserve.server.serving import DONE, RequestStream, ServeContext, results, sse, sse_error
-from kvserve.server.tokens import chat_logprobs
+from kvserve.server.tokens import chat_logprobs, prompt_logprobs
 from kvserve.server.tools import ToolPlan, tool_plan
 from kvserve.server.truncation import check_keep, refuse_pml, truncate
 
@@ -61,8 +65,10 @@ async def create_chat_completion(ctx: ServeContext, body: ChatCompletionRequest,
     request_id = random_id("chatcmpl")
     streams = await ctx.admit(request_id, [prompt], params, prompt_param="messages[0].content")
     if body.stream:
-        return StreamingResponse(_stream(ctx, body, plan, request_id, streams[0]), media_type="text/event-stream")
+        events = _stream(ctx, body, plan, request_id, streams[0], prompt_len)
+        return StreamingResponse(events, media_type="text/event-stream")
     (out,) = await results(streams, raw)
+    echo = _echo(body)
     choices = [
         ChatChoice(
             index=o.index,
@@ -72,9 +78,11 @@ async def create_chat_completion(ctx: ServeContext, body: ChatCompletionRequest,
             stop_reason=o.stop_reason,
         )
         for o in out.outputs
-        for message in [_message(plan, o)]
+        for message in [_message(plan, o, echo)]
     ]
     response = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=_usage(out))
+    if body.prompt_logprobs is not None:
+        response.prompt_logprobs = prompt_logprobs(ctx.texts, out, body.prompt_logprobs)
     return Response(response.model_dump_json(), media_type="application/json")
 
 
@@ -90,14 +98,22 @@ def _encode(ctx: ServeContext, body: ChatCompletionRequest, plan: ToolPlan | Non
     return ctx.tokenizer.encode(text, add_special_tokens=False)  # the template writes its own BOS
 
 
-def _message(plan: ToolPlan | None, o: CompletionOutput) -> ChatResponseMessage:
+def _echo(body: ChatCompletionRequest) -> str:
+    """What ``echo`` puts before the reply (vLLM's rule): the last message's content, if it has the reply's role."""
+    last = body.messages[-1]
+    role = "assistant" if body.add_generation_prompt else last.role
+    return last.text() if body.echo and last.role == role else ""
+
+
+def _message(plan: ToolPlan | None, o: CompletionOutput, echo: str = "") -> ChatResponseMessage:
     if plan is None:
-        return ChatResponseMessage(content=o.text)
+        return ChatResponseMessage(content=echo + o.text)
     parsed = plan.read(o.text, final=True)
     calls = [
         ToolCall(id=plan.call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed.calls
     ]
-    return ChatResponseMessage(content=parsed.content.strip() or None, tool_calls=calls or None)
+    content = parsed.content.strip() or None
+    return ChatResponseMessage(content=echo + (content or "") if echo else content, tool_calls=calls or None)
 
 
 def _finish_reason(o: CompletionOutput, made_calls: bool) -> str | None:
@@ -127,21 +143,37 @@ class _ChoiceState:
 
 
 async def _stream(
-    ctx: ServeContext, body: ChatCompletionRequest, plan: ToolPlan | None, request_id: str, stream: RequestStream
+    ctx: ServeContext,
+    body: ChatCompletionRequest,
+    plan: ToolPlan | None,
+    request_id: str,
+    stream: RequestStream,
+    prompt_len: int,
 ) -> AsyncIterator[str]:
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
         return sse(ChatCompletionChunk(id=request_id, model=ctx.model_name, choices=choices, usage=usage))
 
+    def so_far(completion: int, out: RequestOutput | None = None) -> UsageInfo | None:
+        """``continuous_usage_stats``: a chunk's usage so far (before the engine's first output, the prompt's)."""
+        if not body.continuous_usage:
+            return None
+        if out is None:
+            return UsageInfo.of(prompt_len, completion, cached=0)
+        return UsageInfo.of(len(out.prompt_token_ids), completion, cached=out.num_cached_tokens)
+
     states = [_ChoiceState() for _ in range(body.n)]
     try:
         for index in range(body.n):  # as OpenAI: the role comes first, in a chunk of its own
-            yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+            yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))], so_far(0))
+        echo = _echo(body)
+        for index in range(body.n if echo else 0):  # as vLLM: the echo in a chunk of its own
+            yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(content=echo))], so_far(0))
         final = None
         async for out in stream:
             for o in out.outputs:
                 choice = _delta(ctx, body, plan, o, states[o.index])
                 if choice is not None:
-                    yield chunk([choice])
+                    yield chunk([choice], so_far(len(o.token_ids), out))
             final = out
         if body.include_usage and final is not None:
             yield chunk([], _usage(final))

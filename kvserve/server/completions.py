@@ -2,6 +2,8 @@
 
 ``echo`` puts the prompt in front of each choice's text; with ``logprobs`` it also puts the prompt
 tokens' logprobs in front (the first is None), which is how lm-evaluation-harness scores a model.
+vLLM's ``prompt_logprobs`` gives them in vLLM's shape instead, in each choice of the whole response;
+``stream_options.continuous_usage_stats`` puts the usage so far in every streamed chunk.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from kvserve.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    CompletionResponseChoice,
     UsageInfo,
     random_id,
 )
 from kvserve.server.serving import DONE, RequestStream, ServeContext, merged, results, sse, sse_error
-from kvserve.server.tokens import completion_logprobs
+from kvserve.server.tokens import completion_logprobs, prompt_logprobs
 from kvserve.server.truncation import check_keep, refuse_pml, truncate
 
 
@@ -88,28 +91,46 @@ def _prompts(ctx: ServeContext, body: CompletionRequest, skip_special: bool) -> 
 
 def _choice(
     ctx: ServeContext, body: CompletionRequest, prompt: _Prompt, out: RequestOutput, o: CompletionOutput, base: int
-) -> CompletionChoice:
+) -> CompletionResponseChoice:
     text = prompt.text + o.text if body.echo else o.text
     logprobs = None
     if body.logprobs is not None:
         ids, entries = _with_prompt(body, out, o.token_ids, o.logprobs or [])
         logprobs = completion_logprobs(ctx.texts, ids, entries)
-    return CompletionChoice(
-        index=base + o.index, text=text, logprobs=logprobs, finish_reason=o.finish_reason, stop_reason=o.stop_reason
-    )
+    asked = body.prompt_logprobs
+    return CompletionResponseChoice(
+        index=base + o.index, text=text, logprobs=logprobs, finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+        prompt_logprobs=None if asked is None else prompt_logprobs(ctx.texts, out, asked),
+    )  # fmt: skip
 
 
 def _with_prompt(body: CompletionRequest, out: RequestOutput, ids: Sequence[int], entries: Sequence) -> tuple:
     if not body.echo:
         return list(ids), list(entries)
     prompt_entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    if (body.prompt_logprobs or 0) > body.logprobs:  # computed for prompt_logprobs: echo shows logprobs' count
+        prompt_entries = [_top(e, body.logprobs, t) for e, t in zip(prompt_entries, out.prompt_token_ids, strict=True)]
     return [*out.prompt_token_ids, *ids], [*prompt_entries, *entries]
+
+
+def _top(entry: dict[int, float] | None, k: int, token_id: int) -> dict[int, float] | None:
+    """The ``k`` most likely tokens of a position's logprobs, and its own token."""
+    if entry is None:
+        return None
+    kept = dict(sorted(entry.items(), key=lambda item: -item[1])[:k])
+    kept[token_id] = entry[token_id]
+    return kept
 
 
 def _usage(outputs: Sequence[RequestOutput]) -> UsageInfo:
     prompt = sum(len(out.prompt_token_ids) for out in outputs)
     completion = sum(len(o.token_ids) for out in outputs for o in out.outputs)
     return UsageInfo.of(prompt, completion, cached=sum(out.num_cached_tokens for out in outputs))
+
+
+def _usage_so_far(out: RequestOutput, o: CompletionOutput) -> UsageInfo:
+    """``continuous_usage_stats``: a chunk's prompt and this choice's tokens so far, as vLLM counts them."""
+    return UsageInfo.of(len(out.prompt_token_ids), len(o.token_ids), cached=out.num_cached_tokens)
 
 
 @dataclass
@@ -137,7 +158,8 @@ async def _stream(
                 state = states.setdefault(i * body.n + o.index, _ChoiceState())
                 choice = _delta(ctx, body, prompts[i], out, o, i * body.n, state)
                 if choice is not None:
-                    yield sse(CompletionChunk(id=request_id, model=ctx.model_name, choices=[choice]))
+                    usage = _usage_so_far(out, o) if body.continuous_usage else None
+                    yield sse(CompletionChunk(id=request_id, model=ctx.model_name, choices=[choice], usage=usage))
             if out.finished:
                 finals[i] = out
         if body.include_usage:

@@ -39,14 +39,12 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "reasoning_effort": (None,),
     "verbosity": (None,),
     # vLLM
-    "prompt_logprobs": (None,),
     "spaces_between_special_tokens": (None, True),
     "bad_words": (None, []),
     "logits_processors": (None,),
     "return_tokens_as_token_ids": (None, False),
     "return_token_ids": (None, False),
     "add_special_tokens": (None, False),  # chat only: completions implement it
-    "echo": (None, False),  # chat only: completions implement it
     "continue_final_message": (None, False),
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
@@ -59,8 +57,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "vllm_xargs": (None,),
     # llama.cpp's server: kvserve's prefix cache always reuses a cached prompt prefix
     "cache_prompt": (None, True),
-    # in stream_options: vLLM's usage in every chunk
-    "continuous_usage_stats": (None, False),
 }
 
 

@@ -18,8 +18,12 @@ _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 def completion_params(body: CompletionRequest, max_num_seqs: int) -> SamplingParams:
-    prompt_logprobs = body.logprobs if body.echo else None
-    renames = {"prompt_logprobs": "logprobs"}
+    """The engine computes the prompt's logprobs for ``echo`` with ``logprobs``, and for ``prompt_logprobs``: the
+    larger count serves both."""
+    prompt_logprobs, renames = (body.logprobs if body.echo else None), {"prompt_logprobs": "logprobs"}
+    asked = _prompt_logprobs(body)
+    if asked is not None and (prompt_logprobs is None or not 0 <= asked <= prompt_logprobs):
+        prompt_logprobs, renames = asked, {}
     return _build(body, body.max_tokens, body.logprobs, prompt_logprobs, renames, max_num_seqs)
 
 
@@ -39,7 +43,15 @@ def chat_params(
         max_tokens = max(1, max_model_len - prompt_len)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     renames = {"max_tokens": field, "logprobs": "top_logprobs"}
-    return _build(body, max_tokens, logprobs, None, renames, max_num_seqs, guided)
+    return _build(body, max_tokens, logprobs, _prompt_logprobs(body), renames, max_num_seqs, guided)
+
+
+def _prompt_logprobs(body: _SamplingFields) -> int | None:
+    """vLLM's ``prompt_logprobs`` come in the whole response only: refused with ``stream`` (0 asks for no
+    alternatives, and a stream gets nothing, as from vLLM)."""
+    if body.stream and body.prompt_logprobs is not None and body.prompt_logprobs > 0:
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    return None if body.stream and body.prompt_logprobs == 0 else body.prompt_logprobs
 
 
 def _build(

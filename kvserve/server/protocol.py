@@ -45,6 +45,7 @@ class _Body(_Request):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM extra: with include_usage, every chunk carries the usage so far
 
 
 class JsonSchemaFormat(_Body):
@@ -81,6 +82,7 @@ class _SamplingFields(_Body):
     frequency_penalty: float = 0.0
     user: str | None = None
     # vLLM extras
+    prompt_logprobs: int | None = None  # each prompt token's logprob and this many alternatives (not streamed)
     top_k: int = -1
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -107,6 +109,11 @@ class _SamplingFields(_Body):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats``: the usage so far in every chunk (only with ``include_usage``)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingFields):
@@ -188,6 +195,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True  # vLLM extra
+    echo: bool = False  # vLLM extra: the last message's content before the reply, when it has the reply's role
     # tool calling (server/tools.py)
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -258,12 +266,29 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``Logprob``: one token's logprob at a prompt position, its rank in the vocabulary (1: the most
+    likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's ``prompt_logprobs``: None for the first token, then per prompt token its id (a JSON key) and the top ones.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionResponseChoice(CompletionChoice):
+    prompt_logprobs: PromptLogprobs | None = None  # not in stream chunks, as vLLM
+
+
 class CompletionResponse(BaseModel):
     id: str
     object: str = "text_completion"
     created: int = Field(default_factory=now)
     model: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
 
 
@@ -302,6 +327,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM puts the chat prompt's here, not in a choice
 
 
 class DeltaFunctionCall(BaseModel):

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvserve.server.protocol import ChatLogprobToken, CompletionLogprobs, TopLogprob
+from kvserve.outputs import RequestOutput
+from kvserve.server.protocol import ChatLogprobToken, CompletionLogprobs, PromptLogprob, PromptLogprobs, TopLogprob
 from kvserve.tokenizer import Tokenizer, bytes_to_unicode
 
 Logprobs = Sequence[dict[int, float] | None]  # per position: token id -> logprob (top k plus the chosen one)
+MIN_LOGPROB = -9999.0  # what vLLM writes for -inf, which JSON cannot hold
 
 
 class TokenTexts:
@@ -74,6 +76,28 @@ def completion_logprobs(
             top.setdefault(texts.text(tid), lp)
         out.top_logprobs.append(top)
     return out
+
+
+def prompt_logprobs(texts: TokenTexts, out: RequestOutput, num_top: int) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token; for each other, by token id, the token
+    itself (its rank in the vocabulary) and then the ``num_top`` most likely tokens at that position (ranks
+    1 to ``num_top``; the prompt token keeps its place, with that rank, when it is one of them)."""
+    entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    ranks = out.prompt_token_ranks or [None] * len(out.prompt_token_ids)
+    result: PromptLogprobs = []
+    for token_id, entry, rank in zip(out.prompt_token_ids, entries, ranks, strict=True):
+        if entry is None:
+            result.append(None)
+            continue
+        position = {str(token_id): _prompt_logprob(texts, token_id, entry[token_id], rank)}
+        for top_rank, (tid, lp) in enumerate(sorted(entry.items(), key=lambda item: -item[1])[:num_top], 1):
+            position[str(tid)] = _prompt_logprob(texts, tid, lp, top_rank)
+        result.append(position)
+    return result
+
+
+def _prompt_logprob(texts: TokenTexts, token_id: int, logprob: float, rank: int | None) -> PromptLogprob:
+    return PromptLogprob(logprob=max(logprob, MIN_LOGPROB), rank=rank, decoded_token=texts.text(token_id))
 
 
 def chat_logprobs(

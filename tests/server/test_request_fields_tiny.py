@@ -24,13 +24,13 @@ ASKING = {
     "suffix": " the end", "functions": [{"name": "f", "parameters": {}}],
     "function_call": "auto", "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "service_tier": "flex",
-    "store": True, "web_search_options": {}, "reasoning_effort": "high", "verbosity": "low", "prompt_logprobs": 1,
+    "store": True, "web_search_options": {}, "reasoning_effort": "high", "verbosity": "low",
     "spaces_between_special_tokens": False, "bad_words": ["the"],
     "logits_processors": ["x"], "return_tokens_as_token_ids": True, "return_token_ids": True,
-    "add_special_tokens": True, "echo": True, "continue_final_message": True, "chat_template": "{{ messages }}",
+    "add_special_tokens": True, "continue_final_message": True, "chat_template": "{{ messages }}",
     "chat_template_kwargs": {"enable_thinking": True}, "documents": [{"text": "x"}], "mm_processor_kwargs": {},
     "priority": 1, "cache_salt": "salt", "request_id": "mine", "kv_transfer_params": {}, "vllm_xargs": {},
-    "cache_prompt": False, "continuous_usage_stats": True,
+    "cache_prompt": False,
 }  # fmt: skip
 REQUESTS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
 
@@ -83,12 +83,12 @@ def test_an_unknown_field_is_a_400_not_ignored(tiny_server, endpoint):
 
 
 def test_stream_options_follow_the_same_rule(tiny_server):
-    client, options = tiny_server.client(), {"include_usage": True, "continuous_usage_stats": True}
+    client, options = tiny_server.client(), {"include_usage": True, "include_usages": True}
     with pytest.raises(openai.BadRequestError) as caught:
         create(client, "chat", stream=True, stream_options=options)
-    assert caught.value.body["param"] == "stream_options.continuous_usage_stats"
-    assert caught.value.body["message"].startswith("'stream_options.continuous_usage_stats' is not supported")
-    chunks = list(create(client, "chat", stream=True, stream_options={**options, "continuous_usage_stats": False}))
+    assert caught.value.body["param"] == "stream_options.include_usages"
+    assert caught.value.body["message"].startswith("'stream_options.include_usages' is not supported")
+    chunks = list(create(client, "chat", stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].usage.completion_tokens == 2
 
 
