@@ -9,7 +9,8 @@ a plain decode step's decoder layers as one call of the above (``models/decode_c
 causal prefill attention in bfloat16 with AVX512-BF16 products (``attention/flash_prefill.py``).
 
 The build uses ``torch.utils.cpp_extension`` (g++ and ninja) with ``-march=native``, so it is keyed by a hash
-of the sources, the flags, the torch version and the CPU's flags: a cached build made on another CPU is never loaded.
+of the sources and their folder, the flags, the torch version and the CPU's flags: a cached build made on
+another CPU is never loaded.
 It lands in ``$KVSERVE_KERNEL_CACHE`` (default ``~/.cache/kvserve/kernels``) and later starts load it in
 well under a second. Processes building at once take turns on a lock the system drops when its holder dies.
 ``kvserve kernels build`` (``make``'s setup runs it) builds ahead of time, and a CPU engine loads the kernels when
@@ -83,13 +84,16 @@ def _cpu_flags() -> str:
 
 
 def build_name() -> str:
-    """The extension's name: changes with the sources, the flags, torch and the CPU."""
+    """The extension's name: changes with the sources (and their folder), the flags, torch and the CPU."""
     digest = hashlib.sha256()
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     digest.update(" ".join(cflags()).encode())
     digest.update(torch.__version__.encode())
     digest.update(_cpu_flags().encode())
+    # ninja's build file names the sources by path: two checkouts sharing one build folder would rebuild it
+    # whenever the other had built last, so each checkout gets its own.
+    digest.update(str(CSRC.resolve()).encode())
     return f"kvserve_kernels_{digest.hexdigest()[:16]}"
 
 
