@@ -58,7 +58,9 @@ async def create_chat_completion(ctx: ServeContext, body: ChatCompletionRequest,
     else:
         refuse_pml(body.truncate_prompt_tokens)
         if plan is not None:
-            raise bad_request("tools cannot be offered with a Prompt Cache prompt ", "tools")
+            raise bad_request(
+                "tools cannot be offered with a Prompt Cache prompt: its schema fixes the prompt", "tools"
+            )
     prompt_len = len(prompt) if isinstance(prompt, list) else 0
     guided = plan.guided if plan is not None else None
     params = chat_params(body, prompt_len, ctx.max_model_len, ctx.max_num_seqs, guided)

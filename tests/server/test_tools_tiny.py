@@ -156,3 +156,10 @@ def test_tokenize_counts_tools_and_calls_as_chat_does(tiny_server):
     used = tiny_server.client().chat.completions.create(**body, max_tokens=1).usage.prompt_tokens
     bare = httpx.post(tiny_server.url + "/tokenize", json={"model": TINY_NAME, "messages": MESSAGES}, timeout=30)
     assert counted == used > bare.json()["count"] + 50
+
+
+def test_tools_with_a_prompt_cache_prompt_are_a_400(tiny_server):
+    messages = [{"role": "user", "content": '<prompt schema="doc">what is it?</prompt>'}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        tiny_server.client().chat.completions.create(model=TINY_NAME, messages=messages, tools=TOOLS, max_tokens=2)
+    assert caught.value.body["param"] == "tools" and "Prompt Cache" in caught.value.body["message"]
