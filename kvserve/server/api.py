@@ -47,7 +47,7 @@ from kvserve.server.schemas import create_schema, delete_schema, get_schema, lis
 from kvserve.server.serving import ClientDisconnected, ServeContext
 from kvserve.server.tokenize import detokenize, tokenize
 from kvserve.server.tokens import TokenTexts
-from kvserve.server.tool_parsers import PARSERS, detect_parser
+from kvserve.server.tool_parsers import check_parser, detect_parser
 
 CLIENT_CLOSED = 499  # nginx's status for a client that hung up; nobody receives it
 KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")  # what needs the API key when the server has one
@@ -66,9 +66,8 @@ def build_app(
     ``tool_call_parser``: the syntax of the model's tool calls; default: the one its chat template teaches."""
     if max_request_bytes < 1:  # checked here: Starlette builds its middleware only at the first request
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
-    if tool_call_parser is not None and tool_call_parser not in PARSERS:
-        raise ValueError(f"tool call parser {tool_call_parser!r} is not one of {', '.join(PARSERS)}")
     tokenizer = async_engine.engine.tokenizer
+    check_parser(tool_call_parser, tokenizer.chat_template)
     ctx = ServeContext(
         engine=async_engine,
         model_name=model_name,

@@ -96,7 +96,8 @@ def _pml_prompt(body: ChatCompletionRequest) -> str | None:
 
 
 def _encode(ctx: ServeContext, body: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
-    text = render_chat(ctx.tokenizer, body.messages, body.add_generation_prompt, plan.tools if plan else None)
+    tools = plan.tools if plan else None
+    text = render_chat(ctx.tokenizer, body.messages, body.add_generation_prompt, tools, ctx.tool_parser)
     return ctx.tokenizer.encode(text, add_special_tokens=False)  # the template writes its own BOS
 
 

@@ -48,9 +48,10 @@ def add_serve_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     serve.add_argument(
         "--tool-call-parser",
         default=None,
-        choices=("hermes", "llama3_json", "mistral"),
+        choices=("hermes", "llama3_json", "mistral", "pythonic"),
         help="the syntax of the model's tool calls for tool_choice auto (default: the one its chat template "
-        "teaches; hermes for a template that renders no tools, where kvserve writes Hermes' tool prompt)",
+        "teaches; for a template that renders no tools kvserve writes the tool prompt itself: pythonic for Gemma's, "
+        "else hermes)",
     )
     add_engine_args(serve)
     add_schema_arg(serve)

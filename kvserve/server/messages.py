@@ -48,12 +48,16 @@ def check_messages(messages: Sequence[ChatMessage]) -> None:
 
 
 def render_chat(
-    tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool, tools: Sequence[dict] | None
+    tokenizer: Tokenizer,
+    messages: Sequence[ChatMessage],
+    add_generation_prompt: bool,
+    tools: Sequence[dict] | None,
+    syntax: str | None = None,
 ) -> str:
     """The chat as the model reads it (one rendering for chat completions and ``/tokenize``); a 400 if the
-    template refuses it."""
+    template refuses it. ``syntax``: the tool calls' (``server/tool_parsers.py``), for a template without tools."""
     try:
-        return chat_prompt(tokenizer, template_messages(messages), add_generation_prompt, tools)
+        return chat_prompt(tokenizer, template_messages(messages), add_generation_prompt, tools, syntax)
     except (TemplateError, ValueError) as exc:
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
 

@@ -38,7 +38,7 @@ def _tokenize(ctx: ServeContext, body: TokenizeRequest) -> tuple[list[int], list
         ids = tokenizer.encode(body.prompt, add_special_tokens=add_special)
     else:
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
-        text = render_chat(tokenizer, body.messages, body.add_generation_prompt, tools)
+        text = render_chat(tokenizer, body.messages, body.add_generation_prompt, tools, ctx.tool_parser)
         ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
     return ids, tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
 

@@ -5,6 +5,9 @@
 - ``llama3_json``: Llama 3.1+'s ``{"name": ..., "parameters": {...}}`` (after ``<|python_tag|>`` or alone),
   several joined by ``;``;
 - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``;
+- ``pythonic``: a Python list of calls with keyword arguments, ``[get_weather(city="Paris"), f(x=1)]`` (the
+  format Google documents for Gemma, Llama 3.2's and 4's; also kvserve's prompt for a Gemma template, which
+  renders no tools), optionally in a ````` ```tool_code ````` fence; its calls are sent whole, once the list closes;
 - ``json``: a JSON array of ``{"name", "arguments"}`` objects and nothing else: what ``tool_choice: required``
   constrains the output to.
 
@@ -16,11 +19,15 @@ is content. A call whose JSON does not parse at the end stays content, as the mo
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from dataclasses import dataclass, field
 
-PARSERS = ("hermes", "llama3_json", "mistral", "json")
+from kvserve.tool_prompt import SYNTAXES, prompt_syntax, renders_tools
+
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "json")
+CHOICES = PARSERS[:-1]  # what --tool-call-parser takes: ``json`` is ``required``'s own
 
 
 @dataclass
@@ -43,16 +50,35 @@ def parse(parser: str, text: str, final: bool) -> ParsedOutput:
         return _llama3(text, final)
     if parser == "mistral":
         return _mistral(text, final)
+    if parser == "pythonic":
+        return _pythonic(text, final)
     if parser == "json":
         return _array(text, final, 0) or ParsedOutput(text)
     raise ValueError(f"unknown tool call parser {parser!r}; choose one of {', '.join(PARSERS)}")
 
 
+def check_parser(parser: str | None, chat_template: str | None) -> None:
+    """A ValueError naming the problem, for a parser the server cannot use with this template."""
+    if parser is None:
+        return
+    if parser not in CHOICES:
+        raise ValueError(f"tool call parser {parser!r} is not one of {', '.join(CHOICES)}")
+    if not renders_tools(chat_template) and parser not in SYNTAXES:
+        raise ValueError(
+            f"tool call parser {parser!r}: the chat template renders no tools, so kvserve writes the tool prompt "
+            f"itself, in {' or '.join(SYNTAXES)} syntax"
+        )
+
+
 def detect_parser(chat_template: str | None) -> str:
-    """The syntax a chat template teaches; Hermes where it teaches none (kvserve then writes Hermes' prompt)."""
+    """The syntax a chat template teaches; for one that renders no tools, the syntax of kvserve's own prompt."""
     template = chat_template or ""
+    if not renders_tools(template):
+        return prompt_syntax(template)
     if "[TOOL_CALLS]" in template:
         return "mistral"
+    if "[func_name1(" in template:
+        return "pythonic"
     if "<|python_tag|>" in template or ('"parameters"' in template and "<|eom_id|>" in template):
         return "llama3_json"
     return "hermes"
@@ -126,6 +152,43 @@ def _mistral(text: str, final: bool) -> ParsedOutput:
     if parsed is None:
         return ParsedOutput(text if final else text[:at])
     return ParsedOutput(text[:at] + parsed.content, parsed.calls)
+
+
+_FENCE = re.compile(r"^\s*```(?:tool_code|python)?\s*\n?(.*?)\n?\s*(```\s*)?$", re.DOTALL)
+
+
+def _pythonic(text: str, final: bool) -> ParsedOutput:
+    stripped = text.strip()
+    fenced = _FENCE.match(text)
+    body = (fenced.group(1) if fenced else stripped).strip()
+    calls = _python_calls(body) if body.startswith("[") else None
+    if final:
+        return ParsedOutput("", calls) if calls else ParsedOutput(text)
+    # While streaming, a list (or a fence that may hold one) is held back until it parses: its calls go whole.
+    if fenced or body.startswith("[") or "```tool_code".startswith(stripped[:12]):
+        return ParsedOutput("", calls or [])
+    return ParsedOutput(text)
+
+
+def _python_calls(body: str) -> list[ParsedCall] | None:
+    """``[f(a=1), g(b="x")]`` -> its calls, arguments as JSON; None unless every item is such a call."""
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for item in tree.elts:
+        if not isinstance(item, ast.Call) or not isinstance(item.func, ast.Name) or item.args:
+            return None
+        try:
+            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in item.keywords if kw.arg is not None}
+            text = json.dumps(arguments, ensure_ascii=False)
+        except (ValueError, TypeError):
+            return None
+        calls.append(ParsedCall(item.func.id, text, True))
+    return calls
 
 
 def _array(text: str, final: bool, i: int) -> ParsedOutput | None:

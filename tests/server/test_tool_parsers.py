@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from kvserve.server.tool_parsers import detect_parser, parse
+from kvserve.server.tool_parsers import check_parser, detect_parser, parse
 from kvserve.tokenizer import Tokenizer
-from kvserve.tool_prompt import hermes_messages, renders_tools
+from kvserve.tool_prompt import chat_prompt, hermes_messages, renders_tools
 from tests.tiny_models import build_tiny_tokenizer
 
 CASES = {
@@ -28,12 +28,14 @@ CASES = {
         '{"name": "f", "arguments": {"s": "}<tool_call>\\"{"}}]',
         "Sure",
     ),
+    "pythonic": ('\n```tool_code\n[get_weather(city="Paris", days=[1, 2]), f(s="}<tool_call>\\"{")]\n```', ""),
     "json": (
         '[{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}, '
         '{"name": "f", "arguments": {"s": "}<tool_call>\\"{"}}]',
         "",
     ),
 }
+SMOLLM2_LIKE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 EXPECTED = [("get_weather", {"city": "Paris", "days": [1, 2]}), ("f", {"s": '}<tool_call>"{'})]
 
 
@@ -75,6 +77,9 @@ def test_streamed_a_character_at_a_time_the_pieces_add_up_to_the_whole(parser):
         ("llama3_json", '{"name": "f", "parameters": {'),
         ("mistral", "[1] is a citation"),
         ("json", '[{"name": "f", "arguments": 3}]'),
+        ("pythonic", "[1] is a citation"),
+        ("pythonic", "[get_weather(city=paris)]"),
+        ("pythonic", '[get_weather("Paris")]'),
     ],
 )
 def test_what_is_not_a_whole_call_stays_content(parser, text):
@@ -90,10 +95,23 @@ def test_a_possible_start_of_a_call_is_held_back_while_streaming():
 
 
 def test_the_syntax_comes_from_the_template():
-    assert detect_parser("{{ '[TOOL_CALLS]' }}") == "mistral"
+    assert detect_parser("{% if tools %}{{ '[TOOL_CALLS]' }}{% endif %}") == "mistral"
     assert detect_parser("{{ '<|python_tag|>' }}{% if tools %}{% endif %}") == "llama3_json"
     assert detect_parser("{% for tool in tools %}<tool_call>{% endfor %}") == "hermes"
+    assert detect_parser("{% if tools %}[func_name1(params_name1=params_value1){% endif %}") == "pythonic"
+    # a template that renders no tools: the syntax of kvserve's own prompt, Gemma's for a Gemma template
+    assert detect_parser("{{ '<start_of_turn>user' }}") == "pythonic"
+    assert detect_parser(SMOLLM2_LIKE) == "hermes"
     assert detect_parser(None) == "hermes"
+
+
+def test_a_parser_the_template_cannot_take_is_refused():
+    check_parser("pythonic", SMOLLM2_LIKE)
+    check_parser("mistral", "{% if tools %}[TOOL_CALLS]{% endif %}")
+    with pytest.raises(ValueError, match="renders no tools, so kvserve writes the tool prompt itself"):
+        check_parser("llama3_json", SMOLLM2_LIKE)
+    with pytest.raises(ValueError, match="is not one of"):
+        check_parser("json", SMOLLM2_LIKE)
 
 
 QWEN_LIKE = (
@@ -131,3 +149,18 @@ def test_a_template_that_renders_no_tools_gets_hermes_text():
     assert messages[2]["content"] == call
     assert messages[3]["content"] == "<tool_response>\n18 C\n</tool_response>\n<tool_response>\n19 C\n</tool_response>"
     assert not renders_tools("{% for m in messages %}{{ m.content }}{% endfor %}")
+
+
+GEMMA_LIKE = (
+    "{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+    "{{ m.content }}<end_of_turn>\n{% endfor %}"
+)
+
+
+def test_a_gemma_template_gets_gemmas_python_list_style():
+    tokenizer = Tokenizer(backend=build_tiny_tokenizer(), chat_template=GEMMA_LIKE)
+    text = chat_prompt(tokenizer, TURN, add_generation_prompt=False, tools=TOOLS)
+    assert "a Python list of calls with keyword arguments" in text and '"name": "get_weather"' in text
+    assert "<start_of_turn>model\n[get_weather(city='Paris')]<end_of_turn>" in text
+    assert "<start_of_turn>user\n```tool_output\n18 C\n```<end_of_turn>" in text
+    assert parse("pythonic", "[get_weather(city='Paris')]", final=True).calls[0].arguments == '{"city": "Paris"}'

@@ -11,6 +11,7 @@ import jsonschema
 import openai
 import pytest
 
+from kvserve.server.api import build_app
 from tests.server.conftest import TINY_NAME
 
 WEATHER = {
@@ -163,3 +164,10 @@ def test_tools_with_a_prompt_cache_prompt_are_a_400(tiny_server):
     with pytest.raises(openai.BadRequestError) as caught:
         tiny_server.client().chat.completions.create(model=TINY_NAME, messages=messages, tools=TOOLS, max_tokens=2)
     assert caught.value.body["param"] == "tools" and "Prompt Cache" in caught.value.body["message"]
+
+
+def test_a_tool_call_parser_the_template_cannot_teach_is_refused_at_start(tiny_server):
+    with pytest.raises(ValueError, match="renders no tools, so kvserve writes the tool prompt itself"):
+        build_app(tiny_server.engine, TINY_NAME, tool_call_parser="llama3_json")
+    with pytest.raises(ValueError, match="is not one of"):
+        build_app(tiny_server.engine, TINY_NAME, tool_call_parser="xml")
