@@ -154,7 +154,7 @@ class TinySpec:
 
 
 def hf_config(spec: TinySpec) -> PretrainedConfig:
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     kwargs = dict(
         vocab_size=VOCAB_SIZE,
@@ -179,6 +179,8 @@ def hf_config(spec: TinySpec) -> PretrainedConfig:
         config = LlamaConfig(attention_bias=spec.attention_bias, **kwargs)
     elif spec.arch == "qwen2":
         config = Qwen2Config(**kwargs)
+    elif spec.arch == "qwen3":
+        config = Qwen3Config(**kwargs)
     elif spec.arch == "mistral":
         config = MistralConfig(**kwargs)
     elif spec.arch == "gemma3":
@@ -194,11 +196,11 @@ def hf_config(spec: TinySpec) -> PretrainedConfig:
 
 def build_hf_model(spec: TinySpec) -> PreTrainedModel:
     """A float32 HF model with seeded, non-degenerate random weights."""
-    from transformers import Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+    from transformers import Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
     torch.manual_seed(spec.seed)
-    classes = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM,
-               "gemma3": Gemma3ForCausalLM}  # fmt: skip
+    classes = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
+               "mistral": MistralForCausalLM, "gemma3": Gemma3ForCausalLM}  # fmt: skip
     cls = classes[spec.arch]
     model = cls(hf_config(spec)).float().eval()
     gen = torch.Generator().manual_seed(spec.seed)

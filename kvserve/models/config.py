@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from kvserve.errors import UnsupportedModelError
 
-# Architectures that share the Llama block (RMSNorm, RoPE, GQA, SwiGLU); Qwen2 adds q/k/v bias. Gemma 3
-# has its own block (models/gemma3.py).
-LLAMA_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# Architectures that share the Llama block (RMSNorm, RoPE, GQA, SwiGLU); Qwen2 adds q/k/v bias, Qwen3 q/k norms
+# (models/qwen3.py). Gemma 3 has its own block (models/gemma3.py).
+LLAMA_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ARCHITECTURES = (*LLAMA_ARCHITECTURES, "gemma3")
 SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_types names
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")

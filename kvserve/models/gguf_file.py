@@ -67,6 +67,12 @@ _GEMMA3_LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Qwen3's q and k norms per head.
+_QWEN3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
 # llama.cpp builds Gemma 3 with every sixth layer global and a RoPE base of 10,000 on the others
 # (llama-model.cpp); the file does not store either.
 _GEMMA3_SWA_PATTERN = 6
@@ -230,7 +236,7 @@ def _hf_name(gguf_name: str, arch: str) -> str:
     """The Hugging Face name; a tensor we do not know keeps its GGUF name (and is reported as unused)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    layer_names = {"gemma3": _GEMMA3_LAYER_NAMES, "qwen3": _QWEN3_LAYER_NAMES}.get(arch, _LAYER_NAMES)
     parts = gguf_name.split(".", 2)
     if parts[0] == "blk" and len(parts) == 3 and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"

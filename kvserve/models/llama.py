@@ -65,11 +65,12 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     # Per-layer norm weights a checkpoint provides (Hugging Face names under model.layers.{i}.).
     NORMS = ("input_layernorm", "post_attention_layernorm")
+    attention_class = Attention
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = self.attention_class(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 

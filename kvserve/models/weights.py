@@ -16,6 +16,7 @@ from kvserve.models.config import ModelConfig
 from kvserve.models.gemma3 import Gemma3ForCausalLM
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.quant_linear import Int4Weight, Int8Weight, Q8Linear, QuantEmbedding, QuantLinear
+from kvserve.models.qwen3 import Qwen3ForCausalLM
 
 TensorSource = Callable[[str], torch.Tensor]
 Int4Source = Callable[[], Int4Weight]
@@ -148,7 +149,7 @@ class _Weights:
 
 def model_class_for(config: ModelConfig) -> type[LlamaForCausalLM]:
     """The module that computes ``config.architecture``."""
-    return Gemma3ForCausalLM if config.architecture == "gemma3" else LlamaForCausalLM
+    return {"gemma3": Gemma3ForCausalLM, "qwen3": Qwen3ForCausalLM}.get(config.architecture, LlamaForCausalLM)
 
 
 def _check_shapes(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) -> None:
