@@ -128,11 +128,14 @@ def test_engine_greedy_matches_transformers(family, name, fmt):
 PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 
-def greedy_tokens(source: Path, **options: object) -> list[list[int]]:
+def greedy_tokens(source: Path, summary: str = "", **options: object) -> list[list[int]]:
+    """Greedy tokens of the four engine prompts; ``summary``: a phrase the engine's KV summary must hold (the
+    technique is in force, not ignored)."""
     # Room for all four sequences (no preemption to blur what is compared), and no more: pools are allocated.
     options = {"dtype": "float32", "block_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory": "512KiB",
                "swap_space": "512KiB", **options}  # fmt: skip
     with LLM(str(source), **options) as llm:
+        assert summary in llm.engine.kv_summary
         return [o.outputs[0].token_ids for o in llm.generate(engine_prompts(VOCAB_SIZE), PARAMS, use_tqdm=False)]
 
 
@@ -150,7 +153,8 @@ def test_lossless_technique_is_token_identical_to_the_full_cache(family, name, o
     if options.get("kv_offload") == "disk":
         options = {**options, "kv_offload_path": str(tmp_path)}
     source = family(name).gguf  # the engine path from the GGUF file (the folder runs in the greedy checks)
-    assert greedy_tokens(source, **options) == greedy_tokens(source)
+    summary = "offloaded" if "kv_offload" in options else f"policy {options['kv_policy']} (budget 1)"
+    assert greedy_tokens(source, summary, **options) == greedy_tokens(source)
 
 
 def test_phi3_tensor_parallel_splits_the_fused_projections(family):
