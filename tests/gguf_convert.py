@@ -10,6 +10,7 @@ weights transformers loads.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -116,7 +117,10 @@ def _add_metadata(writer: GGUFWriter, cfg: dict, arch: str) -> None:
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
-    if cfg.get("sliding_window") and (arch != "qwen2" or cfg.get("use_sliding_window")):
+    if arch == "phi3":  # Phi3MiniModel writes both always: 0 for no window
+        writer.add_sliding_window(cfg.get("sliding_window") or 0)
+        writer.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+    elif cfg.get("sliding_window") and (arch != "qwen2" or cfg.get("use_sliding_window")):
         writer.add_sliding_window(cfg["sliding_window"])
     if cfg.get("attn_logit_softcapping"):
         writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
@@ -130,15 +134,14 @@ def _add_metadata(writer: GGUFWriter, cfg: dict, arch: str) -> None:
             writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         if cfg.get("shared_expert_intermediate_size"):
             writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    if rope.get("rope_type") in ("longrope", "su"):  # Phi-3: the factors are tensors, the rest metadata
-        original = rope.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
-        writer.add_rope_scaling_orig_ctx_len(int(original))
-        context = cfg.get("max_position_embeddings", original)
-        factor = context / original
-        attn_factor = rope.get("attention_factor") or (
-            1.0 if factor <= 1.0 else float(np.sqrt(1 + np.log(factor) / np.log(original)))
+    if rope.get("rope_type") in ("longrope", "su"):
+        # Phi3MiniModel: the factors are tensors; the cos/sin scale comes from the top-level context lengths only
+        # (rope_scaling's own factor or attention_factor are not read).
+        original = cfg["original_max_position_embeddings"]
+        scale = cfg["max_position_embeddings"] / original
+        writer.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
         )
-        writer.add_rope_scaling_attn_factors(attn_factor)
 
 
 def _add_tokenizer(writer: GGUFWriter, vocab_size: int) -> None:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvserve.errors import UnsupportedModelError
 
 # Architectures that share the Llama block (RMSNorm, RoPE, GQA, SwiGLU); Qwen2 adds q/k/v bias, Qwen3 q/k norms
-# (models/qwen3.py). Gemma 3 has its own block (models/gemma3.py).
-LLAMA_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# (models/qwen3.py), Phi-3 stores q/k/v and gate/up fused and may scale RoPE by LongRoPE (models/longrope.py).
+# Gemma 3 has its own block (models/gemma3.py).
+LLAMA_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 SUPPORTED_ARCHITECTURES = (*LLAMA_ARCHITECTURES, "gemma3")
 SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_types names
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass(frozen=True)
@@ -19,7 +21,9 @@ class RopeScaling:
     """Rotary-embedding frequency scaling (``rope_scaling`` in a Hugging Face config).
 
     ``linear`` divides every position by ``factor``; ``llama3`` rescales low frequencies only
-    (Llama 3.1 / SmolLM long-context configs).
+    (Llama 3.1 / SmolLM long-context configs); ``longrope`` (Phi-3, formerly ``su``) divides each frequency by its
+    own ``short_factor`` or ``long_factor`` and multiplies cos and sin by ``attention_factor``
+    (which set runs: ``models/longrope.py``).
     """
 
     rope_type: str = "default"
@@ -27,6 +31,9 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -105,22 +112,14 @@ class ModelConfig:
         num_heads = cfg["num_attention_heads"]
         scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
         rope_theta = cfg.get("rope_theta", 10000.0)
+        rotary = (scaling or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if rotary is not None and rotary < 1:
+            raise UnsupportedModelError(
+                f"partial_rotary_factor={rotary} (rotary embedding on part of each head) is not supported"
+            )
         if scaling is not None:
             rope_theta = scaling.get("rope_theta", rope_theta)
-            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-            scaling = (
-                None
-                if rope_type == "default"
-                else RopeScaling(
-                    rope_type=rope_type,
-                    factor=float(scaling.get("factor", 1.0)),
-                    low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-                    high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-                    original_max_position_embeddings=int(
-                        scaling.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
-                    ),
-                )
-            )
+            scaling = _rope_scaling(cfg, scaling)
         return cls(
             **_window_fields(cfg, model_type, cfg["num_hidden_layers"]),
             architecture=model_type,
@@ -141,6 +140,38 @@ class ModelConfig:
         )
 
 
+def _rope_scaling(cfg: dict, scaling: dict) -> RopeScaling | None:
+    """``rope_scaling`` (or ``rope_parameters``) read as transformers reads it; None for plain RoPE."""
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    rope_type = {"su": "longrope"}.get(rope_type, rope_type)  # Phi-3's first name for LongRoPE
+    if rope_type == "default":
+        return None
+    context = cfg.get("max_position_embeddings", 8192)
+    # transformers prefers a top-level original_max_position_embeddings (Phi-3's config class defaults it to 4096).
+    original = cfg.get("original_max_position_embeddings", 4096 if cfg.get("model_type") == "phi3" else None)
+    original = int(original or scaling.get("original_max_position_embeddings", context))
+    longrope = {}
+    if rope_type == "longrope":  # transformers' _compute_longrope_parameters
+        factor = scaling.get("factor")
+        factor = context / original if factor is None else factor
+        attention = scaling.get("attention_factor")
+        if attention is None:
+            attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+        longrope = {
+            "short_factor": tuple(float(f) for f in scaling["short_factor"]),
+            "long_factor": tuple(float(f) for f in scaling["long_factor"]),
+            "attention_factor": float(attention),
+        }
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(scaling.get("factor", 1.0)),
+        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=original,
+        **longrope,
+    )
+
+
 def _window_fields(cfg: dict, model_type: str, num_layers: int) -> dict:
     """Sliding-window fields of a Hugging Face config: Gemma 3's ``layer_types`` (or its older
     ``sliding_window_pattern``), or Mistral's ``sliding_window`` over every layer."""
@@ -150,6 +181,8 @@ def _window_fields(cfg: dict, model_type: str, num_layers: int) -> dict:
         fields["rope_local_theta"] = float(cfg.get("rope_local_base_freq", 10000.0))
     if window is None or (model_type == "qwen2" and not cfg.get("use_sliding_window")):
         return fields
+    if model_type != "gemma3" and window >= cfg.get("max_position_embeddings", window + 1):
+        return fields  # a window over the whole context (Phi-3.5's 262144 of 131072) is full attention
     types = cfg.get("layer_types")
     if types is None:
         pattern = cfg.get("sliding_window_pattern", 6 if model_type == "gemma3" else 1)

@@ -73,6 +73,14 @@ _QWEN3_LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Phi-3 stores q/k/v as one tensor, and gate and up as one "ffn_up" (gate rows first).
+_PHI3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+# Rotary tensors, read into the config or the rotary table rather than as weights.
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # llama.cpp builds Gemma 3 with every sixth layer global and a RoPE base of 10,000 on the others
 # (llama-model.cpp); the file does not store either.
 _GEMMA3_SWA_PATTERN = 6
@@ -131,9 +139,18 @@ def read_config(reader: GGUFReader) -> ModelConfig:
     if tokens is None and f"{arch}.vocab_size" not in reader.fields:
         raise ModelLoadError("the GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
     vocab_size = meta("vocab_size", len(tokens.data) if tokens is not None else None)
+    head_dim = int(meta("attention.key_length", hidden // num_heads))
+    rotary = int(field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rotary < head_dim:
+        raise UnsupportedModelError(
+            f"rope.dimension_count={rotary} of head_dim={head_dim}: partial_rotary_factor={rotary / head_dim:g} "
+            "(rotary embedding on part of each head) is not supported"
+        )
     scaling_type = field(reader, f"{arch}.rope.scaling.type")
     scaling = None
-    if scaling_type not in (None, "none") and "rope_freqs.weight" not in tensor_names:
+    if "rope_factors_long.weight" in tensor_names:
+        scaling = _longrope_scaling(reader, meta)
+    elif scaling_type not in (None, "none") and "rope_freqs.weight" not in tensor_names:
         scaling = RopeScaling(
             rope_type=str(scaling_type),
             factor=float(meta("rope.scaling.factor", 1.0)),
@@ -148,7 +165,7 @@ def read_config(reader: GGUFReader) -> ModelConfig:
         num_layers=int(meta("block_count")),
         num_heads=num_heads,
         num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
-        head_dim=int(meta("attention.key_length", hidden // num_heads)),
+        head_dim=head_dim,
         max_position_embeddings=int(meta("context_length")),
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
@@ -159,11 +176,27 @@ def read_config(reader: GGUFReader) -> ModelConfig:
     )
 
 
+def _longrope_scaling(reader: GGUFReader, meta: Callable[..., object]) -> RopeScaling:
+    """Phi-3's LongRoPE as llama.cpp's converter stores it: both factor sets as tensors, the cos/sin scale and the
+    pretraining context as metadata (a missing attn_factor is 1, as llama.cpp reads it)."""
+    factors = {t.name: tuple(_dequantize(t).tolist()) for t in reader.tensors if t.name in _ROPE_TENSORS}
+    return RopeScaling(
+        rope_type="longrope",
+        original_max_position_embeddings=int(meta("rope.scaling.original_context_length")),
+        short_factor=factors["rope_factors_short.weight"],
+        long_factor=factors["rope_factors_long.weight"],
+        attention_factor=float(meta("rope.scaling.attn_factor", 1.0)),
+    )
+
+
 def _window_fields(reader: GGUFReader, arch: str, num_layers: int, hidden: int, num_heads: int) -> dict:
     """Sliding-window fields: Gemma 3's pattern (every sixth layer global), or a window over every layer."""
     window = field(reader, f"{arch}.attention.sliding_window")
     if arch != "gemma3":
-        return {} if window is None else {"sliding_window": int(window), "layer_types": (SLIDING,) * num_layers}
+        # llama.cpp's converter writes 0 for none (Phi-3 files); a window over the whole context is none too.
+        if not window or window >= int(field(reader, f"{arch}.context_length", window + 1)):
+            return {}
+        return {"sliding_window": int(window), "layer_types": (SLIDING,) * num_layers}
     # llama.cpp scales Gemma 3 27B's queries by its hidden size per head, every other size by head_dim.
     head_dim = int(field(reader, f"{arch}.attention.key_length", hidden // num_heads))
     scalar = hidden // num_heads if num_layers == 62 else head_dim
@@ -178,7 +211,7 @@ def tensor_sources(reader: GGUFReader, config: ModelConfig) -> dict[str, Callabl
     """Hugging Face name -> a function that dequantises that tensor to float32 (out, in)."""
     sources: dict[str, Callable[[], torch.Tensor]] = {}
     for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":  # read by rope_freq_factors()
+        if tensor.name in _ROPE_TENSORS:  # read by rope_freq_factors() and read_config()
             continue
         name = _hf_name(tensor.name, config.architecture)
         if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
@@ -236,7 +269,9 @@ def _hf_name(gguf_name: str, arch: str) -> str:
     """The Hugging Face name; a tensor we do not know keeps its GGUF name (and is reported as unused)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    layer_names = {"gemma3": _GEMMA3_LAYER_NAMES, "qwen3": _QWEN3_LAYER_NAMES}.get(arch, _LAYER_NAMES)
+    layer_names = {"gemma3": _GEMMA3_LAYER_NAMES, "qwen3": _QWEN3_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}.get(
+        arch, _LAYER_NAMES
+    )
     parts = gguf_name.split(".", 2)
     if parts[0] == "blk" and len(parts) == 3 and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"

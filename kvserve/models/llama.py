@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) as a plain ``nn.Module``.
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Phi-3) as a plain ``nn.Module``.
 
 Tokens are flattened across sequences (N tokens in a step), every token carries an explicit
 position id, and attention goes through an ``AttentionBackend``: the model knows nothing about
@@ -17,6 +17,7 @@ from kvserve.models import fused
 from kvserve.models.config import ModelConfig
 from kvserve.models.decode_chain import DecodeChain
 from kvserve.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, rope_inverse_frequencies
+from kvserve.models.longrope import longrope_rotary
 from kvserve.models.packed_linear import dense_linear, prepack
 
 
@@ -100,8 +101,12 @@ class LlamaForCausalLM(nn.Module):
         )
         self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling, rope_freq_factors)
-        self.rotary = RotaryEmbedding(inv_freq, config.max_position_embeddings)
+        if config.rope_scaling is not None and config.rope_scaling.rope_type == "longrope":
+            self.rotary = longrope_rotary(config)
+        else:
+            scaling = config.rope_scaling
+            inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, scaling, rope_freq_factors)
+            self.rotary = RotaryEmbedding(inv_freq, config.max_position_embeddings)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tied_head_packed: torch.Tensor | None = None  # see prepack()

@@ -5,6 +5,7 @@ Per layer, rank ``r`` of ``size`` holds:
   read. With more ranks than KV heads each KV head is replicated on ``size / Hkv`` ranks, as vLLM does;
 - the matching input columns of o_proj (row parallel: partial sums, all-reduced by ``parallel/tensor_model.py``);
 - its share of gate/up rows (column parallel) and the matching down_proj columns (row parallel).
+A checkpoint storing q/k/v or gate/up fused (Phi-3) gives each rank its rows of every part, fused in the same order.
 The embedding and LM head are replicated: the LM head runs on rank 0 only, so no logits are gathered. Its
 cost is measured by ``kvserve bench tensor-parallel`` (SmolLM2: 13-16 ms of a 77 ms float32 decode step;
 Gemma 3 270M, 262k vocabulary: about half of its step), the figure a vocabulary-parallel head would split.
@@ -108,13 +109,20 @@ def _sliced(config: ModelConfig, name: str, get: Source, shard: TensorShard) -> 
         return get
     _, proj, kind = match.groups()
     d = config.head_dim
-    rows: slice | None = None
+    rows: slice | list[slice] | None = None
     if proj == "q":
         rows = _scaled(shard.span(config.num_heads), d)
     elif proj in ("k", "v"):
         rows = _scaled(shard.kv_heads(config.num_kv_heads), d)
     elif proj in ("gate", "up"):
         rows = shard.span(config.intermediate_size)
+    elif proj == "qkv":  # stored fused (Phi-3): this rank's rows of each part, fused again
+        kv = _scaled(shard.kv_heads(config.num_kv_heads), d)
+        q_rows = _scaled(shard.span(config.num_heads), d)
+        rows = [q_rows, _shifted(kv, config.q_size), _shifted(kv, config.q_size + config.kv_size)]
+    elif proj == "gate_up":
+        gate = shard.span(config.intermediate_size)
+        rows = [gate, _shifted(gate, config.intermediate_size)]
     elif kind == "bias":  # o_proj / down_proj bias: added once, by rank 0, to the reduced sum
         return get if shard.rank == 0 else lambda: torch.zeros_like(_tensor(get()))
     if rows is not None:
@@ -127,8 +135,18 @@ def _scaled(heads: slice, head_dim: int) -> slice:
     return slice(heads.start * head_dim, heads.stop * head_dim)
 
 
-def _take(weight: object, part: slice, columns: bool) -> object:
-    """Rows (or input columns) ``part`` of a float tensor (out, in) or a bias (out,), or of an ``Int4Weight``."""
+def _shifted(rows: slice, offset: int) -> slice:
+    return slice(rows.start + offset, rows.stop + offset)
+
+
+def _take(weight: object, part: slice | list[slice], columns: bool) -> object:
+    """Rows (or input columns) ``part`` of a float tensor (out, in) or a bias (out,), or of an ``Int4Weight``;
+    rows given as several slices are concatenated in order."""
+    if isinstance(part, list):
+        pieces = [_take(weight, p, columns=False) for p in part]
+        if isinstance(weight, Int4Weight):
+            return Int4Weight.cat(pieces)
+        return torch.cat(pieces)
     if isinstance(weight, Int4Weight):
         if not columns:
             return weight.map_rows(lambda t: t[part].contiguous())

@@ -139,12 +139,18 @@ class _Weights:
         attn, mlp = hf + "self_attn.", hf + "mlp."
         for norm in norms:
             self.state[f"{ours}{norm}.weight"] = self.get(f"{hf}{norm}.weight")
+        # A checkpoint that stores q/k/v or gate/up fused already (Phi-3), in our row order, loads as it is.
         qkv_bias = [attn + f"{p}_proj.bias" for p in "qkv"] if config.attention_bias else None
-        self.linear(ours + "self_attn.qkv_proj", [attn + f"{p}_proj.weight" for p in "qkv"], qkv_bias)
+        qkv = [attn + f"{p}_proj.weight" for p in "qkv"]
+        self.linear(ours + "self_attn.qkv_proj", self._fused(attn + "qkv_proj.weight", qkv), qkv_bias)
         o_bias = [attn + "o_proj.bias"] if config.o_proj_bias else None
         self.linear(ours + "self_attn.o_proj", [attn + "o_proj.weight"], o_bias)
-        self.linear(ours + "mlp.gate_up_proj", [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
+        gate_up = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+        self.linear(ours + "mlp.gate_up_proj", self._fused(mlp + "gate_up_proj.weight", gate_up))
         self.linear(ours + "mlp.down_proj", [mlp + "down_proj.weight"])
+
+    def _fused(self, fused: str, parts: list[str]) -> list[str]:
+        return [fused] if fused in self.names else parts
 
 
 def model_class_for(config: ModelConfig) -> type[LlamaForCausalLM]:
