@@ -136,6 +136,15 @@ def test_grouped_experts_equal_a_per_token_loop_and_routing_spreads(family) -> N
             torch.testing.assert_close(weights.sum(-1), torch.ones(len(IDS)))
 
 
+def test_batch_invariant_experts_give_a_token_the_same_result_in_any_batch(family) -> None:
+    loaded = load_model(family.folder, batch_invariant=True)
+    layer, x = next(iter(sparse_inputs(loaded, IDS).items()))
+    block = loaded.model.layers[layer].mlp
+    with torch.no_grad():
+        assert torch.equal(block(x[:5]), block(x)[:5])
+        assert torch.equal(block(x[7:8]), block(x)[7:8])
+
+
 def test_a_wrong_routing_rule_would_be_caught(family) -> None:
     """The parity checks see routing: flipping the renormalisation moves the logits far beyond the tolerance."""
     loaded = load_model(family.folder)

@@ -23,13 +23,13 @@ once per layer (``parallel/tensor_model.py``).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.models import fused
 from kvserve.models.config import ModelConfig
 from kvserve.models.layers import Linear, SwiGLU
 from kvserve.models.llama import DecoderLayer, LlamaForCausalLM
+from kvserve.models.packed_linear import dense_linear
 from kvserve.models.qwen3 import QKNormAttention, Qwen3DecoderLayer
 
 
@@ -42,6 +42,8 @@ class Experts(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # Rows per matmul call in the batch-invariant mode (an expert's row count follows the batch); 0: all.
+        self.row_tile = 0
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (N, H), each token's experts (N, k) and float32 routing weights (N, k) -> (N, H)."""
@@ -55,8 +57,9 @@ class Experts(nn.Module):
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
-            h = F.linear(rows[start : start + count], self.gate_up[expert])
-            outputs.append(F.linear(fused.silu_mul(h, self.intermediate_size), self.down[expert]))
+            h = dense_linear(rows[start : start + count], self.gate_up[expert], None, None, self.row_tile)
+            h = fused.silu_mul(h, self.intermediate_size)
+            outputs.append(dense_linear(h, self.down[expert], None, None, self.row_tile))
             start += count
         scaled = (torch.cat(outputs).float() * weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, scaled)
