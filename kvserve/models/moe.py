@@ -47,6 +47,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (N, H), each token's experts (N, k) and float32 routing weights (N, k) -> (N, H)."""
+        if x.shape[0] == 0:  # every row dropped by the cache: nothing to route
+            return torch.zeros_like(x)
         k = experts.shape[1]
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)  # pairs grouped by expert, each group in token order
