@@ -77,6 +77,11 @@ def gguf_tensors(folder: Path, cfg: dict) -> dict[str, np.ndarray]:
             experts.setdefault((layer, proj), {})[expert] = array
             continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        dense = re.match(r"^model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight$", hf_name)
+        if name is None and dense:
+            # A dense layer of a Qwen-MoE (mlp_only_layers): llama.cpp's converter has no name for it (its graphs
+            # expect experts in every layer); it is written under the dense MLP's names, which kvserve reads.
+            name = f"blk.{dense[1]}.ffn_{dense[2]}.weight"
         if name is None:
             raise KeyError(f"no llama.cpp name for {hf_name} in {arch}")
         if arch in _GEMMA and hf_name.endswith("norm.weight"):

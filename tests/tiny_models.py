@@ -135,7 +135,7 @@ def build_tiny_tokenizer(add_bos: bool = True) -> Tokenizer:
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "llama"  # "llama", "qwen2", "qwen3", "mistral", "phi3" or "gemma3"
+    arch: str = "llama"  # "llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "mixtral", "qwen2_moe" or "qwen3_moe"
     num_heads: int = 4
     num_kv_heads: int = 4
     head_dim: int | None = None  # None: hidden_size // num_heads
@@ -154,7 +154,17 @@ class TinySpec:
 
 
 def hf_config(spec: TinySpec) -> PretrainedConfig:
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     kwargs = dict(
         vocab_size=VOCAB_SIZE,
@@ -185,6 +195,10 @@ def hf_config(spec: TinySpec) -> PretrainedConfig:
         config = MistralConfig(**kwargs)
     elif spec.arch == "phi3":
         config = Phi3Config(pad_token_id=None, **kwargs)
+    elif spec.arch in _MOE_CONFIGS:  # experts, top-k and sizes through ``extra``
+        config = {"mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig}[spec.arch](
+            **kwargs
+        )
     elif spec.arch == "gemma3":
         kwargs["rope_parameters"] = {
             "full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}
@@ -196,20 +210,29 @@ def hf_config(spec: TinySpec) -> PretrainedConfig:
     return config
 
 
+_MOE_CONFIGS = ("mixtral", "qwen2_moe", "qwen3_moe")
+ROUTER_SCALE = 4.0  # router logits spread over several units: each token's top-k is decisive, not a near tie
+
+
 def build_hf_model(spec: TinySpec) -> PreTrainedModel:
     """A float32 HF model with seeded, non-degenerate random weights."""
     from transformers import (
         Gemma3ForCausalLM,
         LlamaForCausalLM,
         MistralForCausalLM,
+        MixtralForCausalLM,
         Phi3ForCausalLM,
         Qwen2ForCausalLM,
+        Qwen2MoeForCausalLM,
         Qwen3ForCausalLM,
+        Qwen3MoeForCausalLM,
     )
 
     torch.manual_seed(spec.seed)
     classes = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
-               "mistral": MistralForCausalLM, "gemma3": Gemma3ForCausalLM, "phi3": Phi3ForCausalLM}  # fmt: skip
+               "mistral": MistralForCausalLM, "gemma3": Gemma3ForCausalLM, "phi3": Phi3ForCausalLM,
+               "mixtral": MixtralForCausalLM, "qwen2_moe": Qwen2MoeForCausalLM,
+               "qwen3_moe": Qwen3MoeForCausalLM}  # fmt: skip
     cls = classes[spec.arch]
     model = cls(hf_config(spec)).float().eval()
     gen = torch.Generator().manual_seed(spec.seed)
@@ -224,8 +247,10 @@ def build_hf_model(spec: TinySpec) -> PreTrainedModel:
                 param.copy_(noise * (0.5 if spec.tie_word_embeddings else 1.0))
             elif "lm_head" in name:
                 param.copy_(noise * (3.0 / math.sqrt(param.shape[1])))
-            else:
-                param.copy_(noise / math.sqrt(param.shape[1]))
+            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):  # MoE router
+                param.copy_(noise * (ROUTER_SCALE / math.sqrt(param.shape[1])))
+            else:  # fan-in is the last dimension, stacked experts (E, out, in) included
+                param.copy_(noise / math.sqrt(param.shape[-1]))
     return model
 
 

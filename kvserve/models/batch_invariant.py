@@ -7,7 +7,8 @@ row count (``packed_linear.ROW_TILE``). Here one kernel serves every row count:
 - int4 projections (and the tied Q8_0 head) always run on their codes: torch's int4 kernel (bfloat16) and
   kvserve's (float32) compute each row with the same loop over the inputs whatever the row count (their
   tiles of 1 to 4 rows share it); the dequantised copies are dropped (less memory too);
-- dense projections and a dense tied head run in calls of exactly ``ROW_TILE`` rows.
+- dense projections, a dense tied head and each expert of a sparse MoE block run in calls of exactly
+  ``ROW_TILE`` rows.
 
 The rest of a layer is per row already (norms, rotary, SwiGLU: elementwise or one reduction per row);
 attention gets the same treatment in ``attention/row_invariant.py``.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from kvserve.models.layers import Linear
 from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.moe import Experts
 from kvserve.models.packed_linear import ROW_TILE
 from kvserve.models.quant_linear import Q8Linear, QuantLinear
 
@@ -24,7 +26,7 @@ from kvserve.models.quant_linear import Q8Linear, QuantLinear
 def make_batch_invariant(model: LlamaForCausalLM) -> None:
     """Switch ``model``'s matmuls to their row-invariant form, in place (call once, after loading)."""
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, (Linear, Experts)):
             module.row_tile = ROW_TILE
         elif isinstance(module, (QuantLinear, Q8Linear)):
             module.dense, module.dense_packed = None, None  # the codes for every row count

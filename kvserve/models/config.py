@@ -9,9 +9,11 @@ from kvserve.errors import UnsupportedModelError
 
 # Architectures that share the Llama block (RMSNorm, RoPE, GQA, SwiGLU); Qwen2 adds q/k/v bias, Qwen3 q/k norms
 # (models/qwen3.py), Phi-3 stores q/k/v and gate/up fused and may scale RoPE by LongRoPE (models/longrope.py).
-# Gemma 3 has its own block (models/gemma3.py).
+# Gemma 3 has its own block (models/gemma3.py). The mixtures of experts swap the MLP of some or all layers for a
+# sparse block (models/moe.py).
 LLAMA_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-SUPPORTED_ARCHITECTURES = (*LLAMA_ARCHITECTURES, "gemma3")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = (*LLAMA_ARCHITECTURES, *MOE_ARCHITECTURES, "gemma3")
 SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_types names
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
@@ -65,6 +67,16 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3); None: rope_theta
     query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this); None: head_dim
+    # Mixture of experts (models/moe.py): the layers in ``sparse_layers`` route each token to
+    # ``num_experts_per_tok`` of ``num_experts`` SwiGLU experts of ``moe_intermediate_size``; the others keep the
+    # dense MLP of ``intermediate_size``. ``norm_topk_prob``: the chosen experts' probabilities are renormalised
+    # to sum to 1. A shared expert (Qwen2-MoE) of ``shared_expert_intermediate_size`` runs on every token.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -76,6 +88,12 @@ class ModelConfig:
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
         self._check_windows()
+        if self.sparse_layers and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise UnsupportedModelError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and num_experts={self.num_experts}"
+            )
+        if any(not 0 <= i < self.num_layers for i in self.sparse_layers):
+            raise UnsupportedModelError(f"sparse layers {self.sparse_layers} outside 0..{self.num_layers - 1}")
 
     def _check_windows(self) -> None:
         if self.layer_types and len(self.layer_types) != self.num_layers:
@@ -120,8 +138,10 @@ class ModelConfig:
         if scaling is not None:
             rope_theta = scaling.get("rope_theta", rope_theta)
             scaling = _rope_scaling(cfg, scaling)
+        qkv_bias = {"qwen2": True, "qwen2_moe": cfg.get("qkv_bias", True)}.get(model_type)
         return cls(
             **_window_fields(cfg, model_type, cfg["num_hidden_layers"]),
+            **_expert_fields(cfg, model_type, cfg["num_hidden_layers"]),
             architecture=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -135,8 +155,8 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias")),
-            o_proj_bias=model_type != "qwen2" and bool(cfg.get("attention_bias")),
+            attention_bias=qkv_bias if qkv_bias is not None else bool(cfg.get("attention_bias")),
+            o_proj_bias=qkv_bias is None and bool(cfg.get("attention_bias")),
         )
 
 
@@ -179,7 +199,7 @@ def _window_fields(cfg: dict, model_type: str, num_layers: int) -> dict:
     fields: dict = {"query_pre_attn_scalar": cfg.get("query_pre_attn_scalar")}
     if model_type == "gemma3":
         fields["rope_local_theta"] = float(cfg.get("rope_local_base_freq", 10000.0))
-    if window is None or (model_type == "qwen2" and not cfg.get("use_sliding_window")):
+    if window is None or (model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window")):
         return fields
     if model_type != "gemma3" and window >= cfg.get("max_position_embeddings", window + 1):
         return fields  # a window over the whole context (Phi-3.5's 262144 of 131072) is full attention
@@ -188,3 +208,28 @@ def _window_fields(cfg: dict, model_type: str, num_layers: int) -> dict:
         pattern = cfg.get("sliding_window_pattern", 6 if model_type == "gemma3" else 1)
         types = [FULL if pattern > 1 and (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
     return {**fields, "sliding_window": int(window), "layer_types": tuple(types)}
+
+
+def _expert_fields(cfg: dict, model_type: str, num_layers: int) -> dict:
+    """Mixture-of-experts fields of a Hugging Face config. Mixtral: every layer sparse, top-k always renormalised,
+    experts of ``intermediate_size``; Qwen-MoE: layer i sparse unless listed in ``mlp_only_layers`` and when
+    (i + 1) is a multiple of ``decoder_sparse_step``, as transformers builds it."""
+    if model_type not in MOE_ARCHITECTURES:
+        return {}
+    experts = cfg.get("num_local_experts", cfg.get("num_experts", 0))
+    if model_type == "mixtral":
+        sparse, size, norm = tuple(range(num_layers)), cfg["intermediate_size"], True
+    else:
+        dense, step = set(cfg.get("mlp_only_layers") or ()), cfg.get("decoder_sparse_step", 1)
+        sparse = tuple(i for i in range(num_layers) if experts > 0 and i not in dense and (i + 1) % step == 0)
+        size, norm = cfg["moe_intermediate_size"], bool(cfg.get("norm_topk_prob", False))
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": cfg.get("num_experts_per_tok", 0),
+        "moe_intermediate_size": size,
+        "norm_topk_prob": norm,
+        "sparse_layers": sparse,
+        "shared_expert_intermediate_size": cfg.get("shared_expert_intermediate_size", 0)
+        if model_type == "qwen2_moe"
+        else 0,
+    }

@@ -12,6 +12,7 @@ from gguf.quants import dequantize
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.models.config import FULL, SLIDING, ModelConfig, RopeScaling
+from kvserve.models.moe import checkpoint_names
 from kvserve.models.quant_linear import INT4_TYPES, Int4Weight, Int8Weight
 
 # Tensor types we read; every one is dequantised by ggml's reference code in the gguf package.
@@ -81,12 +82,34 @@ _PHI3_LAYER_NAMES = {
 }
 # Rotary tensors, read into the config or the rotary table rather than as weights.
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _expert_layer_names(arch: str) -> dict[str, str]:
+    """A sparse layer's tensors: the router, the stacked experts, and Qwen2-MoE's shared expert and its gate."""
+    prefix, (gate, up, down) = checkpoint_names(arch)
+    names = {"ffn_gate_inp.weight": prefix + "gate.weight"}
+    for ours, theirs in (("gate", gate), ("up", up), ("down", down)):
+        names[f"ffn_{ours}_exps.weight"] = f"{prefix}experts.{theirs}.weight"
+        names[f"ffn_{ours}_shexp.weight"] = f"{prefix}shared_expert.{ours}_proj.weight"
+    return {**names, "ffn_gate_inp_shexp.weight": prefix + "shared_expert_gate.weight"}
+
+
+_ARCH_LAYER_NAMES = {
+    "gemma3": _GEMMA3_LAYER_NAMES,
+    "qwen3": _QWEN3_LAYER_NAMES,
+    "phi3": _PHI3_LAYER_NAMES,
+    "qwen3_moe": {**_QWEN3_LAYER_NAMES, **_expert_layer_names("qwen3_moe")},
+    "qwen2_moe": {**_LAYER_NAMES, **_expert_layer_names("qwen2_moe")},
+    "mixtral": {**_LAYER_NAMES, **_expert_layer_names("mixtral")},
+}
+# llama.cpp's names of the mixtures of experts (Mixtral is a "llama" file with experts).
+_GGUF_MOE_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral"}
 # llama.cpp builds Gemma 3 with every sixth layer global and a RoPE base of 10,000 on the others
 # (llama-model.cpp); the file does not store either.
 _GEMMA3_SWA_PATTERN = 6
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # llama.cpp's converter permutes Q/K rows of these architectures for its interleaved rotary layout.
-_PERMUTED_QK_ARCHITECTURES = ("llama", "mistral")
+_PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "mixtral")
 
 
 class _ArrayGGUFReader(GGUFReader):
@@ -156,9 +179,11 @@ def read_config(reader: GGUFReader) -> ModelConfig:
             factor=float(meta("rope.scaling.factor", 1.0)),
             original_max_position_embeddings=int(meta("rope.scaling.original_context_length", 8192)),
         )
+    experts = _expert_fields(reader, str(arch), int(meta("block_count")), tensor_names)
     return ModelConfig(
         **_window_fields(reader, str(arch), int(meta("block_count")), hidden, num_heads),
-        architecture=str(arch),
+        **experts,
+        architecture=_GGUF_MOE_ARCHITECTURES[str(arch)] if experts else str(arch),
         vocab_size=int(vocab_size),
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
@@ -187,6 +212,45 @@ def _longrope_scaling(reader: GGUFReader, meta: Callable[..., object]) -> RopeSc
         long_factor=factors["rope_factors_long.weight"],
         attention_factor=float(meta("rope.scaling.attn_factor", 1.0)),
     )
+
+
+def _expert_fields(reader: GGUFReader, arch: str, num_layers: int, tensor_names: set[str]) -> dict:
+    """Mixture-of-experts fields, as llama.cpp reads them: a layer is sparse where it has a router
+    (``ffn_gate_inp``; llama.cpp's qwen3moe and qwen2moe graphs expect one in every layer, Mixtral's too, and a
+    layer without one is read as a dense MLP); the top-k probabilities are renormalised for qwen3moe and
+    Mixtral, never for qwen2moe (llama.cpp's graphs fix this per architecture, whatever ``norm_topk_prob`` the
+    model was trained with). Expert sizes come from the metadata, or the expert tensors' shapes without it."""
+    count = int(field(reader, f"{arch}.expert_count", 0) or 0)
+    if count == 0:
+        return {}
+    if arch not in _GGUF_MOE_ARCHITECTURES:
+        raise UnsupportedModelError(f"mixtures of experts in {arch!r} GGUF files are not supported")
+    sparse = tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names)
+    used = field(reader, f"{arch}.expert_used_count")
+    if used is None:
+        raise ModelLoadError(f"GGUF file lacks {arch}.expert_used_count")
+    size = field(reader, f"{arch}.expert_feed_forward_length") or _rows(reader, f"blk.{sparse[0]}.ffn_gate_exps.weight")
+    shared = 0
+    if arch == "qwen2moe":
+        shared = field(reader, f"{arch}.expert_shared_feed_forward_length") or _rows(
+            reader, f"blk.{sparse[0]}.ffn_gate_shexp.weight"
+        )
+    return {
+        "num_experts": count,
+        "num_experts_per_tok": int(used),
+        "moe_intermediate_size": int(size),
+        "norm_topk_prob": arch != "qwen2moe",
+        "sparse_layers": sparse,
+        "shared_expert_intermediate_size": int(shared),
+    }
+
+
+def _rows(reader: GGUFReader, name: str) -> int:
+    """The output rows of a (stacked) matrix: ggml lists its dimensions inputs first."""
+    tensor = next((t for t in reader.tensors if t.name == name), None)
+    if tensor is None:
+        raise ModelLoadError(f"GGUF file lacks tensor {name}")
+    return int(tensor.shape[1])
 
 
 def _window_fields(reader: GGUFReader, arch: str, num_layers: int, hidden: int, num_heads: int) -> dict:
@@ -254,7 +318,7 @@ def embedding_q8_0(reader: GGUFReader) -> Callable[[], Int8Weight] | None:
 
 def tensor_type_names(reader: GGUFReader) -> dict[str, str]:
     """Hugging Face name -> the GGUF tensor type's name (for reports)."""
-    arch = str(field(reader, "general.architecture"))
+    arch = read_config(reader).architecture
     return {_hf_name(t.name, arch): t.tensor_type.name for t in reader.tensors}
 
 
@@ -269,9 +333,7 @@ def _hf_name(gguf_name: str, arch: str) -> str:
     """The Hugging Face name; a tensor we do not know keeps its GGUF name (and is reported as unused)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    layer_names = {"gemma3": _GEMMA3_LAYER_NAMES, "qwen3": _QWEN3_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}.get(
-        arch, _LAYER_NAMES
-    )
+    layer_names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
     parts = gguf_name.split(".", 2)
     if parts[0] == "blk" and len(parts) == 3 and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"

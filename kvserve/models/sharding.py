@@ -4,7 +4,10 @@ Per layer, rank ``r`` of ``size`` holds:
 - q/k/v rows of its attention heads (column parallel): query heads ``r*H/size ..``, and the KV heads those
   read. With more ranks than KV heads each KV head is replicated on ``size / Hkv`` ranks, as vLLM does;
 - the matching input columns of o_proj (row parallel: partial sums, all-reduced by ``parallel/tensor_model.py``);
-- its share of gate/up rows (column parallel) and the matching down_proj columns (row parallel).
+- its share of gate/up rows (column parallel) and the matching down_proj columns (row parallel); in a sparse
+  (mixture-of-experts) layer, that share of every expert's and of the shared expert's intermediate dimension,
+  with the router and the shared expert's gate replicated (``models/moe.py``): every rank routes alike, and the
+  block's output is one partial sum.
 A checkpoint storing q/k/v or gate/up fused (Phi-3) gives each rank its rows of every part, fused in the same order.
 The embedding and LM head are replicated: the LM head runs on rank 0 only, so no logits are gathered. Its
 cost is measured by ``kvserve bench tensor-parallel`` (SmolLM2: 13-16 ms of a 77 ms float32 decode step;
@@ -26,9 +29,12 @@ import torch
 
 from kvserve.errors import UnsupportedModelError
 from kvserve.models.config import ModelConfig
+from kvserve.models.moe import checkpoint_names
 from kvserve.models.quant_linear import GROUP_SIZE, Int4Weight
 
 _LAYER_TENSOR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)$")
+# An expert's matrix (``experts.{e}.``, or all experts stacked: ``experts.``) or the shared expert's.
+_EXPERT_TENSOR = re.compile(r"model\.layers\.\d+\.\w+\.(experts(?:\.\d+)?|shared_expert)\.(\w+)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,9 @@ def check_shardable(config: ModelConfig, size: int, int4: bool = False) -> None:
         ("num_kv_heads", config.num_kv_heads,
          config.num_kv_heads % size == 0 or size % config.num_kv_heads == 0),
         ("intermediate_size (MLP)", config.intermediate_size, config.intermediate_size % size == 0),
+        ("moe_intermediate_size (experts)", config.moe_intermediate_size, config.moe_intermediate_size % size == 0),
+        ("shared_expert_intermediate_size", config.shared_expert_intermediate_size,
+         config.shared_expert_intermediate_size % size == 0),
     )  # fmt: skip
     for name, value, ok in rules:
         if not ok:
@@ -74,7 +83,11 @@ def check_shardable(config: ModelConfig, size: int, int4: bool = False) -> None:
             )
     if not int4:
         return
-    row_parallel = (("o_proj inputs", config.q_size // size), ("down_proj inputs", config.intermediate_size // size))
+    row_parallel = (
+        ("o_proj inputs", config.q_size // size),
+        ("down_proj inputs", config.intermediate_size // size),
+        ("shared expert down_proj inputs", config.shared_expert_intermediate_size // size),
+    )
     for name, columns in row_parallel:
         if columns % GROUP_SIZE:
             raise UnsupportedModelError(
@@ -91,6 +104,8 @@ def shard_config(config: ModelConfig, shard: TensorShard) -> ModelConfig:
         num_heads=config.num_heads // shard.size,
         num_kv_heads=kv.stop - kv.start,
         intermediate_size=config.intermediate_size // shard.size,
+        moe_intermediate_size=config.moe_intermediate_size // shard.size,
+        shared_expert_intermediate_size=config.shared_expert_intermediate_size // shard.size,
     )
 
 
@@ -104,6 +119,9 @@ def shard_sources(config: ModelConfig, sources: Mapping[str, Source], shard: Ten
 
 
 def _sliced(config: ModelConfig, name: str, get: Source, shard: TensorShard) -> Source:
+    expert = _EXPERT_TENSOR.search(name) if config.sparse_layers else None
+    if expert is not None:
+        return _expert_slice(config, expert[1], expert[2], get, shard)
     match = _LAYER_TENSOR.search(name)
     if match is None:
         return get
@@ -131,6 +149,17 @@ def _sliced(config: ModelConfig, name: str, get: Source, shard: TensorShard) -> 
     return lambda: _take(get(), columns, columns=True)
 
 
+def _expert_slice(config: ModelConfig, owner: str, proj: str, get: Source, shard: TensorShard) -> Source:
+    """This rank's share of an expert's (or the stacked experts', or the shared expert's) intermediate dimension:
+    gate and up rows, down columns."""
+    if owner == "shared_expert":
+        size, down = config.shared_expert_intermediate_size, proj == "down_proj"
+    else:
+        size, down = config.moe_intermediate_size, proj == checkpoint_names(config.architecture)[1][2]
+    part = shard.span(size)
+    return lambda: _take(get(), part, columns=down)
+
+
 def _scaled(heads: slice, head_dim: int) -> slice:
     return slice(heads.start * head_dim, heads.stop * head_dim)
 
@@ -154,6 +183,8 @@ def _take(weight: object, part: slice | list[slice], columns: bool) -> object:
         parts = (weight.codes[:, part], weight.scale[:, groups], weight.offset[:, groups])
         return Int4Weight(*(t.contiguous() for t in parts))
     tensor = _tensor(weight)
+    if tensor.dim() == 3:  # stacked experts (E, out, in)
+        return (tensor[:, :, part] if columns else tensor[:, part]).contiguous()
     return (tensor[:, part] if columns else tensor[part]).contiguous()
 
 

@@ -15,6 +15,7 @@ from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.models.config import ModelConfig
 from kvserve.models.gemma3 import Gemma3ForCausalLM
 from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.moe import MoEForCausalLM, Qwen3MoEForCausalLM, load_sparse_block
 from kvserve.models.quant_linear import Int4Weight, Int8Weight, Q8Linear, QuantEmbedding, QuantLinear
 from kvserve.models.qwen3 import Qwen3ForCausalLM
 
@@ -135,7 +136,7 @@ class _Weights:
             self.linear("lm_head", ["lm_head.weight"])
 
     def layer(self, config: ModelConfig, norms: Sequence[str], hf: str, ours: str) -> None:
-        """One decoder layer: its norms, fused q/k/v, o, fused gate/up and down projections."""
+        """One decoder layer: its norms, fused q/k/v, o, and its MLP: fused gate/up and down, or a sparse block."""
         attn, mlp = hf + "self_attn.", hf + "mlp."
         for norm in norms:
             self.state[f"{ours}{norm}.weight"] = self.get(f"{hf}{norm}.weight")
@@ -145,6 +146,9 @@ class _Weights:
         self.linear(ours + "self_attn.qkv_proj", self._fused(attn + "qkv_proj.weight", qkv), qkv_bias)
         o_bias = [attn + "o_proj.bias"] if config.o_proj_bias else None
         self.linear(ours + "self_attn.o_proj", [attn + "o_proj.weight"], o_bias)
+        if int(hf.rstrip(".").rpartition(".")[2]) in config.sparse_layers:
+            load_sparse_block(self, config, hf, ours + "mlp.")
+            return
         gate_up = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
         self.linear(ours + "mlp.gate_up_proj", self._fused(mlp + "gate_up_proj.weight", gate_up))
         self.linear(ours + "mlp.down_proj", [mlp + "down_proj.weight"])
@@ -155,7 +159,9 @@ class _Weights:
 
 def model_class_for(config: ModelConfig) -> type[LlamaForCausalLM]:
     """The module that computes ``config.architecture``."""
-    return {"gemma3": Gemma3ForCausalLM, "qwen3": Qwen3ForCausalLM}.get(config.architecture, LlamaForCausalLM)
+    classes = {"gemma3": Gemma3ForCausalLM, "qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoEForCausalLM,
+               "mixtral": MoEForCausalLM, "qwen2_moe": MoEForCausalLM}  # fmt: skip
+    return classes.get(config.architecture, LlamaForCausalLM)
 
 
 def _check_shapes(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) -> None:

@@ -1,5 +1,6 @@
 """The collectives a tensor-parallel rank's model meets in: an all-reduce after each row-parallel projection
-(o_proj, down_proj), and the mean over ranks of head-averaged attention scores (compressing policies).
+(o_proj, down_proj; a sparse MoE block as a whole), and the mean over ranks of head-averaged attention scores
+(compressing policies).
 
 The weights themselves are sliced at load time (``models/sharding.py``); ``parallelize`` only wraps the two
 row-parallel projections of every layer, so the model code stays the one-process code.
@@ -56,10 +57,14 @@ class RowParallel(nn.Module):
 
 
 def parallelize(model: nn.Module, group: object, stats: CommStats) -> None:
-    """Wrap every layer's o_proj and down_proj of a sharded model (``load_model(shard=...)``) in ``RowParallel``."""
+    """Wrap every layer's o_proj and down_proj of a sharded model (``load_model(shard=...)``) in ``RowParallel``;
+    a sparse MoE block as a whole (its experts' and shared expert's partial sums are added before one reduce)."""
     for layer in model.layers:
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group, stats)
-        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group, stats)
+        if hasattr(layer.mlp, "down_proj"):
+            layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group, stats)
+        else:
+            layer.mlp = RowParallel(layer.mlp, group, stats)
 
 
 class RankMean:
