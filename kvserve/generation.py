@@ -61,7 +61,8 @@ class Generator:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(ids), device=self.device)
         metadata = AttentionMetadata(
-            seq_ids=(0,), query_lens=(len(ids),), context_lens=(start,), layer_windows=self.model.config.layer_windows
+            seq_ids=(0,), query_lens=(len(ids),), context_lens=(start,), layer_windows=self.model.config.layer_windows,
+            softcap=self.model.config.attention_softcap,
         )
         hidden = self.model(input_ids, positions, cache, metadata)
         return self.model.compute_logits(hidden[-1:])[0]
