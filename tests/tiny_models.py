@@ -135,7 +135,7 @@ def build_tiny_tokenizer(add_bos: bool = True) -> Tokenizer:
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "llama"  # "llama", "qwen2", "mistral" or "gemma3"
+    arch: str = "llama"  # "llama", "qwen2", "qwen3", "mistral", "gemma2" or "gemma3"
     num_heads: int = 4
     num_kv_heads: int = 4
     head_dim: int | None = None  # None: hidden_size // num_heads
@@ -154,7 +154,7 @@ class TinySpec:
 
 
 def hf_config(spec: TinySpec) -> PretrainedConfig:
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     kwargs = dict(
         vocab_size=VOCAB_SIZE,
@@ -183,6 +183,8 @@ def hf_config(spec: TinySpec) -> PretrainedConfig:
         config = Qwen3Config(**kwargs)
     elif spec.arch == "mistral":
         config = MistralConfig(**kwargs)
+    elif spec.arch == "gemma2":
+        config = Gemma2Config(**kwargs)
     elif spec.arch == "gemma3":
         kwargs["rope_parameters"] = {
             "full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}
@@ -196,11 +198,18 @@ def hf_config(spec: TinySpec) -> PretrainedConfig:
 
 def build_hf_model(spec: TinySpec) -> PreTrainedModel:
     """A float32 HF model with seeded, non-degenerate random weights."""
-    from transformers import Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+    from transformers import (
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        LlamaForCausalLM,
+        MistralForCausalLM,
+        Qwen2ForCausalLM,
+        Qwen3ForCausalLM,
+    )
 
     torch.manual_seed(spec.seed)
     classes = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
-               "mistral": MistralForCausalLM, "gemma3": Gemma3ForCausalLM}  # fmt: skip
+               "mistral": MistralForCausalLM, "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM}  # fmt: skip
     cls = classes[spec.arch]
     model = cls(hf_config(spec)).float().eval()
     gen = torch.Generator().manual_seed(spec.seed)
@@ -208,7 +217,7 @@ def build_hf_model(spec: TinySpec) -> PreTrainedModel:
         for name, param in model.named_parameters():  # tied lm_head is listed once (as embed_tokens)
             noise = torch.randn(param.shape, generator=gen)
             if name.endswith("norm.weight"):  # Gemma multiplies by 1 + weight
-                param.copy_((0.0 if spec.arch == "gemma3" else 1.0) + 0.2 * noise)
+                param.copy_((0.0 if spec.arch in ("gemma2", "gemma3") else 1.0) + 0.2 * noise)
             elif name.endswith(".bias"):
                 param.copy_(0.5 * noise)
             elif "embed_tokens" in name:

@@ -13,6 +13,7 @@ import torch
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.models.config import ModelConfig
+from kvserve.models.gemma2 import Gemma2ForCausalLM
 from kvserve.models.gemma3 import Gemma3ForCausalLM
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.quant_linear import Int4Weight, Int8Weight, Q8Linear, QuantEmbedding, QuantLinear
@@ -149,7 +150,8 @@ class _Weights:
 
 def model_class_for(config: ModelConfig) -> type[LlamaForCausalLM]:
     """The module that computes ``config.architecture``."""
-    return {"gemma3": Gemma3ForCausalLM, "qwen3": Qwen3ForCausalLM}.get(config.architecture, LlamaForCausalLM)
+    classes = {"gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM, "qwen3": Qwen3ForCausalLM}
+    return classes.get(config.architecture, LlamaForCausalLM)
 
 
 def _check_shapes(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) -> None:
