@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata, UnsupportedKVOperation
 from kvserve.attention.decode import paged_decode
