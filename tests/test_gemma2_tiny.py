@@ -18,7 +18,6 @@ from kvserve.attention.flash_prefill import flash_prefill, flash_prefill_availab
 from kvserve.attention.softcap import capped_attention
 from kvserve.models import load_model
 from tests.family_checks import (
-    all_position_logits,
     assert_engine_greedy_matches,
     assert_logits_match,
     engine_prompts,
@@ -94,7 +93,6 @@ def test_all_position_logits_match_transformers(loaded, hf):
     assert_logits_match(loaded, hf, random_ids(40, VOCAB_SIZE, seed=1))
 
 
-
 def test_each_soft_cap_is_applied(folder, hf):
     """Without the attention cap, or without the final one, the logits are far from transformers': the caps bind."""
     loaded = load_model(folder, dtype=torch.float32)
@@ -136,7 +134,10 @@ def test_engine_greedy_matches_transformers(source, hf, options):
 
 
 def _greedy(source: Path, **options: object) -> list[list[int]]:
-    llm = LLM(str(source), dtype="float32", block_size=4, max_num_batched_tokens=16, kv_cache_memory="1MiB", **options)
+    llm = LLM(
+        str(source), dtype="float32", block_size=4, max_num_batched_tokens=16, kv_cache_memory="1MiB", swap_space=0,
+        **options,
+    )  # fmt: skip
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     outs = llm.generate(engine_prompts(VOCAB_SIZE), params, use_tqdm=False)
     llm.engine.close()
@@ -165,7 +166,10 @@ def full_tokens(folder) -> list[list[int]]:
 
 def test_batch_invariant_mode_applies_the_cap(folder, hf):
     """The batch-invariant mode attends row by row (``row_invariant.py``): the same greedy tokens as transformers."""
-    llm = LLM(str(folder), dtype="float32", block_size=4, max_num_batched_tokens=16, batch_invariant=True)
+    llm = LLM(
+        str(folder), dtype="float32", block_size=4, max_num_batched_tokens=16, batch_invariant=True,
+        kv_cache_memory="1MiB", swap_space=0,
+    )  # fmt: skip
     prompts = engine_prompts(VOCAB_SIZE)[:2]
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
     llm.engine.close()
@@ -299,3 +303,16 @@ def test_parallel_prefill_is_refused_naming_the_soft_cap(loaded):
 
     with pytest.raises(ValueError, match=r"soft-caps.*attn_logit_softcapping=5\).*prefill_parallel=1"):
         plan_kv(EngineConfig(prefill_parallel=2), loaded.config, torch.float32)
+
+
+def test_generator_applies_the_cap(folder, hf):
+    """The one-request generator (a contiguous cache, its metadata from the model's config) decodes greedily as
+    transformers does."""
+    from kvserve.generation import Generator
+    from tests.family_checks import hf_greedy
+
+    prompt = engine_prompts(VOCAB_SIZE)[1]
+    out = Generator(load_model(folder, dtype=torch.float32)).generate(
+        prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    )
+    assert list(out.token_ids) == hf_greedy(hf, prompt, 12)

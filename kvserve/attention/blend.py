@@ -181,7 +181,7 @@ def _deviation(
     metadata = _metadata(
         seq_id, positions, slots, candidates, write=False, stop_at=layer, windows=blend.cache.layer_windows,
         softcap=blend.cache.softcap,
-    )
+    )  # fmt: skip
     try:
         model(ids[candidates], positions[candidates], blend, metadata)
     except _LayerKV as fresh:

@@ -17,7 +17,7 @@ from torch import nn
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.models.config import ModelConfig
-from kvserve.models.gemma3 import Gemma3DecoderLayer, GemmaRMSNorm, GeGLU
+from kvserve.models.gemma3 import GeGLU, Gemma3DecoderLayer, GemmaRMSNorm
 from kvserve.models.llama import Attention, LlamaForCausalLM
 
 
