@@ -60,8 +60,9 @@ class Generator:
         """Run ``ids`` at positions start.. and return the float32 logits (vocab,) of the last one."""
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(ids), device=self.device)
+        cfg = self.model.config
         metadata = AttentionMetadata(
-            seq_ids=(0,), query_lens=(len(ids),), context_lens=(start,), layer_windows=self.model.config.layer_windows
+            (0,), (len(ids),), (start,), layer_windows=cfg.layer_windows, softcap=cfg.attention_softcap
         )
         hidden = self.model(input_ids, positions, cache, metadata)
         return self.model.compute_logits(hidden[-1:])[0]

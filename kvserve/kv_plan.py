@@ -91,6 +91,11 @@ def plan_kv(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> KVP
     """The plan, or a ValueError saying why ``config`` cannot run ``model`` in ``dtype`` (the reason and the
     numbers); blocks are sized in the KV cache's dtype (``config.kv_cache_dtype``)."""
     dtype = config.kv_dtype(dtype)
+    if model.attention_softcap and config.prefill_parallel > 1:
+        raise ValueError(
+            f"{model.architecture} soft-caps its attention logits (Gemma 2's attn_logit_softcapping="
+            f"{model.attention_softcap:g}), which parallel prefill (KV-Runahead) does not apply: use prefill_parallel=1"
+        )
     policy = make_policy(config.kv_policy, config.kv_budget, **config.kv_policy_knobs)
     policy.retention(model.num_layers)  # raises now if explicit per-layer fractions do not fit
     layout = kv_layout(config, model, policy)

@@ -27,7 +27,7 @@ def all_position_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
     """kvserve's float32 logits (N, vocab) of one sequence in one step through a contiguous cache."""
     cfg = loaded.config
     cache = ContiguousKVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, len(ids), torch.float32)
-    meta = AttentionMetadata((0,), (len(ids),), (0,), layer_windows=cfg.layer_windows)
+    meta = AttentionMetadata((0,), (len(ids),), (0,), layer_windows=cfg.layer_windows, softcap=cfg.attention_softcap)
     return loaded.model.compute_logits(loaded.model(torch.tensor(ids), torch.arange(len(ids)), cache, meta))
 
 

@@ -141,7 +141,7 @@ def test_attend_prefill_takes_the_kernel_for_bfloat16_only(monkeypatch):
     """Where the kernel is built it serves bfloat16 and nothing else; where it is not, SDPA serves everything."""
     calls = []
     kernel = flash_module.flash_prefill
-    monkeypatch.setattr(paged_module, "flash_prefill", lambda *a: calls.append(a[0].dtype) or kernel(*a))
+    monkeypatch.setattr(paged_module, "flash_prefill", lambda *a, **kw: calls.append(a[0].dtype) or kernel(*a, **kw))
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v = (x.to(dtype) for x in _inputs(40, 24, 9, 3, 64))
         out = attend_prefill(q, k, v, 24)

@@ -135,7 +135,8 @@ def build_tiny_tokenizer(add_bos: bool = True) -> Tokenizer:
 
 @dataclass(frozen=True)
 class TinySpec:
-    arch: str = "llama"  # "llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "mixtral", "qwen2_moe" or "qwen3_moe"
+    # "llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe" or "qwen3_moe"
+    arch: str = "llama"
     num_heads: int = 4
     num_kv_heads: int = 4
     head_dim: int | None = None  # None: hidden_size // num_heads
@@ -155,6 +156,7 @@ class TinySpec:
 
 def hf_config(spec: TinySpec) -> PretrainedConfig:
     from transformers import (
+        Gemma2Config,
         Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
@@ -193,6 +195,8 @@ def hf_config(spec: TinySpec) -> PretrainedConfig:
         config = Qwen3Config(**kwargs)
     elif spec.arch == "mistral":
         config = MistralConfig(**kwargs)
+    elif spec.arch == "gemma2":
+        config = Gemma2Config(**kwargs)
     elif spec.arch == "phi3":
         config = Phi3Config(pad_token_id=None, **kwargs)
     elif spec.arch in _MOE_CONFIGS:  # experts, top-k and sizes through ``extra``
@@ -217,6 +221,7 @@ ROUTER_SCALE = 4.0  # router logits spread over several units: each token's top-
 def build_hf_model(spec: TinySpec) -> PreTrainedModel:
     """A float32 HF model with seeded, non-degenerate random weights."""
     from transformers import (
+        Gemma2ForCausalLM,
         Gemma3ForCausalLM,
         LlamaForCausalLM,
         MistralForCausalLM,
@@ -230,8 +235,8 @@ def build_hf_model(spec: TinySpec) -> PreTrainedModel:
 
     torch.manual_seed(spec.seed)
     classes = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
-               "mistral": MistralForCausalLM, "gemma3": Gemma3ForCausalLM, "phi3": Phi3ForCausalLM,
-               "mixtral": MixtralForCausalLM, "qwen2_moe": Qwen2MoeForCausalLM,
+               "mistral": MistralForCausalLM, "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM,
+               "phi3": Phi3ForCausalLM, "mixtral": MixtralForCausalLM, "qwen2_moe": Qwen2MoeForCausalLM,
                "qwen3_moe": Qwen3MoeForCausalLM}  # fmt: skip
     cls = classes[spec.arch]
     model = cls(hf_config(spec)).float().eval()
@@ -240,7 +245,7 @@ def build_hf_model(spec: TinySpec) -> PreTrainedModel:
         for name, param in model.named_parameters():  # tied lm_head is listed once (as embed_tokens)
             noise = torch.randn(param.shape, generator=gen)
             if name.endswith("norm.weight"):  # Gemma multiplies by 1 + weight
-                param.copy_((0.0 if spec.arch == "gemma3" else 1.0) + 0.2 * noise)
+                param.copy_((0.0 if spec.arch in ("gemma2", "gemma3") else 1.0) + 0.2 * noise)
             elif name.endswith(".bias"):
                 param.copy_(0.5 * noise)
             elif "embed_tokens" in name:

@@ -47,6 +47,9 @@ class AttentionMetadata:
     # Per layer, how many positions a query sees (its own included; sliding-window layers), or None for
     # the whole context; () means every layer sees everything (``ModelConfig.layer_windows``).
     layer_windows: tuple[int | None, ...] = field(default=(), kw_only=True)
+    # The attention-logit soft cap of every layer (Gemma 2: logits -> softcap * tanh(logits / softcap) before the
+    # mask and softmax), 0.0 for none (``ModelConfig.attention_softcap``).
+    softcap: float = field(default=0.0, kw_only=True)
 
     @property
     def num_tokens(self) -> int:

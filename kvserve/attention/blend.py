@@ -23,11 +23,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata, UnsupportedKVOperation
 from kvserve.attention.flash_prefill import flash_prefill, use_flash_prefill
 from kvserve.attention.paged import PagedKVCache, slot_rows
+from kvserve.attention.softcap import sdpa
 from kvserve.scheduler import ModuleRecompute
 
 
@@ -97,16 +97,16 @@ class BlendAttention(AttentionBackend):
             return _attend_window(q, k_cache, v_cache, md, window)
         if use_flash_prefill(q, k_cache):  # bfloat16 on AVX512-BF16: visible keys are a prefix in position order
             keys, values = slot_rows(k_cache, md.sorted_slots), slot_rows(v_cache, md.sorted_slots)
-            return flash_prefill(q, keys, values, 0, key_ends=md.key_ends)
+            return flash_prefill(q, keys, values, 0, key_ends=md.key_ends, softcap=md.softcap)
         keys = slot_rows(k_cache, md.context_slots).transpose(0, 1).unsqueeze(0)  # (1, Hkv, C, D)
         values = slot_rows(v_cache, md.context_slots).transpose(0, 1).unsqueeze(0)
         qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, N, D)
         bias = md.bias.to(q.dtype)
         out = torch.empty_like(qh)
         for begin, end, seen in md.chunks:
-            out[:, :, begin:end] = F.scaled_dot_product_attention(
+            out[:, :, begin:end] = sdpa(
                 qh[:, :, begin:end], keys[:, :, :seen], values[:, :, :seen], attn_mask=bias[begin:end, :seen],
-                enable_gqa=True,
+                softcap=md.softcap, enable_gqa=True,
             )  # fmt: skip
         return out.squeeze(0).transpose(0, 1)  # (N, H, D)
 
@@ -122,7 +122,7 @@ def _attend_window(
     if use_flash_prefill(q, k_cache):  # each query over a run of the sorted keys: [its window's first, itself]
         starts = torch.searchsorted(key_positions, md.query_positions - window + 1)
         keys, values = slot_rows(k_cache, md.sorted_slots), slot_rows(v_cache, md.sorted_slots)
-        return flash_prefill(q, keys, values, 0, key_ends=md.key_ends, key_starts=starts)
+        return flash_prefill(q, keys, values, 0, key_ends=md.key_ends, key_starts=starts, softcap=md.softcap)
     query_order = md.query_positions.argsort()
     out = torch.empty_like(q)  # (N, H, D)
     for begin in range(0, len(query_order), QUERY_CHUNK):
@@ -136,7 +136,7 @@ def _attend_window(
         qh = q[rows].transpose(0, 1).unsqueeze(0)  # (1, H, chunk, D)
         kh = slot_rows(k_cache, slots).transpose(0, 1).unsqueeze(0)  # (1, Hkv, keys, D)
         vh = slot_rows(v_cache, slots).transpose(0, 1).unsqueeze(0)
-        attended = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+        attended = sdpa(qh, kh, vh, attn_mask=mask, softcap=md.softcap, enable_gqa=True)
         out[rows] = attended.squeeze(0).transpose(0, 1)
     return out
 
@@ -166,7 +166,9 @@ def recompute_modules(model: torch.nn.Module, cache: AttentionBackend, job: Modu
             chosen = torch.tensor(job.probe, dtype=torch.long, device=device)
         deviation = _deviation(model, blend, job.seq_id, ids, positions, slots, chosen)  # (M,)
         chosen = chosen[select_deviating(deviation, job.count)]
-    metadata = _metadata(job.seq_id, positions, slots, chosen, write=True, windows=blend.cache.layer_windows)
+    metadata = _metadata(
+        job.seq_id, positions, slots, chosen, write=True, windows=blend.cache.layer_windows, softcap=blend.cache.softcap
+    )
     model(ids[chosen], positions[chosen], blend, metadata)
 
 
@@ -177,8 +179,9 @@ def _deviation(
     """The candidates' layer-1 KV deviation (M,) after layer 0 attends over the whole assembled prompt."""
     layer = min(1, len(model.layers) - 1)
     metadata = _metadata(
-        seq_id, positions, slots, candidates, write=False, stop_at=layer, windows=blend.cache.layer_windows
-    )
+        seq_id, positions, slots, candidates, write=False, stop_at=layer, windows=blend.cache.layer_windows,
+        softcap=blend.cache.softcap,
+    )  # fmt: skip
     try:
         model(ids[candidates], positions[candidates], blend, metadata)
     except _LayerKV as fresh:
@@ -190,7 +193,7 @@ def _deviation(
 
 def _metadata(
     seq_id: int, positions: torch.Tensor, slots: torch.Tensor, chosen: torch.Tensor, write: bool,
-    stop_at: int | None = None, windows: tuple[int | None, ...] = (),
+    stop_at: int | None = None, windows: tuple[int | None, ...] = (), softcap: float = 0.0,
 ) -> BlendMetadata:  # fmt: skip
     query_positions = positions[chosen]
     order = positions.argsort(stable=True)
@@ -199,6 +202,7 @@ def _metadata(
         query_slots=slots[chosen], query_positions=query_positions, write=write, stop_at=stop_at,
         chunks=_query_chunks(positions, query_positions), sorted_slots=slots[order], key_order=order,
         key_ends=torch.searchsorted(positions[order], query_positions, right=True), layer_windows=windows,
+        softcap=softcap,
     )  # fmt: skip
 
 

@@ -47,6 +47,7 @@ from kvserve.attention.backend import (
 from kvserve.attention.decode import merge_attention, paged_decode, paged_decode_lse
 from kvserve.attention.head_budgets import head_candidates, pack, packed_slots
 from kvserve.attention.paged import PagedKVCache, attend_prefill
+from kvserve.attention.softcap import cap_logits
 from kvserve.attention.step_layout import pad_tables, row_starts, slot_ids
 from kvserve.cpu_kernels import cpu_kernels_available
 from kvserve.kv.tiers import KVTier, RowSpec
@@ -117,12 +118,15 @@ class CompressedKVCache(AttentionBackend):
         tier: str = "none",
         path: str | None = None,
         layer_windows: Sequence[int | None] = (),
+        softcap: float = 0.0,
     ) -> None:
         """``tier``: where the slab lives, ``none`` (the device) or a slower tier (``host``, ``disk``: kv_offload),
         from which each layer reads the rows it attends over; ``path`` is the disk tier's folder.
-        ``layer_windows``: per layer, its sliding window (None: global; (): every layer global)."""
+        ``layer_windows``: per layer, its sliding window (None: global; (): every layer global). ``softcap``: the
+        attention-logit soft cap of every layer (0: none), in the attention and in the scores taken from it."""
         self.device, self.tier = torch.device(device), None
         self.layer_windows = tuple(layer_windows) or (None,) * num_layers
+        self.softcap = softcap
         if tier == "none":  # one slab of blocks that any layer's group may hold: a paged store of one "layer"
             self.store = PagedKVCache(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, pin_memory)
             self.k, self.v = self.store.k, self.store.v  # (1, num_blocks, block_size, Hkv, D)
@@ -142,7 +146,7 @@ class CompressedKVCache(AttentionBackend):
     def make_host_cache(self, num_blocks: int | None = None) -> CompressedKVCache:
         return CompressedKVCache(
             self.num_layers, num_blocks or self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-            self.k.dtype, "cpu", pin_memory=self.k.is_cuda, layer_windows=self.layer_windows,
+            self.k.dtype, "cpu", pin_memory=self.k.is_cuda, layer_windows=self.layer_windows, softcap=self.softcap,
         )  # fmt: skip
 
     def build_metadata(self, out: SchedulerOutput, rows_from: Mapping[int, int]) -> CompressedAttentionMetadata:
@@ -325,13 +329,15 @@ class CompressedKVCache(AttentionBackend):
         num_tokens = meta.context_lens[i] + meta.query_lens[i]
         votes = policy.votes(m, num_tokens) if window is None else None
         if votes is None:
-            out, scores = attend_prefill(q, keys, values, held, window), None  # a window's slots: its latest
+            out, scores = attend_prefill(q, keys, values, held, window, self.softcap), None  # a window's: its latest
         else:  # the voting rows' attention weights are formed once, for their output and for the scores
             first, row_weights = votes
             out = torch.empty_like(q)
             if first:
-                out[:first] = attend_prefill(q[:first], keys[: held + first], values[: held + first], held)
-            out[first:], head_sums = attend_voting_rows(q, keys, values, held, first, row_weights)
+                out[:first] = attend_prefill(
+                    q[:first], keys[: held + first], values[: held + first], held, softcap=self.softcap
+                )
+            out[first:], head_sums = attend_voting_rows(q, keys, values, held, first, row_weights, self.softcap)
             previous = self.scores.index_select(0, ctx) if held else None
             scores = policy.scores_from(head_sums, held, previous)
         if scores is not None and scores.dim() == 1 and self.rank_mean is not None:  # the same on every rank
@@ -387,9 +393,11 @@ class CompressedKVCache(AttentionBackend):
             before = kh.shape[0] - m
             if first:
                 out[:first, h * group : (h + 1) * group] = attend_prefill(
-                    qh[:first], kh[: before + first], vh[: before + first], before
+                    qh[:first], kh[: before + first], vh[: before + first], before, softcap=self.softcap
                 )
-            out[first:, h * group : (h + 1) * group], sums = attend_voting_rows(qh, kh, vh, before, first, row_weights)
+            out[first:, h * group : (h + 1) * group], sums = attend_voting_rows(
+                qh, kh, vh, before, first, row_weights, self.softcap
+            )
             votes.append(sums[:, 0])
         if held + m <= target:  # a chunk that fits: appended as later slots, every head the same token
             later = torch.stack([votes[h][counts[h] if counts else 0 :] for h in range(heads)], dim=1).mean(dim=1)
@@ -437,13 +445,14 @@ class CompressedKVCache(AttentionBackend):
         k_slab, v_slab, read_tables = self._decode_source(padded)
         ends = torch.tensor(held, dtype=torch.int32, device=device) + 1
         firsts = torch.tensor(packed, dtype=torch.int32, device=device)
-        later, later_lse = paged_decode_lse(q, k_slab, v_slab, read_tables, firsts, ends)
+        later, later_lse = paged_decode_lse(q, k_slab, v_slab, read_tables, firsts, ends, self.softcap)
         run_starts = torch.tensor([[sum(c[:h]) for h in range(heads)] for c in counts], dtype=torch.int32)
         run_ends = run_starts + torch.tensor(counts, dtype=torch.int32)
         run_view = (k_slab.shape[0], bs * heads, 1, dim)
         runs, runs_lse = paged_decode_lse(
             q.reshape(batch * heads, group, dim), k_slab.view(run_view), v_slab.view(run_view),
             read_tables.repeat_interleave(heads, dim=0), run_starts.view(-1).to(device), run_ends.view(-1).to(device),
+            self.softcap,
         )  # fmt: skip
         runs, runs_lse = runs.view_as(q), runs_lse.view(batch, -1)
         out = merge_attention(later, later_lse, runs, runs_lse)
@@ -459,6 +468,7 @@ class CompressedKVCache(AttentionBackend):
         keys = k_slab.reshape(-1, heads, dim).index_select(0, read.view(-1)).view(batch, length, heads, dim)
         scale = 1.0 / dim**0.5
         logits = torch.einsum("bhgd,blhd->bhgl", q.view(batch, heads, group, dim).float() * scale, keys.float())
+        logits = cap_logits(logits, self.softcap)
         lse = torch.logaddexp(later_lse, runs_lse).view(batch, heads, group, 1)
         weights = torch.exp(logits - lse).mean(dim=(1, 2)) * valid  # (B, L)
         scores = update_scores(policies, self.scores.index_select(0, slots.view(-1)).view_as(slots), weights)
@@ -507,7 +517,9 @@ class CompressedKVCache(AttentionBackend):
         ends = torch.tensor(held, dtype=torch.int32, device=device) + 1
         starts = torch.zeros_like(ends) if window is None else (ends - window).clamp(min=0)  # the window's first
         k_slab, v_slab, read_tables = self._decode_source(padded)
-        out, weights = paged_decode(q, k_slab, v_slab, read_tables, starts, ends, want_weights=scoring)
+        out, weights = paged_decode(
+            q, k_slab, v_slab, read_tables, starts, ends, want_weights=scoring, softcap=self.softcap
+        )
         scores = self._fold_scores(policies, padded, ends, weights) if scoring else None
         length = width * bs
         fetched = (
@@ -555,7 +567,7 @@ class CompressedKVCache(AttentionBackend):
         tables, (L, B) slots, starts and ends. Not for a slab in a slower tier (each layer fetches what it reads)
         or under tensor parallelism (scores are averaged across ranks between layers)."""
         meta = self._check_metadata(metadata)
-        if not meta.decode_only or self.tier is not None or self.rank_mean is not None:
+        if not meta.decode_only or self.tier is not None or self.rank_mean is not None or self.softcap:
             return None
         if self.num_kv_heads > 1 and any(p.head_budgets for p in meta.policies):  # heads attend apart
             return None

@@ -6,10 +6,10 @@ The simple reference layout: exact, easy to read, and what paged attention is te
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.attention.masks import causal_mask, window_binds
+from kvserve.attention.softcap import sdpa
 
 
 class ContiguousKVCache(AttentionBackend):
@@ -41,26 +41,25 @@ class ContiguousKVCache(AttentionBackend):
             self.k[layer, seq, :, ctx_len:end] = k[rows].transpose(0, 1)
             self.v[layer, seq, :, ctx_len:end] = v[rows].transpose(0, 1)
             keys, values = self.k[layer, seq, :, :end], self.v[layer, seq, :, :end]
-            outputs.append(self._attend(q[rows], keys, values, ctx_len, metadata.window_of(layer)))
+            outputs.append(self._attend(q[rows], keys, values, ctx_len, metadata.window_of(layer), metadata.softcap))
             start += q_len
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     @staticmethod
     def _attend(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, window: int | None = None
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, window: int | None = None, softcap: float = 0.0
     ) -> torch.Tensor:
         """q (T, H, D) over k, v (Hkv, ctx_len + T, D) -> (T, H, D)."""
         q_len = q.shape[0]
         qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, T, D)
+        kh, vh = k.unsqueeze(0), v.unsqueeze(0)
         if window_binds(window, ctx_len + q_len):
             mask = causal_mask(q_len, ctx_len, window, q.device)  # (T, ctx + T)
-            out = F.scaled_dot_product_attention(qh, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, enable_gqa=True)
+            out = sdpa(qh, kh, vh, attn_mask=mask, softcap=softcap, enable_gqa=True)
         elif q_len == 1 or ctx_len == 0:
             # One query sees everything; a fresh prompt is plain causal.
-            out = F.scaled_dot_product_attention(
-                qh, k.unsqueeze(0), v.unsqueeze(0), is_causal=q_len > 1, enable_gqa=True
-            )
+            out = sdpa(qh, kh, vh, is_causal=q_len > 1, softcap=softcap, enable_gqa=True)
         else:
             mask = causal_mask(q_len, ctx_len, device=q.device)  # (T, ctx + T)
-            out = F.scaled_dot_product_attention(qh, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, enable_gqa=True)
+            out = sdpa(qh, kh, vh, attn_mask=mask, softcap=softcap, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)  # (T, H, D)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
+from kvserve.attention.softcap import cap_logits, sdpa
 from kvserve.cpu_kernels import use_cpu_kernel
 
 
@@ -27,10 +27,12 @@ def paged_decode(
     starts: torch.Tensor,
     ends: torch.Tensor,
     want_weights: bool = False,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of q (B, H, D) over k_cache/v_cache (num_blocks, block_size, Hkv, D), of q's dtype or narrower
     under float32 q (bfloat16, float16): row b reads key positions
-    ``starts[b] .. ends[b] - 1`` of its table ``block_tables[b]`` ((B, W) int32; starts, ends (B,) int32).
+    ``starts[b] .. ends[b] - 1`` of its table ``block_tables[b]`` ((B, W) int32; starts, ends (B,) int32), its
+    scaled logits soft-capped by ``softcap`` (0: none; ``attention/softcap.py``).
 
     Returns the output (B, H, D) and, with ``want_weights``, each key's softmax probability averaged over the
     query heads, (B, W * block_size) float32 by position, zero outside a row's range; else None."""
@@ -38,10 +40,10 @@ def paged_decode(
     if use_cpu_kernel(q, k_cache):
         scale = 1.0 / math.sqrt(q.shape[-1])
         out, _, weights = torch.ops.kvserve.paged_decode(
-            q, k_cache, v_cache, block_tables, starts, ends, scale, want_weights
+            q, k_cache, v_cache, block_tables, starts, ends, scale, want_weights, softcap
         )
         return out, (weights if want_weights else None)
-    return paged_decode_reference(q, k_cache, v_cache, block_tables, starts, ends, want_weights)
+    return paged_decode_reference(q, k_cache, v_cache, block_tables, starts, ends, want_weights, softcap)
 
 
 def paged_decode_lse(
@@ -51,6 +53,7 @@ def paged_decode_lse(
     block_tables: torch.Tensor,
     starts: torch.Tensor,
     ends: torch.Tensor,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``paged_decode`` (same arguments) returning the output (B, H, D) and each query head's log-sum-exp of its
     scaled logits (B, H) float32: -inf, with a zero output, for an empty range. Two ranges attended apart merge
@@ -58,10 +61,13 @@ def paged_decode_lse(
     q = q.contiguous()
     if use_cpu_kernel(q, k_cache):
         scale = 1.0 / math.sqrt(q.shape[-1])
-        out, lse, _ = torch.ops.kvserve.paged_decode(q, k_cache, v_cache, block_tables, starts, ends, scale, False)
+        out, lse, _ = torch.ops.kvserve.paged_decode(
+            q, k_cache, v_cache, block_tables, starts, ends, scale, False, softcap
+        )
         return out, lse
     qg, keys, values, mask = _gather(q, k_cache, v_cache, block_tables, starts, ends)
     logits = torch.matmul(qg.float(), keys.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, Hkv, G, T)
+    logits = cap_logits(logits, softcap)
     lse = torch.logsumexp(logits.masked_fill(~mask, float("-inf")), dim=-1)  # (B, Hkv, G)
     weights = torch.exp(logits - lse[..., None]).masked_fill(~mask, 0.0)  # an empty range: no weight anywhere
     out = torch.matmul(weights, values.float()).to(q.dtype)  # (B, Hkv, G, D)
@@ -104,14 +110,16 @@ def paged_decode_reference(
     starts: torch.Tensor,
     ends: torch.Tensor,
     want_weights: bool = False,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``paged_decode`` from torch ops: gather each row's blocks, mask its range, attend (same arguments)."""
     batch, num_heads, head_dim = q.shape
     qg, keys, values, mask = _gather(q, k_cache, v_cache, block_tables, starts, ends)
     if not want_weights:
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
+        out = sdpa(qg, keys, values, attn_mask=mask, softcap=softcap)
         return out.reshape(batch, num_heads, head_dim), None
     logits = torch.matmul(qg.float(), keys.float().transpose(-1, -2)) / math.sqrt(head_dim)  # (B, Hkv, G, T)
+    logits = cap_logits(logits, softcap)
     weights = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
     out = torch.matmul(weights, values.float()).to(q.dtype)  # (B, Hkv, G, D)
     return out.reshape(batch, num_heads, head_dim), weights.mean(dim=(1, 2))

@@ -28,20 +28,21 @@ def make_kv_cache(config: EngineConfig, plan: KVPlan, loaded: LoadedModel) -> At
     if plan.per_layer_groups:
         return CompressedKVCache(
             *shape, num_host_blocks=plan.num_host_blocks, tier=plan.offload, path=config.kv_offload_path,
-            layer_windows=cfg.layer_windows,
+            layer_windows=cfg.layer_windows, softcap=cfg.attention_softcap,
         )  # fmt: skip
     if plan.offload == "none":
         return PagedKVCache(
             *shape, layer_rows=plan.layout.layer_rows, batch_invariant=config.batch_invariant,
             num_host_blocks=plan.num_host_blocks, layer_to_group=plan.layout.layer_to_group,
-            layer_windows=cfg.layer_windows,
+            layer_windows=cfg.layer_windows, softcap=cfg.attention_softcap,
         )  # fmt: skip
     policy, rehearsal = plan.policy, None
     if isinstance(policy, InfiniGen):
         policy, rehearsal = infinigen_rehearsal(policy, loaded)
     return OffloadedKVCache(
-        policy, plan.offload, *shape, path=config.kv_offload_path, rehearsal=rehearsal, layer_windows=cfg.layer_windows
-    )
+        policy, plan.offload, *shape, path=config.kv_offload_path, rehearsal=rehearsal, layer_windows=cfg.layer_windows,
+        softcap=cfg.attention_softcap,
+    )  # fmt: skip
 
 
 def infinigen_rehearsal(policy: InfiniGen, loaded: LoadedModel) -> tuple[InfiniGen, Rehearsal]:

@@ -45,10 +45,12 @@ def flash_prefill(
     window: int | None = None,
     key_ends: torch.Tensor | None = None,
     key_starts: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q (T, H, D) at cache positions ctx_len.. over k, v (ctx_len + T, Hkv, D) -> (T, H, D), causal, each query
     over at most the last ``window`` positions (its own included) when given; 1/sqrt(D) scaling as SDPA's.
     With ``key_ends`` ((T,) int64), query t sees keys ``0 .. key_ends[t] - 1`` of k, v (N, Hkv, D) instead, and
-    with ``key_starts`` too, keys ``key_starts[t] .. key_ends[t] - 1``."""
+    with ``key_starts`` too, keys ``key_starts[t] .. key_ends[t] - 1``. Scaled logits are soft-capped by ``softcap``
+    (0: none; ``attention/softcap.py``)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    return torch.ops.kvserve.flash_prefill(q, k, v, ctx_len, window or 0, scale, key_ends, key_starts)
+    return torch.ops.kvserve.flash_prefill(q, k, v, ctx_len, window or 0, scale, key_ends, key_starts, softcap)

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata, UnsupportedKVOperation
 from kvserve.attention.decode import paged_decode
 from kvserve.attention.paged import attend_prefill
+from kvserve.attention.softcap import sdpa
 from kvserve.attention.step_layout import pad_tables, row_starts, slot_ids
 from kvserve.kv.tiers import KVTier, RowSpec, StagingBuffers, Transfer, TransferQueue, gather_rows, scatter_rows
 from kvserve.policies.base import KVPolicy
@@ -162,12 +163,16 @@ class OffloadedKVCache(AttentionBackend):
         rehearsal: Rehearsal | None = None,
         queue: TransferQueue | None = None,
         layer_windows: Sequence[int | None] = (),
+        softcap: float = 0.0,
     ) -> None:
+        """``softcap``: the attention-logit soft cap of every layer (0: none). InfiniGen selects rows by its
+        speculated logits as they are: the cap is monotone, so it changes no head's ranking, only the attention."""
         if policy.name not in ("full", "infinigen", "int4"):
             raise ValueError(f"kv_offload runs kv_policy full, infinigen or int4, not {policy.name!r}")
         if isinstance(policy, InfiniGen):
             _check_infinigen(policy, rehearsal, num_layers)
         self.layer_windows = _check_windows(layer_windows, num_layers, policy)
+        self.softcap = softcap
         self.policy, self.rehearsal = policy, rehearsal
         self.rank_mean: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallelism: set_rank_mean
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
@@ -381,7 +386,9 @@ class OffloadedKVCache(AttentionBackend):
         keys[fetch.blocks, fetch.own], values[fetch.blocks, fetch.own] = k, v
         # The fetched rows are blocks of the paged kernel: no copy, only each sequence's range is read.
         tables = fetch.blocks.to(torch.int32)[:, None]
-        out, _ = paged_decode(q, keys, values, tables, fetch.starts, (fetch.own + 1).to(torch.int32))
+        out, _ = paged_decode(
+            q, keys, values, tables, fetch.starts, (fetch.own + 1).to(torch.int32), softcap=self.softcap
+        )
         self._store_decodes(layer, k, v, meta)
         return out
 
@@ -503,7 +510,7 @@ class OffloadedKVCache(AttentionBackend):
             keys, values = k, v
             if select:
                 self._count_reads(layer, meta, i, token, token + m)
-        out = _attend(q, keys, values, max(0, held - first), allowed, window)
+        out = _attend(q, keys, values, max(0, held - first), allowed, window, self.softcap)
         write = self._write_slots(layer, meta, i, token, m)  # (m, Hkv)
         tokens = torch.arange(token, token + m, dtype=torch.int32, device=self.device)
         self._store(layer, write, k, v, tokens)
@@ -684,17 +691,16 @@ def _attend(
     held: int,
     allowed: torch.Tensor | None,
     window: int | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q (m, H, D) at positions held.. over keys/values (held + m, Hkv, D), each row over the last ``window`` of
     them (None: all); ``allowed`` (m, Hkv, held + m) instead says what each row reads (InfiniGen's selection, made
-    within the window). -> (m, H, D)."""
+    within the window); logits soft-capped by ``softcap`` (0: none). -> (m, H, D)."""
     if allowed is None:
-        return attend_prefill(q, keys, values, held, window)
+        return attend_prefill(q, keys, values, held, window, softcap)
     m, num_heads, head_dim = q.shape
     hkv = keys.shape[1]
     qg = q.transpose(0, 1).reshape(hkv, num_heads // hkv, m, head_dim)  # (Hkv, G, m, D)
     mask = allowed.permute(1, 0, 2)[:, None]  # (Hkv, 1, m, h + m)
-    out = F.scaled_dot_product_attention(
-        qg, keys.transpose(0, 1)[:, None], values.transpose(0, 1)[:, None], attn_mask=mask
-    )
+    out = sdpa(qg, keys.transpose(0, 1)[:, None], values.transpose(0, 1)[:, None], attn_mask=mask, softcap=softcap)
     return out.reshape(num_heads, m, head_dim).transpose(0, 1)

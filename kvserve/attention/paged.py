@@ -35,13 +35,13 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata, InPlaceDecode
 from kvserve.attention.decode import paged_decode
 from kvserve.attention.flash_prefill import flash_prefill, use_flash_prefill
 from kvserve.attention.masks import causal_mask, window_binds
 from kvserve.attention.row_invariant import RowPlan, attend_row_calls, plan_row_calls
+from kvserve.attention.softcap import sdpa
 from kvserve.attention.step_layout import padded_table, row_starts, token_positions
 from kvserve.kv import huge_pages
 
@@ -177,6 +177,7 @@ class PagedAttentionMetadata(AttentionMetadata):
         layer_to_group: Sequence[int] = (),
         layer_windows: Sequence[int | None] = (),
         key_positions: Sequence[torch.Tensor | None] = (),
+        softcap: float = 0.0,
     ) -> PagedAttentionMetadata:
         """Metadata with one block table per KV group: ``group_block_tables[g][i]`` is sequence i's table in group g."""
         if block_size < 1:
@@ -201,6 +202,7 @@ class PagedAttentionMetadata(AttentionMetadata):
             layer_to_group=tuple(layer_to_group),
             layer_windows=tuple(layer_windows),
             key_positions=tuple(key_positions) if any(p is not None for p in key_positions) else (),
+            softcap=softcap,
         )
 
     @property
@@ -275,12 +277,14 @@ class PagedKVCache(AttentionBackend):
         num_host_blocks: int = 0,
         layer_to_group: Sequence[int] = (),
         layer_windows: Sequence[int | None] = (),
+        softcap: float = 0.0,
     ) -> None:
         """``layer_rows``: per layer, its row of a block when KV groups share block storage (``kv/layout.py``);
         () gives every layer a row of its own. ``batch_invariant``: attend each query row in a call shaped by
         its own position (``row_invariant.py``), so its result does not depend on the rest of the step.
         ``num_host_blocks``: a host tier of that many blocks to swap to (0: none). ``layer_to_group`` and
-        ``layer_windows`` go into the metadata this cache builds (KV groups and sliding windows)."""
+        ``layer_windows`` and ``softcap`` go into the metadata this cache builds (KV groups, sliding windows, the
+        attention-logit soft cap)."""
         sizes = dict(
             num_layers=num_layers,
             num_blocks=num_blocks,
@@ -303,6 +307,7 @@ class PagedKVCache(AttentionBackend):
         self.batch_invariant = batch_invariant
         self.layer_to_group = tuple(layer_to_group)
         self.layer_windows = tuple(layer_windows) if any(w is not None for w in layer_windows) else ()
+        self.softcap = softcap
         self.host_cache = self.make_host_cache(num_host_blocks) if num_host_blocks else None
 
     def make_host_cache(self, num_blocks: int | None = None) -> PagedKVCache:
@@ -410,6 +415,7 @@ class PagedKVCache(AttentionBackend):
             layer_to_group=self.layer_to_group,
             layer_windows=self.layer_windows,
             key_positions=[torch.tensor(s.key_positions) if s.key_positions else None for s in scheduled],
+            softcap=self.softcap,
         )
 
     def store_layer(
@@ -431,7 +437,7 @@ class PagedKVCache(AttentionBackend):
     def in_place_decode(self, metadata: AttentionMetadata) -> InPlaceDecode | None:
         metadata = self._check_metadata(metadata)
         plain = metadata.plan.decode_only and len(metadata.block_tables) == 1
-        if not plain or self.batch_invariant or self.layer_windows:
+        if not plain or self.batch_invariant or self.layer_windows or metadata.softcap:
             return None
         view = self._decode_view(metadata, 0, None)
         slots = metadata.slot_mappings[0]
@@ -453,22 +459,22 @@ class PagedKVCache(AttentionBackend):
         self._write(row, metadata.slot_mappings[group], k, v)
         k, v = k.to(q.dtype), v.to(q.dtype)  # every query sees the keys as the cache holds them
         k_cache, v_cache = self.k[row], self.v[row]  # (num_blocks, block_size, Hkv, D)
-        plan, window = metadata.plan, metadata.window_of(layer)
+        plan, window, softcap = metadata.plan, metadata.window_of(layer), metadata.softcap
         if self.batch_invariant:
-            out = attend_row_calls(q, k_cache, v_cache, self._row_plan(metadata, group, window))
+            out = attend_row_calls(q, k_cache, v_cache, self._row_plan(metadata, group, window), softcap)
             return _attend_positioned(out, q, k_cache, v_cache, metadata, group, window)
         view = self._decode_view(metadata, group, window) if plan.decodes else None
         if plan.decode_only:
-            out = self._decode(q, k_cache, v_cache, view)
+            out = self._decode(q, k_cache, v_cache, view, softcap)
             return _attend_positioned(out, q, k_cache, v_cache, metadata, group, window)
         out = torch.empty_like(q)  # (N, H, D)
         if view is not None:
             rows = plan.decode_rows
-            out.index_copy_(0, rows, self._decode(q.index_select(0, rows), k_cache, v_cache, view))
+            out.index_copy_(0, rows, self._decode(q.index_select(0, rows), k_cache, v_cache, view, softcap))
         for p, table in zip(plan.prefills, plan.prefill_tables[group], strict=True):
             rows = slice(p.start, p.start + p.query_len)
             if p.context_len == 0:  # the whole sequence is this step's keys: no gather needed
-                out[rows] = attend_prefill(q[rows], k[rows], v[rows], 0, window)
+                out[rows] = attend_prefill(q[rows], k[rows], v[rows], 0, window, softcap)
                 continue
             # Blocks wholly before the first query's window are not read (a window group released them).
             first = max(0, p.context_len - window + 1) // self.block_size if window else 0
@@ -476,7 +482,7 @@ class PagedKVCache(AttentionBackend):
             seq_len = p.context_len + p.query_len - offset
             keys = k_cache.index_select(0, table[first:]).flatten(0, 1)[:seq_len].to(q.dtype)  # (seq_len, Hkv, D)
             values = v_cache.index_select(0, table[first:]).flatten(0, 1)[:seq_len].to(q.dtype)
-            out[rows] = attend_prefill(q[rows], keys, values, p.context_len - offset, window)
+            out[rows] = attend_prefill(q[rows], keys, values, p.context_len - offset, window, softcap)
         return _attend_positioned(out, q, k_cache, v_cache, metadata, group, window)
 
     @staticmethod
@@ -495,9 +501,11 @@ class PagedKVCache(AttentionBackend):
         return plans[key]
 
     @staticmethod
-    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, view: _DecodeView) -> torch.Tensor:
+    def _decode(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, view: _DecodeView, softcap: float = 0.0
+    ) -> torch.Tensor:
         """q (B, H, D), one query per decode sequence, over its blocks read in place -> (B, H, D)."""
-        return paged_decode(q, k_cache, v_cache, view.tables, view.starts, view.ends)[0]
+        return paged_decode(q, k_cache, v_cache, view.tables, view.starts, view.ends, softcap=softcap)[0]
 
 
 def _attend_positioned(
@@ -526,14 +534,14 @@ def _attend_positioned(
         starts = torch.zeros_like(decodes.ends)
         attended = paged_decode(
             q.index_select(0, decodes.rows), k_cache.view(by_slot), v_cache.view(by_slot), decodes.tables, starts,
-            decodes.ends,
+            decodes.ends, softcap=metadata.softcap,
         )[0]  # fmt: skip
         out.index_copy_(0, decodes.rows, attended.to(out.dtype))
     for read in reads:
         keys = slot_rows(k_cache.flatten(0, 1), read.slots).to(q.dtype)  # (K, Hkv, D)
         values = slot_rows(v_cache.flatten(0, 1), read.slots).to(q.dtype)
         qh, kh, vh = q[read.rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
-        attended = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=read.mask, enable_gqa=True)
+        attended = sdpa(qh, kh, vh, attn_mask=read.mask, softcap=metadata.softcap, enable_gqa=True)
         out[read.rows] = attended[0].transpose(0, 1).to(out.dtype)
     return out
 
@@ -577,28 +585,31 @@ def _positioned_reads(
 
 
 def attend_prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, window: int | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, window: int | None = None, softcap: float = 0.0
 ) -> torch.Tensor:
     """q (T, H, D) at cache positions ctx_len.. over k, v (ctx_len + T, Hkv, D) -> (T, H, D); with a
-    ``window``, each query sees only the last ``window`` positions (its own included)."""
+    ``window``, each query sees only the last ``window`` positions (its own included); scaled logits soft-capped
+    by ``softcap`` (0: none)."""
     q_len = q.shape[0]
     if q_len > 1 and use_flash_prefill(q, k):
-        return flash_prefill(q, k, v, ctx_len, window)
+        return flash_prefill(q, k, v, ctx_len, window, softcap=softcap)
     if window_binds(window, ctx_len + q_len):
-        return _attend_windowed(q, k, v, ctx_len, window)
+        return _attend_windowed(q, k, v, ctx_len, window, softcap)
     qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, T, D)
     kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx + T, D)
     if ctx_len == 0:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=q_len > 1, enable_gqa=True)
-    elif q.device.type == "cpu" and q_len > 1:
+        out = sdpa(qh, kh, vh, is_causal=q_len > 1, softcap=softcap, enable_gqa=True)
+    elif q.device.type == "cpu" and q_len > 1 and not softcap:
         out = _attend_context_then_chunk(qh, kh, vh, ctx_len)
     else:
         mask = causal_mask(q_len, ctx_len, device=q.device)  # (T, ctx + T)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+        out = sdpa(qh, kh, vh, attn_mask=mask, softcap=softcap, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)  # (T, H, D)
 
 
-def _attend_windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, window: int) -> torch.Tensor:
+def _attend_windowed(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, window: int, softcap: float = 0.0
+) -> torch.Tensor:
     """Sliding-window attention in chunks of ``window`` queries, each over the keys its window reaches:
     O(T * window) work instead of the O(T * (ctx + T)) of one masked call."""
     out = torch.empty_like(q)  # (T, H, D)
@@ -609,7 +620,7 @@ def _attend_windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len:
         mask = causal_mask(end - start, ctx_len + start - first, window, q.device)  # (chunk, keys)
         qh = q[start:end].transpose(0, 1).unsqueeze(0)  # (1, H, chunk, D)
         kh, vh = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
-        chunk = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+        chunk = sdpa(qh, kh, vh, attn_mask=mask, softcap=softcap, enable_gqa=True)
         out[start:end] = chunk.squeeze(0).transpose(0, 1)
     return out
 

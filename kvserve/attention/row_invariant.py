@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from kvserve.attention.softcap import sdpa
 
 
 @dataclass(frozen=True)
@@ -108,8 +109,11 @@ def _call(
     return RowCall(index, mask, -1, blocks)
 
 
-def attend_row_calls(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: RowPlan) -> torch.Tensor:
-    """q (N, H, D) over one layer's cache k_cache, v_cache (num_blocks, block_size, Hkv, D) -> (N, H, D)."""
+def attend_row_calls(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: RowPlan, softcap: float = 0.0
+) -> torch.Tensor:
+    """q (N, H, D) over one layer's cache k_cache, v_cache (num_blocks, block_size, Hkv, D) -> (N, H, D); logits
+    soft-capped by ``softcap`` (0: none)."""
     num_heads, head_dim = q.shape[1:]
     hkv = k_cache.shape[2]
     out = torch.empty_like(q)
@@ -127,6 +131,6 @@ def attend_row_calls(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             values = v_cache.index_select(0, call.blocks).view(r, length, hkv, head_dim).transpose(1, 2)
         # Query head h reads KV head h // G: fold the G heads of a group into the entry's query rows.
         qg = q.index_select(0, call.rows).view(r, hkv, num_heads // hkv, head_dim)  # (R, Hkv, G, D)
-        attended = F.scaled_dot_product_attention(qg, keys, values, attn_mask=call.mask)  # (R, Hkv, G, D)
+        attended = sdpa(qg, keys, values, attn_mask=call.mask, softcap=softcap)  # (R, Hkv, G, D)
         out.index_copy_(0, call.rows, attended.reshape(r, num_heads, head_dim))
     return out

@@ -11,6 +11,8 @@
 // bfloat16 for the product with V (as torch's kernel does). K and V are first repacked per KV head into the
 // instruction's pair layout: K as [key block of 16][d pair][16 keys][2], V as [key pair][d][2].
 //
+// With a soft cap c > 0 (Gemma 2) each scaled logit x becomes c * tanh(x / c) before the online softmax.
+//
 // The op exists on every CPU; flash_prefill_available() says whether this build has the kernel: compiled where
 // -march=native enables AVX512-BF16, except with AMX, where torch's kernel runs its products on the tiles
 // (far above what vdpbf16ps reaches). Callers keep torch's kernel where it is absent.
@@ -66,6 +68,16 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// c * tanh(x / c) for 16 floats: tanh(y) = sign(y) (1 - e) / (1 + e) with e = exp(-2|y|) <= 1 (no overflow).
+inline __m512 softcap16(__m512 x, float c) {
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.f / c));
+  const __m512 e = exp16(_mm512_mul_ps(_mm512_abs_ps(y), _mm512_set1_ps(-2.f)));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign)), _mm512_set1_ps(c));
+}
+
 struct Problem {
   const uint16_t* q;  // (T, H, D) with strides
   int64_t q_tok, q_head;
@@ -74,6 +86,7 @@ struct Problem {
   const int64_t* ends;          // (T,) keys each query sees (a prefix), or null: ctx + t + 1 (causal)
   const int64_t* starts;        // (T,) with ends: the first key each query sees, or null: by window (or 0)
   float scale;
+  float softcap;       // <= 0: none
   const uint16_t* kp;  // per KV head: [N16 / 16][D / 2][16][2]
   const uint16_t* vp;  // per KV head: [NP / 2][D][2]
   int64_t kp_head, vp_head;
@@ -176,6 +189,8 @@ void attend_tile(const Problem& p, int64_t h, int64_t t0, int64_t t1, float* S, 
         continue;
       }
       float* s = S + r * KB;
+      if (p.softcap > 0.f)
+        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(s + 16 * j, softcap16(_mm512_loadu_ps(s + 16 * j), p.softcap));
       __mmask16 valid[4];
       __m512 mx = _mm512_set1_ps(m[r]);
       for (int j = 0; j < 4; ++j) {
@@ -254,8 +269,9 @@ void pack(const at::Tensor& k, const at::Tensor& v, int64_t NP, at::Tensor& kp, 
 
 at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t ctx_len,
                          int64_t window, double scale, const std::optional<at::Tensor>& key_ends,
-                         const std::optional<at::Tensor>& key_starts) {
+                         const std::optional<at::Tensor>& key_starts, double softcap) {
   TORCH_CHECK(flash_prefill_available(), "flash_prefill: this build has no AVX512-BF16 kernel");
+  TORCH_CHECK(softcap >= 0.0, "flash_prefill: softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "flash_prefill: q, k, v must be (tokens, heads, dim)");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
                   v.scalar_type() == at::kBFloat16,
@@ -306,6 +322,7 @@ at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k, const at::Ten
             ends,
             starts,
             static_cast<float>(scale),
+            static_cast<float>(softcap),
             reinterpret_cast<const uint16_t*>(kp.data_ptr<at::BFloat16>()),
             reinterpret_cast<const uint16_t*>(vp.data_ptr<at::BFloat16>()),
             NP * D,
@@ -335,7 +352,7 @@ at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k, const at::Ten
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def(
       "flash_prefill(Tensor q, Tensor k, Tensor v, int ctx_len, int window, float scale, Tensor? key_ends=None, "
-      "Tensor? key_starts=None) -> Tensor");
+      "Tensor? key_starts=None, float softcap=0.0) -> Tensor");
   m.def("flash_prefill_available() -> bool", &flash_prefill_available);  // no tensors: one kernel for all
 }
 

@@ -20,7 +20,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t n);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                                                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                                                             const at::Tensor& starts, const at::Tensor& ends,
-                                                            double scale, bool want_weights);
+                                                            double scale, bool want_weights,
+                                                            double softcap = 0.0);
 
 // quant_gemv.cpp
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& consts);

@@ -15,6 +15,9 @@
 // widen to float32 as they load. bfloat16 queries over a bfloat16 cache use the CPU's bfloat16 dot products where
 // it has them (attend_span_bf16); elsewhere they widen as well.
 //
+// With a soft cap c > 0 (Gemma 2) each scaled logit x becomes c * tanh(x / c) before the softmax: one tanh per
+// score, where the scores already sit in float32 (softmax_rows), so every path above gets it.
+//
 // Optional output: each key's softmax probability averaged over the H query heads, (B, W * block_size)
 // float32, indexed by position (zero outside a row's range): what H2O and PyramidInfer fold into their
 // scores, from the same pass instead of a second q.k product.
@@ -320,11 +323,17 @@ inline void for_each_block(int64_t block_size, int64_t first, int64_t last, F&& 
   }
 }
 
-// Each of the H rows of scores (H, n) -> exp(score - the row's max) in place; m, l: the max and the sum, and with
-// probs (not null) row j's result also copied to probs + j * stride.
-inline void softmax_rows(float* scores, int64_t H, int64_t n, float* m, float* l, float* probs, int64_t stride) {
+// Each of the H rows of scores (H, n) -> exp(score - the row's max) in place, each score first soft-capped when
+// softcap > 0; m, l: the max and the sum, and with probs (not null) row j's result also copied to probs + j * stride.
+inline void softmax_rows(float* scores, int64_t H, int64_t n, float softcap, float* m, float* l, float* probs,
+                         int64_t stride) {
   for (int64_t j = 0; j < H; ++j) {
     float* s = scores + j * n;
+    if (softcap > 0.f) {
+      const float inv = 1.f / softcap;
+#pragma omp simd
+      for (int64_t t = 0; t < n; ++t) s[t] = softcap * std::tanh(s[t] * inv);
+    }
     const float mx = max_of(s, n);
 #pragma omp simd
     for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - mx);
@@ -454,21 +463,21 @@ void value_pass_bf16(const Geometry& g, const uint16_t* v_cache, const int32_t* 
 
 // One work item as attend_span, for bfloat16 queries and cache: G and D fixed, D a multiple of 32.
 template <int G, int D>
-void attend_span_bf16(const Geometry& g, const uint16_t* q, float scale, const uint16_t* k_cache,
+void attend_span_bf16(const Geometry& g, const uint16_t* q, float scale, float softcap, const uint16_t* k_cache,
                       const uint16_t* v_cache, const int32_t* table, int64_t first, int64_t last, float* m, float* l,
                       float* acc, float* probs, int64_t stride) {
   const int64_t n = last - first, H = g.heads;
   std::vector<float> scores(H * n);
   key_pass_bf16<G, D>(g, q, scale, k_cache, v_cache, table, first, last, scores.data());
-  softmax_rows(scores.data(), H, n, m, l, probs, stride);
+  softmax_rows(scores.data(), H, n, softcap, m, l, probs, stride);
   std::fill(acc, acc + H * D, 0.f);
   for (int64_t h = 0; h < g.kv_heads; ++h)
     value_pass_bf16<G, D>(g, v_cache, table, h, first, last, scores.data() + h * G * n, n, acc + h * G * D);
 }
 
 // The fixed-shape span function for G query heads per KV head and head dim D, or null where there is none.
-using SpanFn = void (*)(const Geometry&, const uint16_t*, float, const uint16_t*, const uint16_t*, const int32_t*,
-                        int64_t, int64_t, float*, float*, float*, float*, int64_t);
+using SpanFn = void (*)(const Geometry&, const uint16_t*, float, float, const uint16_t*, const uint16_t*,
+                        const int32_t*, int64_t, int64_t, float*, float*, float*, float*, int64_t);
 template <int D>
 SpanFn span_bf16_for_group(int64_t group) {
   switch (group) {
@@ -493,15 +502,16 @@ inline SpanFn span_bf16(int64_t group, int64_t dim) {
 // block by block and every KV head within a block, so a block's rows are read while they are in cache.
 // Writes m (H), l (H), acc (H, D) float32; if `probs` is not null, head j's exp(logit - m[j]) to probs + j * stride.
 template <typename T>
-void attend_span(const Geometry& g, const float* q, const T* k_cache, const T* v_cache, const int32_t* table,
-                 int64_t first, int64_t last, float* m, float* l, float* acc, float* probs, int64_t stride) {
+void attend_span(const Geometry& g, const float* q, float softcap, const T* k_cache, const T* v_cache,
+                 const int32_t* table, int64_t first, int64_t last, float* m, float* l, float* acc, float* probs,
+                 int64_t stride) {
   const int64_t n = last - first, G = g.group, D = g.dim, H = g.heads;
   std::vector<float> scores(H * n);
   for_each_block(g.block_size, first, last, [&](int64_t a, int64_t b) {
     for (int64_t h = 0; h < g.kv_heads; ++h)
       key_pass(g, q + h * G * D, k_cache, table, h, a, b, scores.data() + h * G * n + (a - first), n);
   });
-  softmax_rows(scores.data(), H, n, m, l, probs, stride);
+  softmax_rows(scores.data(), H, n, softcap, m, l, probs, stride);
   std::fill(acc, acc + H * D, 0.f);
   for_each_block(g.block_size, first, last, [&](int64_t a, int64_t b) {
     for (int64_t h = 0; h < g.kv_heads; ++h)
@@ -511,8 +521,8 @@ void attend_span(const Geometry& g, const float* q, const T* k_cache, const T* v
 
 template <typename TQ, typename T>
 void decode(const Geometry& g, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const at::Tensor& tables, const int32_t* starts, const int32_t* ends, double scale, at::Tensor& out,
-            at::Tensor& lse, float* weights) {
+            const at::Tensor& tables, const int32_t* starts, const int32_t* ends, double scale, double softcap,
+            at::Tensor& out, at::Tensor& lse, float* weights) {
   const int64_t B = g.batch, D = g.dim, H = g.heads;
   // Items: each row's spans, in order.
   std::vector<int64_t> item_row, item_first, item_last, row_item(B + 1, 0);
@@ -550,13 +560,13 @@ void decode(const Geometry& g, const at::Tensor& q, const at::Tensor& k_cache, c
 #if defined(__AVX512BF16__)
       if (fast != nullptr) {
         const auto raw = [](const auto* p) { return reinterpret_cast<const uint16_t*>(p); };
-        fast(g, raw(qp) + b * H * D, static_cast<float>(scale), raw(kp), raw(vp), tp + b * g.width, item_first[i],
-             item_last[i], mi, li, ai, pr, length);
+        fast(g, raw(qp) + b * H * D, static_cast<float>(scale), static_cast<float>(softcap), raw(kp), raw(vp),
+             tp + b * g.width, item_first[i], item_last[i], mi, li, ai, pr, length);
         continue;
       }
 #endif
-      attend_span<T>(g, qf.data() + b * H * D, kp, vp, tp + b * g.width, item_first[i], item_last[i], mi, li, ai,
-                     pr, length);
+      attend_span<T>(g, qf.data() + b * H * D, static_cast<float>(softcap), kp, vp, tp + b * g.width, item_first[i],
+                     item_last[i], mi, li, ai, pr, length);
     }
   });
   // Merge each row's spans in order, per query head.
@@ -608,7 +618,8 @@ namespace kvserve_ops {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                                                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                                                             const at::Tensor& starts, const at::Tensor& ends,
-                                                            double scale, bool want_weights) {
+                                                            double scale, bool want_weights, double softcap) {
+  TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous (B, H, D) tensor");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "k_cache/v_cache must be (blocks, bs, Hkv, D)");
   TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) && v_cache.strides() == k_cache.strides(),
@@ -642,15 +653,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode(const at::Tensor& q,
   const bool wide_q = q_type == at::kFloat;  // float32 queries over any cache type
   switch (kv_type) {
     case at::kFloat:
-      decode<float, float>(g, q, k_cache, v_cache, block_tables, sp, ep, scale, out, lse, wp);
+      decode<float, float>(g, q, k_cache, v_cache, block_tables, sp, ep, scale, softcap, out, lse, wp);
       break;
     case at::kBFloat16:
-      if (wide_q) decode<float, at::BFloat16>(g, q, k_cache, v_cache, block_tables, sp, ep, scale, out, lse, wp);
-      else decode<at::BFloat16, at::BFloat16>(g, q, k_cache, v_cache, block_tables, sp, ep, scale, out, lse, wp);
+      if (wide_q)
+        decode<float, at::BFloat16>(g, q, k_cache, v_cache, block_tables, sp, ep, scale, softcap, out, lse, wp);
+      else
+        decode<at::BFloat16, at::BFloat16>(g, q, k_cache, v_cache, block_tables, sp, ep, scale, softcap, out, lse, wp);
       break;
     case at::kHalf:
-      if (wide_q) decode<float, at::Half>(g, q, k_cache, v_cache, block_tables, sp, ep, scale, out, lse, wp);
-      else decode<at::Half, at::Half>(g, q, k_cache, v_cache, block_tables, sp, ep, scale, out, lse, wp);
+      if (wide_q) decode<float, at::Half>(g, q, k_cache, v_cache, block_tables, sp, ep, scale, softcap, out, lse, wp);
+      else decode<at::Half, at::Half>(g, q, k_cache, v_cache, block_tables, sp, ep, scale, softcap, out, lse, wp);
       break;
     default:
       TORCH_CHECK(false, "paged_decode supports float32, bfloat16 and float16, got ", kv_type);
@@ -663,7 +676,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode(const at::Tensor& q,
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor starts, Tensor ends, "
-      "float scale, bool want_weights) -> (Tensor, Tensor, Tensor)");
+      "float scale, bool want_weights, float softcap=0.0) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("paged_decode", &kvserve_ops::paged_decode); }

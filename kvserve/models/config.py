@@ -9,11 +9,11 @@ from kvserve.errors import UnsupportedModelError
 
 # Architectures that share the Llama block (RMSNorm, RoPE, GQA, SwiGLU); Qwen2 adds q/k/v bias, Qwen3 q/k norms
 # (models/qwen3.py), Phi-3 stores q/k/v and gate/up fused and may scale RoPE by LongRoPE (models/longrope.py).
-# Gemma 3 has its own block (models/gemma3.py). The mixtures of experts swap the MLP of some or all layers for a
-# sparse block (models/moe.py).
+# Gemma 2 and 3 have their own blocks (models/gemma2.py, models/gemma3.py). The mixtures of experts swap the MLP of
+# some or all layers for a sparse block (models/moe.py).
 LLAMA_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
-SUPPORTED_ARCHITECTURES = (*LLAMA_ARCHITECTURES, *MOE_ARCHITECTURES, "gemma3")
+SUPPORTED_ARCHITECTURES = (*LLAMA_ARCHITECTURES, *MOE_ARCHITECTURES, "gemma2", "gemma3")
 SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_types names
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
@@ -77,6 +77,10 @@ class ModelConfig:
     norm_topk_prob: bool = False
     sparse_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0
+    # Gemma 2's soft caps: attention logits (after scaling) become cap * tanh(logits / cap) before the mask and
+    # softmax, in every layer; the LM head's logits likewise with the final cap. None: no cap.
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -109,6 +113,11 @@ class ModelConfig:
         """Per layer, the positions a query sees (its own included), or None for the whole context."""
         types = self.layer_types or (FULL,) * self.num_layers
         return tuple(self.sliding_window if t == SLIDING else None for t in types)
+
+    @property
+    def attention_softcap(self) -> float:
+        """The attention-logit soft cap every layer applies, 0.0 for none (``AttentionMetadata.softcap``)."""
+        return float(self.attn_logit_softcapping or 0.0)
 
     @property
     def q_size(self) -> int:
@@ -197,6 +206,11 @@ def _window_fields(cfg: dict, model_type: str, num_layers: int) -> dict:
     ``sliding_window_pattern``), or Mistral's ``sliding_window`` over every layer."""
     window = cfg.get("sliding_window")
     fields: dict = {"query_pre_attn_scalar": cfg.get("query_pre_attn_scalar")}
+    if model_type == "gemma2":  # transformers' Gemma2Config defaults where a config.json leaves them out
+        window = cfg.get("sliding_window", 4096)
+        fields["query_pre_attn_scalar"] = cfg.get("query_pre_attn_scalar", 256)
+        fields["attn_logit_softcapping"] = cfg.get("attn_logit_softcapping", 50.0)
+        fields["final_logit_softcapping"] = cfg.get("final_logit_softcapping", 30.0)
     if model_type == "gemma3":
         fields["rope_local_theta"] = float(cfg.get("rope_local_base_freq", 10000.0))
     if window is None or (model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window")):
@@ -205,7 +219,7 @@ def _window_fields(cfg: dict, model_type: str, num_layers: int) -> dict:
         return fields  # a window over the whole context (Phi-3.5's 262144 of 131072) is full attention
     types = cfg.get("layer_types")
     if types is None:
-        pattern = cfg.get("sliding_window_pattern", 6 if model_type == "gemma3" else 1)
+        pattern = cfg.get("sliding_window_pattern", {"gemma2": 2, "gemma3": 6}.get(model_type, 1))
         types = [FULL if pattern > 1 and (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
     return {**fields, "sliding_window": int(window), "layer_types": tuple(types)}
 

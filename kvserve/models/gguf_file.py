@@ -58,8 +58,8 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-# Gemma 3's names where they differ: its "ffn_norm" is the norm before the MLP, and it has norms after
-# attention and MLP and on q and k per head.
+# Gemma 2's and 3's names where they differ: its "ffn_norm" is the norm before the MLP, and it has norms after
+# attention and MLP (and Gemma 3 on q and k per head).
 _GEMMA3_LAYER_NAMES = {
     **_LAYER_NAMES,
     "post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -95,6 +95,7 @@ def _expert_layer_names(arch: str) -> dict[str, str]:
 
 
 _ARCH_LAYER_NAMES = {
+    "gemma2": _GEMMA3_LAYER_NAMES,
     "gemma3": _GEMMA3_LAYER_NAMES,
     "qwen3": _QWEN3_LAYER_NAMES,
     "phi3": _PHI3_LAYER_NAMES,
@@ -108,6 +109,7 @@ _GGUF_MOE_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "ll
 # (llama-model.cpp); the file does not store either.
 _GEMMA3_SWA_PATTERN = 6
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0
+_GEMMA2_WINDOW = 4096  # llama.cpp's default for a gemma2 file without attention.sliding_window
 # llama.cpp's converter permutes Q/K rows of these architectures for its interleaved rotary layout.
 _PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "mixtral")
 
@@ -256,6 +258,8 @@ def _rows(reader: GGUFReader, name: str) -> int:
 def _window_fields(reader: GGUFReader, arch: str, num_layers: int, hidden: int, num_heads: int) -> dict:
     """Sliding-window fields: Gemma 3's pattern (every sixth layer global), or a window over every layer."""
     window = field(reader, f"{arch}.attention.sliding_window")
+    if arch == "gemma2":
+        return _gemma2_fields(reader, num_layers, hidden, num_heads, window)
     if arch != "gemma3":
         # llama.cpp's converter writes 0 for none (Phi-3 files); a window over the whole context is none too.
         if not window or window >= int(field(reader, f"{arch}.context_length", window + 1)):
@@ -269,6 +273,19 @@ def _window_fields(reader: GGUFReader, arch: str, num_layers: int, hidden: int, 
         return fields
     types = tuple(FULL if (i + 1) % _GEMMA3_SWA_PATTERN == 0 else SLIDING for i in range(num_layers))
     return {**fields, "sliding_window": int(window), "layer_types": types}
+
+
+def _gemma2_fields(reader: GGUFReader, num_layers: int, hidden: int, num_heads: int, window: object) -> dict:
+    """Gemma 2 as llama.cpp builds it: even layers sliding (window 4,096 unless stored), both soft caps (50 and 30
+    unless stored), queries scaled by head_dim, or for the 27B (46 layers) by its hidden size per head."""
+    head_dim = int(field(reader, "gemma2.attention.key_length", hidden // num_heads))
+    return {
+        "sliding_window": int(window if window is not None else _GEMMA2_WINDOW),
+        "layer_types": tuple(SLIDING if i % 2 == 0 else FULL for i in range(num_layers)),
+        "query_pre_attn_scalar": float(hidden // num_heads if num_layers == 46 else head_dim),
+        "attn_logit_softcapping": float(field(reader, "gemma2.attn_logit_softcapping", 50.0)),
+        "final_logit_softcapping": float(field(reader, "gemma2.final_logit_softcapping", 30.0)),
+    }
 
 
 def tensor_sources(reader: GGUFReader, config: ModelConfig) -> dict[str, Callable[[], torch.Tensor]]:

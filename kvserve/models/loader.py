@@ -222,7 +222,8 @@ def _load_hf_folder(
             raise ModelLoadError(f"{file} is truncated or corrupt: {exc}") from exc
         for name in handle.keys():
             sources[name] = _safetensors_getter(handle, name)
-    if config.architecture == "gemma3":  # Hugging Face stores Gemma's norm weights as w; the model keeps 1 + w
+    # Hugging Face stores Gemma's norm weights as w; the model keeps 1 + w
+    if config.architecture in ("gemma2", "gemma3"):
         sources = {name: _plus_one(get) if name.endswith("norm.weight") else get for name, get in sources.items()}
     if "lm_head.weight" not in sources and not config.tie_word_embeddings:
         raise ModelLoadError(f"{path}: config says untied embeddings but there is no lm_head.weight")

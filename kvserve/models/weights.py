@@ -13,6 +13,7 @@ import torch
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.models.config import ModelConfig
+from kvserve.models.gemma2 import Gemma2ForCausalLM
 from kvserve.models.gemma3 import Gemma3ForCausalLM
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.moe import MoEForCausalLM, Qwen3MoEForCausalLM, load_sparse_block
@@ -159,8 +160,8 @@ class _Weights:
 
 def model_class_for(config: ModelConfig) -> type[LlamaForCausalLM]:
     """The module that computes ``config.architecture``."""
-    classes = {"gemma3": Gemma3ForCausalLM, "qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoEForCausalLM,
-               "mixtral": MoEForCausalLM, "qwen2_moe": MoEForCausalLM}  # fmt: skip
+    classes = {"gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM, "qwen3": Qwen3ForCausalLM,
+               "qwen3_moe": Qwen3MoEForCausalLM, "mixtral": MoEForCausalLM, "qwen2_moe": MoEForCausalLM}  # fmt: skip
     return classes.get(config.architecture, LlamaForCausalLM)
 
 

@@ -104,16 +104,22 @@ class KVPolicy:
         return None
 
     def prefill_scores(
-        self, q: torch.Tensor, keys: torch.Tensor, held: int, num_tokens: int, previous: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        held: int,
+        num_tokens: int,
+        previous: torch.Tensor | None,
+        softcap: float = 0.0,
     ) -> torch.Tensor | None:
         """Scores (h + m,) float32 of a sequence's candidates after a chunk: its m new queries q (m, H, D) over
         keys (h + m, Hkv, D), the first h cached with scores ``previous`` (h,) (None if h = 0): the weighted
-        attention the voting queries pay, plus the earlier scores for a policy that accumulates them. None for
-        a positional policy."""
+        attention the voting queries pay (logits soft-capped by ``softcap``, 0: none), plus the earlier scores for a
+        policy that accumulates them. None for a positional policy."""
         votes = self.votes(q.shape[0], num_tokens)
         if votes is None:
             return None
-        return self.scores_from(head_column_sums(q, keys, held, *votes), held, previous)
+        return self.scores_from(head_column_sums(q, keys, held, *votes, softcap), held, previous)
 
     def scores_from(self, head_sums: torch.Tensor, held: int, previous: torch.Tensor | None) -> torch.Tensor:
         """``prefill_scores`` from the votes' attention summed per KV head, ``head_sums`` (h + m, Hkv) float32

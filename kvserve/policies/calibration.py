@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.attention.softcap import cap_logits
 from kvserve.policies.infinigen import Rehearsal, Selection, partial_logits
 
 # A row's alpha is one of its own logit gaps, which float32 rounding in ``peak - alpha`` may miss by an ulp:
@@ -122,6 +123,7 @@ def layer_logits(
     r, hkv, group = partial_q.shape[:3]
     q = sample.queries[layer].float().view(r, hkv, group, -1).transpose(0, 1)  # (Hkv, R, G, D)
     exact = partial_logits(q, keys.float().transpose(0, 1)[:, None], rehearsal.head_dim)  # (Hkv, R, G, n)
+    exact = cap_logits(exact, rehearsal.softcap)  # the weights the layer's attention gives (Gemma 2's cap)
     return speculated.transpose(0, 1), exact.transpose(0, 1)
 
 

@@ -329,6 +329,7 @@ class Rehearsal:
         self.q_norms = [getattr(layer.self_attn, "q_norm", None) for layer in model.layers]
         self.q_scales = [getattr(layer.self_attn, "q_scale", 1.0) for layer in model.layers]
         self.layer_windows = tuple(cfg.layer_windows)  # a window layer selects among its window's rows
+        self.softcap = cfg.attention_softcap  # Gemma 2: the exact attention's logits are capped
         self.speculated_layers = speculated_layers(self.layer_windows)
         windowed = {i for i, window in enumerate(self.layer_windows) if window is not None}
         self.own_query_layers = frozenset({1} | windowed) & self.speculated_layers

@@ -110,7 +110,10 @@ def record_sample(model: LlamaForCausalLM, token_ids: list[int], rows: torch.Ten
     n = len(token_ids)
     dtype = model.embed_tokens.weight.dtype if model.embed_tokens.weight.is_floating_point() else torch.float32
     recorder = _Recorder(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, n, dtype, device, rows=rows)
-    metadata = AttentionMetadata(seq_ids=(0,), query_lens=(n,), context_lens=(0,), layer_windows=cfg.layer_windows)
+    metadata = AttentionMetadata(
+        seq_ids=(0,), query_lens=(n,), context_lens=(0,), layer_windows=cfg.layer_windows,
+        softcap=cfg.attention_softcap,
+    )  # fmt: skip
     model(torch.tensor(token_ids, device=device), torch.arange(n, device=device), recorder, metadata)
     return recorder
 

@@ -1,0 +1,98 @@
+"""Gemma 2 decoder (Gemma Team, 2024, https://arxiv.org/abs/2408.00118) as a plain ``nn.Module``.
+
+Gemma 3's block (``gemma3.py``: the embedding scaled by sqrt(hidden), RMSNorm by 1 + weight, norms before and
+after attention and the MLP, GeGLU with tanh GELU, queries scaled by 1/sqrt(query_pre_attn_scalar)) without q/k
+norms, with one RoPE base for every layer, sliding-window and global layers alternating, and two soft caps:
+attention logits become cap * tanh(logits / cap) before the mask and softmax (``ModelConfig.attention_softcap``,
+reaching every attention path as ``AttentionMetadata.softcap``, as windows do), and the LM head's logits likewise
+with the final cap.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.models.config import ModelConfig
+from kvserve.models.gemma3 import GeGLU, Gemma3DecoderLayer, GemmaRMSNorm
+from kvserve.models.llama import Attention, LlamaForCausalLM
+
+
+class Gemma2Attention(Attention):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__(config, layer)
+        # Attention scales by 1/sqrt(head_dim); Gemma asks for 1/sqrt(query_pre_attn_scalar).
+        scalar = config.query_pre_attn_scalar or config.head_dim
+        self.q_scale = math.sqrt(config.head_dim / scalar)
+
+    def project(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().project(x, rope)
+        return (q * self.q_scale if self.q_scale != 1.0 else q), k, v
+
+
+class Gemma2DecoderLayer(nn.Module):
+    NORMS = Gemma3DecoderLayer.NORMS[:4]  # no q/k norms
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.self_attn = Gemma2Attention(config, layer)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.mlp = GeGLU(config.hidden_size, config.intermediate_size)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, backend, metadata))
+        rows = backend.surviving_rows(self.self_attn.layer, metadata)
+        if rows is not None:  # the cache dropped these tokens: the MLP and deeper layers skip them
+            x = x.index_select(0, rows)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    """Same interface as ``LlamaForCausalLM`` (forward, compute_logits, prepack)."""
+
+    layer_class = Gemma2DecoderLayer
+
+    def __init__(self, config: ModelConfig, rope_freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__(config, rope_freq_factors)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_scale = math.sqrt(config.hidden_size)
+        self.final_softcap = config.final_logit_softcapping or 0.0
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids and positions (N,) -> final hidden states (N', hidden), as ``LlamaForCausalLM.forward``."""
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # scaled in the activation dtype, as the reference
+        rope = self.rotary.table(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, backend, metadata)
+            if x.shape[0] != rope[0].shape[0]:
+                rows = backend.surviving_rows(i, metadata)
+                rope = (rope[0].index_select(0, rows), rope[1].index_select(0, rows))
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
