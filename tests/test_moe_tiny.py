@@ -304,3 +304,21 @@ def test_parallelize_wraps_a_sparse_block_whole() -> None:
     parallelize(model, None, CommStats())
     assert isinstance(model.layers[0].mlp.down_proj, RowParallel)
     assert isinstance(model.layers[1].mlp, RowParallel)
+
+
+def test_bench_counts_the_routed_share_of_the_experts(family) -> None:
+    """``bench speed``'s bytes a decode step reads: kvserve's and the GGUF file's count k of E experts per layer,
+    so the roofline fractions of a mixture of experts are against what one token really reads."""
+    from kvserve.bench import speed
+
+    loaded = load_model(family.folder)
+    cfg = loaded.config
+    stacked = sum(
+        (layer.mlp.experts.gate_up.numel() + layer.mlp.experts.down.numel()) * 4
+        for i, layer in enumerate(loaded.model.layers)
+        if i in cfg.sparse_layers
+    )
+    dense = speed.decode_weight_bytes(loaded.model) - stacked * cfg.num_experts_per_tok // cfg.num_experts
+    assert dense > 0 and speed.decode_weight_bytes(loaded.model) < dense + stacked
+    # F32 file, untied head: the same bytes apart from the embedding row kvserve does not count either.
+    assert speed.gguf_decode_bytes(family.gguf) == pytest.approx(speed.decode_weight_bytes(loaded.model), rel=0.02)

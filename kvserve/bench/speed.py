@@ -28,6 +28,7 @@ import torch
 from kvserve.extras import extra_imports
 from kvserve.models.config import ModelConfig
 from kvserve.models.layers import Linear, RMSNorm
+from kvserve.models.moe import Experts
 from kvserve.models.quant_linear import Q8Linear, QuantLinear
 
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
@@ -345,16 +346,28 @@ def _matmul_size(dtype: torch.dtype, largest: int = 2048, enough_s: float = 0.05
 def prefill_flops(config: ModelConfig, n: int) -> float:
     """Matmul FLOPs of a causal prefill of n tokens, logits for the last token only."""
     h, layers = config.hidden_size, config.num_layers
-    per_token = h * (config.q_size + 2 * config.kv_size) + config.q_size * h + 3 * h * config.intermediate_size
+    mlp = [
+        config.num_experts_per_tok * config.moe_intermediate_size + config.shared_expert_intermediate_size
+        if i in config.sparse_layers
+        else config.intermediate_size
+        for i in range(layers)
+    ]  # a sparse layer's token runs its experts' MLPs (and a shared one)
+    per_token = h * (config.q_size + 2 * config.kv_size) + config.q_size * h + 3 * h * sum(mlp) / layers
     attention = 2 * 2 * (n * (n + 1) / 2) * config.num_heads * config.head_dim  # QK^T and PV, causal half
     return 2 * n * per_token * layers + attention * layers + 2 * config.vocab_size * h
 
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights a batch-1 decode step reads: int4 / Q8_0 projections in their code form, dense ones
-    whole, norms, and the LM head (a tied head reads the whole embedding matrix); one embedding row only."""
+    whole, norms, and the LM head (a tied head reads the whole embedding matrix); one embedding row only. Of a
+    mixture of experts' stacked experts, the share one token routes to (``num_experts_per_tok`` of ``num_experts``)."""
     total = 0
+    config = model.config
     for module in model.modules():
+        if isinstance(module, Experts):
+            stacked = sum(t.numel() * t.element_size() for t in (module.gate_up, module.down))
+            total += stacked * config.num_experts_per_tok // config.num_experts
+            continue
         if isinstance(module, QuantLinear):
             tensors = [*module.code_tensors(), module.bias]
         elif isinstance(module, Q8Linear) and module.planes is None:  # else its planes are a QuantLinear
@@ -370,12 +383,17 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def gguf_decode_bytes(path: Path) -> int:
-    """Bytes of a GGUF file's tensors that llama.cpp reads per decoded token (a tied embedding is the head)."""
+    """Bytes of a GGUF file's tensors that llama.cpp reads per decoded token (a tied embedding is the head; of
+    stacked experts, the share one token routes to)."""
     from gguf import GGUFReader
 
-    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    reader = GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    count = reader.fields.get(f"{arch}.expert_count")
+    share = reader.fields[f"{arch}.expert_used_count"].contents() / count.contents() if count else 1.0
+    tensors = {t.name: int(t.n_bytes) * (share if "_exps." in t.name else 1) for t in reader.tensors}
     embed = tensors.get("token_embd.weight", 0)
-    return sum(tensors.values()) - (embed if "output.weight" in tensors else 0)
+    return int(sum(tensors.values()) - (embed if "output.weight" in tensors else 0))
 
 
 def find_llamacpp_python(explicit: str | None) -> str:
