@@ -149,7 +149,7 @@ def _add_metadata(writer: GGUFWriter, cfg: dict, arch: str) -> None:
         )
 
 
-def _add_tokenizer(writer: GGUFWriter, vocab_size: int) -> None:
+def add_tiny_tokenizer(writer: GGUFWriter, vocab_size: int) -> None:
     vocab = tiny_vocab()
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -177,9 +177,9 @@ def write_gguf_from_hf(
     arch = GGUF_ARCH[cfg["model_type"]]
     writer = GGUFWriter(path, arch)
     _add_metadata(writer, cfg, arch)
-    _add_tokenizer(writer, cfg["vocab_size"])
+    add_tiny_tokenizer(writer, cfg["vocab_size"])
     arrays = gguf_tensors(folder, cfg)
-    arrays |= _llama3_rope_factors(cfg) | _phi3_rope_factors(cfg) | (extra_tensors(cfg) if extra_tensors else {})
+    arrays |= llama3_rope_factors(cfg) | _phi3_rope_factors(cfg) | (extra_tensors(cfg) if extra_tensors else {})
     for name, array in arrays.items():
         kind = qtype if array.ndim >= 2 else Q.F32
         if kind == Q.F32:
@@ -193,7 +193,7 @@ def write_gguf_from_hf(
     return path
 
 
-def _llama3_rope_factors(cfg: dict) -> dict[str, np.ndarray]:
+def llama3_rope_factors(cfg: dict) -> dict[str, np.ndarray]:
     """llama.cpp's ``rope_freqs.weight`` for llama3 scaling (``LlamaModel.generate_extra_tensors``)."""
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rope.get("rope_type") != "llama3":

@@ -8,7 +8,6 @@ GGUF and loading the Hugging Face folder of the same weights must give the same 
 from __future__ import annotations
 
 import dataclasses
-import math
 import shutil
 from pathlib import Path
 
@@ -23,6 +22,8 @@ from kvserve.attention import AttentionMetadata, ContiguousKVCache
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.models import load_model
 from kvserve.tokenizer import Tokenizer
+from tests.gguf_convert import add_tiny_tokenizer, permute
+from tests.gguf_convert import llama3_rope_factors as llama3_rope_factors_of
 from tests.tiny_models import (  # noqa: F401 - torch_single_thread is an autouse fixture
     BOS_ID,
     CHAT_TEMPLATE,
@@ -39,36 +40,11 @@ Q = GGMLQuantizationType
 SEQ_LEN = 40
 
 
-def permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
-    """llama.cpp convert_hf_to_gguf.py ``LlamaModel.permute``, verbatim."""
-    if n_head_kv is not None and n_head != n_head_kv:
-        n_head = n_head_kv
-    return (
-        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weights.shape)
-    )
-
-
 def llama3_rope_factors(spec: TinySpec) -> np.ndarray:
-    """llama.cpp's ``rope_freqs.weight`` for llama3 scaling (LlamaModel.generate_extra_tensors)."""
-    scaling = spec.rope_scaling
-    dim = spec.head_dim or spec.hidden_size // spec.num_heads
-    freqs = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_context_len = scaling["original_max_position_embeddings"]
-    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
-    factors = []
-    for freq in freqs.tolist():
-        wavelen = 2 * math.pi / freq
-        if wavelen < high_freq_wavelen:
-            factors.append(1)
-        elif wavelen > low_freq_wavelen:
-            factors.append(factor)
-        else:
-            smooth = (old_context_len / wavelen - low) / (high - low)
-            factors.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(factors, dtype=np.float32)
+    """llama.cpp's ``rope_freqs.weight`` for ``spec``'s llama3 scaling."""
+    rope = {**spec.rope_scaling, "rope_theta": spec.rope_theta}
+    cfg = {"rope_parameters": rope, "hidden_size": spec.hidden_size, "num_attention_heads": spec.num_heads}
+    return llama3_rope_factors_of(cfg | {"head_dim": spec.head_dim})["rope_freqs.weight"]
 
 
 def gguf_tensors(state: dict[str, torch.Tensor], spec: TinySpec, permute_qk: bool = True) -> dict[str, np.ndarray]:
@@ -136,18 +112,7 @@ def write_gguf(
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(spec.rope_scaling["factor"])
     if tokenizer:
-        vocab = tiny_vocab()
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list(vocab.tokens)
-        writer.add_token_types(
-            [gguf.TokenType.CONTROL if i in vocab.special_ids else gguf.TokenType.NORMAL for i in range(VOCAB_SIZE)]
-        )
-        writer.add_token_merges([f"{a} {b}" for a, b in vocab.merges])
-        writer.add_bos_token_id(BOS_ID)
-        writer.add_eos_token_id(EOS_ID)
-        writer.add_add_bos_token(True)
-        writer.add_chat_template(CHAT_TEMPLATE)
+        add_tiny_tokenizer(writer, VOCAB_SIZE)
 
     stored: dict[str, tuple[GGMLQuantizationType, np.ndarray]] = {}
     arrays = gguf_tensors(state, spec, permute_qk)

@@ -17,7 +17,7 @@ from torch import nn
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.models.config import ModelConfig
-from kvserve.models.gemma3 import GeGLU, Gemma3DecoderLayer, GemmaRMSNorm
+from kvserve.models.gemma3 import GeGLU, Gemma3DecoderLayer, Gemma3ForCausalLM, GemmaRMSNorm
 from kvserve.models.llama import Attention, LlamaForCausalLM
 
 
@@ -73,23 +73,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.embed_scale = math.sqrt(config.hidden_size)
         self.final_softcap = config.final_logit_softcapping or 0.0
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        backend: AttentionBackend,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """input_ids and positions (N,) -> final hidden states (N', hidden), as ``LlamaForCausalLM.forward``."""
-        x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # scaled in the activation dtype, as the reference
-        rope = self.rotary.table(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, backend, metadata)
-            if x.shape[0] != rope[0].shape[0]:
-                rows = backend.surviving_rows(i, metadata)
-                rope = (rope[0].index_select(0, rows), rope[1].index_select(0, rows))
-        return self.norm(x)
+    embed = Gemma3ForCausalLM.embed  # scaled by sqrt(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

@@ -118,6 +118,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             self.rotary_local = RotaryEmbedding(local, config.max_position_embeddings)
         self.embed_scale = math.sqrt(config.hidden_size)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)  # scaled in the activation dtype, as the reference
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -126,8 +130,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids and positions (N,) -> final hidden states (N, hidden)."""
-        x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # scaled in the activation dtype, as the reference
+        x = self.embed(input_ids)
         ropes = {False: self.rotary.table(positions, x.dtype)}
         if "rotary_local" in self._modules:
             ropes[True] = self.rotary_local.table(positions, x.dtype)

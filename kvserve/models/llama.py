@@ -124,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids and positions (N,) -> final hidden states (N', hidden); N' < N only when the backend
         drops rows (``AttentionBackend.surviving_rows``)."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         rope = self.rotary.table(positions, x.dtype)  # (cos, sin) of this step's tokens, for every layer
         if self.decode_chain is False:
             self.decode_chain = DecodeChain.of(self.layers, DecoderLayer)
@@ -140,6 +140,10 @@ class LlamaForCausalLM(nn.Module):
                 rows = backend.surviving_rows(i, metadata)
                 rope = (rope[0].index_select(0, rows), rope[1].index_select(0, rows))
         return self.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' input embeddings (N, hidden)."""
+        return self.embed_tokens(input_ids)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> LlamaForCausalLM:
         self.decode_chain = False  # .to(), .float(), ...: the chain's tensors would be the old ones
