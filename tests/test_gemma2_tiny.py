@@ -292,9 +292,17 @@ def test_capped_attention_is_sdpa_over_capped_logits():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(softcap_module, "CHUNK_LOGITS", 4 * 9 * 2)  # two rows a chunk
         assert torch.allclose(capped_attention(q, k, v, 1.5, attn_mask=mask), want, atol=1e-6)
+        assert torch.allclose(capped_attention(q, k, v, 1.5, is_causal=True), want, atol=1e-6)
+    per_head = mask.expand(1, 4, 9, 9).clone()
+    per_head[:, 1, 5, 2] = False  # one query head's mask differs: the GQA view must keep heads apart
+    want_head = capped.masked_fill(~per_head, float("-inf")).softmax(-1) @ v.repeat_interleave(2, 1)
+    assert torch.allclose(capped_attention(q, k, v, 1.5, attn_mask=per_head), want_head, atol=1e-6)
     empty = mask.clone()
     empty[3] = False
     assert not capped_attention(q, k, v, 1.5, attn_mask=empty)[:, :, 3].any()
+    poisoned = k.clone()
+    poisoned[0, 0, 0, 0] = float("nan")  # a NaN stays visible, as in SDPA, in a masked call too
+    assert capped_attention(q, poisoned, v, 1.5, attn_mask=mask)[:, :2].isnan().all()
 
 
 def test_parallel_prefill_is_refused_naming_the_soft_cap(loaded):

@@ -166,7 +166,8 @@ class OffloadedKVCache(AttentionBackend):
         softcap: float = 0.0,
     ) -> None:
         """``softcap``: the attention-logit soft cap of every layer (0: none). InfiniGen selects rows by its
-        speculated logits as they are: the cap is monotone, so it changes no head's ranking, only the attention."""
+        speculated logits as they are, uncapped: its threshold is calibrated on those against the capped exact
+        weights (``policies/calibration.py``), so selection and calibration agree."""
         if policy.name not in ("full", "infinigen", "int4"):
             raise ValueError(f"kv_offload runs kv_policy full, infinigen or int4, not {policy.name!r}")
         if isinstance(policy, InfiniGen):

@@ -10,7 +10,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-# Logits per chunk of query rows in ``capped_attention`` (float32): bounds its memory as flash attention's is.
+# Logits per chunk of query rows in ``capped_attention`` (float32, 64 MiB): its peak is about twice that (logits and
+# weights) beside float32 copies of K and V.
 CHUNK_LOGITS = 1 << 24
 
 
@@ -45,35 +46,43 @@ def capped_attention(
     """SDPA's contract (q (..., H, T, D), k and v (..., Hkv, S, D) with H a multiple of Hkv, a boolean mask (True =
     attend) or an additive one broadcasting to (..., H, T, S), ``is_causal`` aligned top-left) over soft-capped
     logits, computed in float32 and returned in q's dtype. Query rows go in chunks of about ``CHUNK_LOGITS``
-    logits. A row that sees no key gets zeros."""
+    logits (with causal masking, a chunk multiplies only the keys its rows can see). A row that sees no key gets
+    zeros; a NaN stays NaN, as in SDPA."""
     heads, kv_heads = q.shape[-3], k.shape[-3]
-    if heads != kv_heads:  # query head h reads KV head h // G
-        k, v = k.repeat_interleave(heads // kv_heads, dim=-3), v.repeat_interleave(heads // kv_heads, dim=-3)
+    group = heads // kv_heads
+    # Query head h reads KV head h // G: q as (..., Hkv, G, T, D) against k (..., Hkv, 1, S, D), no copies of K/V.
+    qg = q.unflatten(-3, (kv_heads, group))
+    kt, vf = k.float().transpose(-1, -2).unsqueeze(-3), v.float().unsqueeze(-3)
+    if attn_mask is not None and attn_mask.dim() >= 3:
+        per_head = attn_mask.shape[-3] == heads and group > 1
+        attn_mask = attn_mask.unflatten(-3, (kv_heads, group)) if per_head else attn_mask.unsqueeze(-3)
     rows, keys = q.shape[-2], k.shape[-2]
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    kt, vf = k.float().transpose(-1, -2), v.float()
+    # The 1/sqrt(D) scale and the cap's 1/cap folded into q: one product, then tanh and * cap in place.
+    fold = 1.0 / math.sqrt(q.shape[-1]) / (softcap or 1.0)
     per_row = max(1, q[..., :1, :1].numel() * keys)
     chunk = max(1, CHUNK_LOGITS // per_row)
     mask_rows = attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] == rows and rows > 1
     outs = []
     for begin in range(0, rows, chunk):
         end = min(rows, begin + chunk)
-        logits = cap_logits(torch.matmul(q[..., begin:end, :].float(), kt) * scale, softcap)  # (..., H, c, S)
+        seen = min(keys, end) if is_causal else keys  # causal: no row of this chunk sees a key at or past ``end``
+        logits = torch.matmul(qg[..., begin:end, :].float() * fold, kt[..., :seen])  # (..., Hkv, G, c, seen)
+        if softcap:
+            logits.tanh_().mul_(softcap)
         hidden = None
         if is_causal:
             at = torch.arange(begin, end, device=q.device)[:, None]
-            hidden = torch.arange(keys, device=q.device)[None, :] > at
+            hidden = torch.arange(seen, device=q.device)[None, :] > at
         if attn_mask is not None:
-            mask = attn_mask[..., begin:end, :] if mask_rows else attn_mask
+            mask = (attn_mask[..., begin:end, :] if mask_rows else attn_mask)[..., :seen]
             if mask.dtype == torch.bool:
                 hidden = ~mask if hidden is None else hidden | ~mask
             else:
-                logits = logits + mask.float()
+                logits.add_(mask.float())
         if hidden is not None:
-            logits = logits.masked_fill(hidden, float("-inf"))
-        weights = torch.softmax(logits, dim=-1)
-        if hidden is not None or attn_mask is not None:
-            weights = weights.nan_to_num(0.0)  # a row with every key hidden
-        outs.append(torch.matmul(weights, vf))
+            logits.masked_fill_(hidden, float("-inf"))
+        dead = logits.amax(dim=-1, keepdim=True) == float("-inf")  # every key hidden (NaN rows are not)
+        weights = torch.softmax(logits, dim=-1).masked_fill_(dead, 0.0)
+        outs.append(torch.matmul(weights, vf[..., :seen, :]))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
-    return out.to(q.dtype)
+    return out.flatten(-4, -3).to(q.dtype)

@@ -92,6 +92,9 @@ class ModelConfig:
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
         self._check_windows()
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if (getattr(self, name) or 0.0) < 0:
+                raise UnsupportedModelError(f"{name}={getattr(self, name)} must be positive (or none)")
         if self.sparse_layers and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise UnsupportedModelError(
                 f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and num_experts={self.num_experts}"

@@ -3,8 +3,9 @@
 Gemma 3's block (``gemma3.py``: the embedding scaled by sqrt(hidden), RMSNorm by 1 + weight, norms before and
 after attention and the MLP, GeGLU with tanh GELU, queries scaled by 1/sqrt(query_pre_attn_scalar)) without q/k
 norms, with one RoPE base for every layer, sliding-window and global layers alternating, and two soft caps:
-attention logits become cap * tanh(logits / cap) before the mask and softmax (``ModelConfig.attention_softcap``,
-reaching every attention path as ``AttentionMetadata.softcap``, as windows do), and the LM head's logits likewise
+attention logits become cap * tanh(logits / cap) before the mask and softmax (``ModelConfig.attention_softcap``:
+``AttentionMetadata.softcap`` for the paged, contiguous and Prompt Cache paths, as windows are; the compressed and
+offloaded caches, which build their own metadata, hold it from construction), and the LM head's logits likewise
 with the final cap.
 """
 
@@ -17,16 +18,14 @@ from torch import nn
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.models.config import ModelConfig
-from kvserve.models.gemma3 import GeGLU, Gemma3DecoderLayer, Gemma3ForCausalLM, GemmaRMSNorm
+from kvserve.models.gemma3 import GeGLU, Gemma3DecoderLayer, Gemma3ForCausalLM, GemmaRMSNorm, query_scale
 from kvserve.models.llama import Attention, LlamaForCausalLM
 
 
 class Gemma2Attention(Attention):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__(config, layer)
-        # Attention scales by 1/sqrt(head_dim); Gemma asks for 1/sqrt(query_pre_attn_scalar).
-        scalar = config.query_pre_attn_scalar or config.head_dim
-        self.q_scale = math.sqrt(config.head_dim / scalar)
+        self.q_scale = query_scale(config)
 
     def project(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]

@@ -48,14 +48,18 @@ class GeGLU(nn.Module):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
+def query_scale(config: ModelConfig) -> float:
+    """What Gemma's queries are multiplied by: attention scales by 1/sqrt(head_dim), Gemma asks for
+    1/sqrt(query_pre_attn_scalar)."""
+    return math.sqrt(config.head_dim / (config.query_pre_attn_scalar or config.head_dim))
+
+
 class Gemma3Attention(Attention):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__(config, layer)
         self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
-        # Attention scales by 1/sqrt(head_dim); Gemma asks for 1/sqrt(query_pre_attn_scalar).
-        scalar = config.query_pre_attn_scalar or config.head_dim
-        self.q_scale = math.sqrt(config.head_dim / scalar)
+        self.q_scale = query_scale(config)
 
     def project(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]

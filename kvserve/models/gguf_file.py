@@ -60,7 +60,7 @@ _LAYER_NAMES = {
 }
 # Gemma 2's and 3's names where they differ: its "ffn_norm" is the norm before the MLP, and it has norms after
 # attention and MLP (and Gemma 3 on q and k per head).
-_GEMMA3_LAYER_NAMES = {
+_GEMMA_LAYER_NAMES = {
     **_LAYER_NAMES,
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
@@ -95,8 +95,8 @@ def _expert_layer_names(arch: str) -> dict[str, str]:
 
 
 _ARCH_LAYER_NAMES = {
-    "gemma2": _GEMMA3_LAYER_NAMES,
-    "gemma3": _GEMMA3_LAYER_NAMES,
+    "gemma2": _GEMMA_LAYER_NAMES,
+    "gemma3": _GEMMA_LAYER_NAMES,
     "qwen3": _QWEN3_LAYER_NAMES,
     "phi3": _PHI3_LAYER_NAMES,
     "qwen3_moe": {**_QWEN3_LAYER_NAMES, **_expert_layer_names("qwen3_moe")},
