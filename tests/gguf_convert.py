@@ -58,8 +58,9 @@ def permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarr
     )
 
 
-def gguf_tensors(folder: Path, cfg: dict) -> dict[str, np.ndarray]:
-    """llama.cpp tensor name -> float32 array (rows, cols) or (experts, rows, cols)."""
+def gguf_tensors(folder: Path, cfg: dict, stack_experts: bool = True) -> dict[str, np.ndarray]:
+    """llama.cpp tensor name -> float32 array (rows, cols) or (experts, rows, cols); with ``stack_experts=False``
+    one matrix per expert, ``blk.N.ffn_gate.E.weight``, as llama.cpp's converter wrote Mixtral before March 2024."""
     arch = GGUF_ARCH[cfg["model_type"]]
     layers = cfg["num_hidden_layers"]
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), layers)
@@ -94,7 +95,10 @@ def gguf_tensors(folder: Path, cfg: dict) -> dict[str, np.ndarray]:
             array = array[0]  # Qwen2-MoE's shared-expert gate (1, hidden) is stored as a vector
         out[name] = array
     for (layer, proj), by_expert in experts.items():
-        out[f"blk.{layer}.ffn_{proj}_exps.weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
+        if stack_experts:
+            out[f"blk.{layer}.ffn_{proj}_exps.weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
+        else:
+            out |= {f"blk.{layer}.ffn_{proj}.{e}.weight": array for e, array in by_expert.items()}
     if "lm_head.weight" in state and cfg.get("tie_word_embeddings", False):
         out.pop("output.weight", None)
     return out
@@ -169,16 +173,18 @@ def write_gguf_from_hf(
     path: str | Path,
     qtype: GGMLQuantizationType = Q.F32,
     extra_tensors: Callable[[dict], dict[str, np.ndarray]] | None = None,
+    stack_experts: bool = True,
 ) -> Path:
     """Write the Hugging Face checkpoint in ``folder`` as the GGUF ``path``: matrices (and stacked experts) as
-    ``qtype``, vectors as F32; ``extra_tensors(config)`` adds tensors the converter computes (rope factors)."""
+    ``qtype``, vectors as F32; ``extra_tensors(config)`` adds tensors the converter computes (rope factors);
+    ``stack_experts`` as ``gguf_tensors``."""
     folder, path = Path(folder), Path(path)
     cfg = json.loads((folder / "config.json").read_text())
     arch = GGUF_ARCH[cfg["model_type"]]
     writer = GGUFWriter(path, arch)
     _add_metadata(writer, cfg, arch)
     add_tiny_tokenizer(writer, cfg["vocab_size"])
-    arrays = gguf_tensors(folder, cfg)
+    arrays = gguf_tensors(folder, cfg, stack_experts)
     arrays |= llama3_rope_factors(cfg) | _phi3_rope_factors(cfg) | (extra_tensors(cfg) if extra_tensors else {})
     for name, array in arrays.items():
         kind = qtype if array.ndim >= 2 else Q.F32

@@ -322,3 +322,14 @@ def test_bench_counts_the_routed_share_of_the_experts(family) -> None:
     assert dense > 0 and speed.decode_weight_bytes(loaded.model) < dense + stacked
     # F32 file, untied head: the same bytes apart from the embedding row kvserve does not count either.
     assert speed.gguf_decode_bytes(family.gguf) == pytest.approx(speed.decode_weight_bytes(loaded.model), rel=0.02)
+
+
+def test_mixtral_files_with_one_matrix_per_expert_load_like_stacked_ones(tmp_path) -> None:
+    """Mixtral GGUFs written before llama.cpp stacked experts hold ``blk.N.ffn_gate.E.weight`` per expert (and no
+    expert size): they load into the same stacked experts and give transformers' logits."""
+    folder = write_tiny_model(tmp_path / "hf", FAMILIES["mixtral"])
+    legacy = load_model(write_gguf_from_hf(folder, tmp_path / "per-expert.gguf", stack_experts=False))
+    stacked = load_model(write_gguf_from_hf(folder, tmp_path / "stacked.gguf"))
+    assert legacy.config == stacked.config
+    assert torch.equal(legacy.model.layers[1].mlp.experts.gate_up, stacked.model.layers[1].mlp.experts.gate_up)
+    assert_logits_match(legacy, load_hf_model(folder), IDS)

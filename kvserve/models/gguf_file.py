@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -103,6 +104,8 @@ _ARCH_LAYER_NAMES = {
     "qwen2_moe": {**_LAYER_NAMES, **_expert_layer_names("qwen2_moe")},
     "mixtral": {**_LAYER_NAMES, **_expert_layer_names("mixtral")},
 }
+# One expert's matrix in Mixtral files written before llama.cpp stacked experts (2024-03): ``ffn_gate.E.weight``.
+_PER_EXPERT = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
 # llama.cpp's names of the mixtures of experts (Mixtral is a "llama" file with experts).
 _GGUF_MOE_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral"}
 # llama.cpp builds Gemma 3 with every sixth layer global and a RoPE base of 10,000 on the others
@@ -231,7 +234,10 @@ def _expert_fields(reader: GGUFReader, arch: str, num_layers: int, tensor_names:
     used = field(reader, f"{arch}.expert_used_count")
     if used is None:
         raise ModelLoadError(f"GGUF file lacks {arch}.expert_used_count")
-    size = field(reader, f"{arch}.expert_feed_forward_length") or _rows(reader, f"blk.{sparse[0]}.ffn_gate_exps.weight")
+    stacked = f"blk.{sparse[0]}.ffn_gate_exps.weight"  # else one matrix per expert (Mixtral files before 2024-03)
+    size = field(reader, f"{arch}.expert_feed_forward_length") or _rows(
+        reader, stacked if stacked in tensor_names else f"blk.{sparse[0]}.ffn_gate.0.weight"
+    )
     shared = 0
     if arch == "qwen2moe":
         shared = field(reader, f"{arch}.expert_shared_feed_forward_length") or _rows(
@@ -354,6 +360,10 @@ def _hf_name(gguf_name: str, arch: str) -> str:
     parts = gguf_name.split(".", 2)
     if parts[0] == "blk" and len(parts) == 3 and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
+    expert = _PER_EXPERT.match(parts[2]) if arch == "mixtral" and len(parts) == 3 else None
+    if expert:  # a Mixtral file's per-expert matrix: Mixtral's own Hugging Face name for it
+        proj = {"gate": "w1", "up": "w3", "down": "w2"}[expert[1]]
+        return f"model.layers.{parts[1]}.block_sparse_moe.experts.{expert[2]}.{proj}.weight"
     return gguf_name
 
 
