@@ -14,11 +14,10 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.models.config import ModelConfig
-from kvserve.models.gemma3 import GeGLU, Gemma3DecoderLayer, Gemma3ForCausalLM, GemmaRMSNorm, query_scale
+from kvserve.models.gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM, GemmaRMSNorm, query_scale
 from kvserve.models.llama import Attention, LlamaForCausalLM
 
 
@@ -34,18 +33,12 @@ class Gemma2Attention(Attention):
         return (q * self.q_scale if self.q_scale != 1.0 else q), k, v
 
 
-class Gemma2DecoderLayer(nn.Module):
-    NORMS = Gemma3DecoderLayer.NORMS[:4]  # no q/k norms
+class Gemma2DecoderLayer(Gemma3DecoderLayer):
+    """Gemma 3's layer with Gemma 2's attention (no q/k norms), one rotary table for every layer, and the rows a
+    cache drops skipped by the MLP as in the Llama layer."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
-        super().__init__()
-        eps = config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.self_attn = Gemma2Attention(config, layer)
-        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.mlp = GeGLU(config.hidden_size, config.intermediate_size)
-        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+    NORMS = Gemma3DecoderLayer.NORMS[:4]  # no q/k norms
+    attention_class = Gemma2Attention
 
     def forward(
         self,

@@ -82,6 +82,7 @@ class Gemma3DecoderLayer(nn.Module):
         "self_attn.q_norm",
         "self_attn.k_norm",
     )
+    attention_class = Gemma3Attention
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -91,7 +92,7 @@ class Gemma3DecoderLayer(nn.Module):
         following = config.layer_windows[layer + 1 : layer + 2]
         self.next_sliding = following[0] is not None if following else self.sliding
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.self_attn = Gemma3Attention(config, layer)
+        self.self_attn = self.attention_class(config, layer)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.mlp = GeGLU(config.hidden_size, config.intermediate_size)

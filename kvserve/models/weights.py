@@ -51,7 +51,7 @@ def build_model(
     weights.state["norm.weight"] = weights.get("model.norm.weight")
     weights.embeddings(config, head_q8)
     for i in range(config.num_layers):
-        weights.layer(config, model_class.layer_class.NORMS, f"model.layers.{i}.", f"layers.{i}.")
+        weights.layer(config, model_class.layer_class.NORMS, i)
     if config.tie_word_embeddings:
         weights.used.add("lm_head.weight")  # some checkpoints store the tied copy too
     unused = sorted(set(names) - weights.used)
@@ -136,8 +136,9 @@ class _Weights:
         if not config.tie_word_embeddings:
             self.linear("lm_head", ["lm_head.weight"])
 
-    def layer(self, config: ModelConfig, norms: Sequence[str], hf: str, ours: str) -> None:
-        """One decoder layer: its norms, fused q/k/v, o, and its MLP: fused gate/up and down, or a sparse block."""
+    def layer(self, config: ModelConfig, norms: Sequence[str], i: int) -> None:
+        """Decoder layer ``i``: its norms, fused q/k/v, o, and its MLP: fused gate/up and down, or a sparse block."""
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
         attn, mlp = hf + "self_attn.", hf + "mlp."
         for norm in norms:
             self.state[f"{ours}{norm}.weight"] = self.get(f"{hf}{norm}.weight")
@@ -147,7 +148,7 @@ class _Weights:
         self.linear(ours + "self_attn.qkv_proj", self._fused(attn + "qkv_proj.weight", qkv), qkv_bias)
         o_bias = [attn + "o_proj.bias"] if config.o_proj_bias else None
         self.linear(ours + "self_attn.o_proj", [attn + "o_proj.weight"], o_bias)
-        if int(hf.rstrip(".").rpartition(".")[2]) in config.sparse_layers:
+        if i in config.sparse_layers:
             load_sparse_block(self, config, hf, ours + "mlp.")
             return
         gate_up = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
