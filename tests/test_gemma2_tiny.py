@@ -324,3 +324,14 @@ def test_generator_applies_the_cap(folder, hf):
         prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     )
     assert list(out.token_ids) == hf_greedy(hf, prompt, 12)
+
+
+@pytest.mark.parametrize("field", ["attn_logit_softcapping", "final_logit_softcapping"])
+def test_a_negative_cap_is_refused_naming_it(loaded, field):
+    """A negative cap (which the kernels would reject mid-request) is refused when the config is read."""
+    import dataclasses
+
+    from kvserve.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match=f"{field}=-5.0 must be positive"):
+        dataclasses.replace(loaded.config, **{field: -5.0})

@@ -333,3 +333,9 @@ def test_mixtral_files_with_one_matrix_per_expert_load_like_stacked_ones(tmp_pat
     assert legacy.config == stacked.config
     assert torch.equal(legacy.model.layers[1].mlp.experts.gate_up, stacked.model.layers[1].mlp.experts.gate_up)
     assert_logits_match(legacy, load_hf_model(folder), IDS)
+
+
+def test_more_experts_per_token_than_experts_is_refused_naming_both(family) -> None:
+    config = read_model_config(family.folder)
+    with pytest.raises(UnsupportedModelError, match="num_experts_per_tok=99 must be between 1 and num_experts="):
+        dataclasses.replace(config, num_experts_per_tok=99)
