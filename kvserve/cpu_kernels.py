@@ -6,7 +6,8 @@ speculation for a decode batch (``policies/infinigen.py``); ``quant_gemv.cpp``: 
 4-bit and 8-bit codes for decode-sized batches in float32, and both with activations rounded to int8
 (``models/quant_linear.py``); ``decode_layers.cpp``:
 a plain decode step's decoder layers as one call of the above (``models/decode_chain.py``); ``flash_prefill.cpp``:
-causal prefill attention in bfloat16 with AVX512-BF16 products (``attention/flash_prefill.py``).
+causal prefill attention in bfloat16 with AVX512-BF16 products (``attention/flash_prefill.py``); ``gguf_gemv.cpp``:
+products with GGUF's K-quant, Q5_0 and Q8_0 weights in their file's block format (``models/gguf_linear.py``).
 
 The build uses ``torch.utils.cpp_extension`` (g++ and ninja) with ``-march=native``, so it is keyed by a hash
 of the sources and their folder, the flags, the torch version and the CPU's flags: a cached build made on
@@ -46,6 +47,7 @@ SOURCES = tuple(
         "decode_layers.cpp",
         "flash_prefill.cpp",
         "slot_scores.cpp",
+        "gguf_gemv.cpp",
     )
 )
 HEADERS = (CSRC / "cpu_vec.h", CSRC / "ops.h")
@@ -62,6 +64,8 @@ OPS = (
     "decode_layers",
     "flash_prefill",
     "fold_slot_scores",
+    "gguf_linear",
+    "gguf_dequantize",
 )
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # ``KVSERVE_KERNEL_ARCH`` (a g++ -march value, default native) builds for an older instruction set, e.g.

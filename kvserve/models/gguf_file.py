@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from gguf.quants import dequantize
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.models.config import FULL, SLIDING, ModelConfig, RopeScaling
+from kvserve.models.gguf_linear import NATIVE_TYPES, GGUFWeight
 from kvserve.models.moe import checkpoint_names
 from kvserve.models.quant_linear import INT4_TYPES, Int4Weight, Int8Weight
 
@@ -330,6 +332,18 @@ def int4_sources(reader: GGUFReader, config: ModelConfig) -> dict[str, Callable[
     return sources
 
 
+def native_sources(reader: GGUFReader, config: ModelConfig) -> dict[str, Callable[[], GGUFWeight]]:
+    """Hugging Face name -> a function giving the tensor as its ggml blocks, viewed in the mapped file, for the
+    matrices of the types ``gguf_linear.py`` runs in place (Q/K rows un-permuted by ``row_order``, not moved)."""
+    sources: dict[str, Callable[[], GGUFWeight]] = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in NATIVE_TYPES or len(tensor.data.shape) != 2:
+            continue
+        name = _hf_name(tensor.name, config.architecture)
+        sources[name] = _native_loader(tensor, _permuted_heads(name, config))
+    return sources
+
+
 def embedding_q8_0(reader: GGUFReader) -> Callable[[], Int8Weight] | None:
     """For a Q8_0 token embedding, a function giving its codes and scales (``Int8Weight``), so a tied LM head
     can read the 8-bit codes instead of a dequantised copy; else None."""
@@ -381,6 +395,19 @@ def _int4_loader(tensor: object, permuted_heads: int | None) -> Callable[[], Int
         if permuted_heads is None:
             return weight
         return weight.map_rows(lambda rows: _unpermute_qk(rows, permuted_heads))
+
+    return load
+
+
+def _native_loader(tensor: object, permuted_heads: int | None) -> Callable[[], GGUFWeight]:
+    def load() -> GGUFWeight:
+        with warnings.catch_warnings():  # the map is read-only, and nothing writes to weights
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            blocks = torch.from_numpy(tensor.data)
+        order = None
+        if permuted_heads is not None:
+            order = _unpermute_qk(torch.arange(blocks.shape[0]), permuted_heads)
+        return GGUFWeight(blocks, tensor.tensor_type, order)
 
     return load
 

@@ -17,6 +17,7 @@ from kvserve.models import gguf_file
 from kvserve.models.batch_invariant import make_batch_invariant
 from kvserve.models.catalog import resolve_model_path
 from kvserve.models.config import ModelConfig
+from kvserve.models.gguf_linear import GGUFEmbedding, GGUFLinear
 from kvserve.models.int8_activations import use_int8_activations
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.quant_linear import Q8Linear, QuantEmbedding, QuantLinear, max_rows
@@ -95,10 +96,15 @@ def load_model(
         refusal = _int4_refusal(weights, dtype, device)
         # With int8 activations the codes beat a dense copy at every batch size: none is made.
         int4_dense = weights == "native" and not batch_invariant and not int8_activations
-        model, tokenizer, summary = _load_gguf(path, dtype, progress, refusal, int4_dense, max_rows(dtype), shard)
+        blocks = _blocks_allowed(weights, device, shard)
+        model, tokenizer, summary = _load_gguf(
+            path, dtype, progress, refusal, int4_dense, max_rows(dtype), shard, blocks
+        )
     config = model.config if shard is None else read_model_config(path)
     tokenizer = override.apply(tokenizer, model.config.vocab_size)
-    quantised = any(isinstance(m, (QuantLinear, QuantEmbedding, Q8Linear)) for m in model.modules())
+    quantised = any(
+        isinstance(m, (QuantLinear, QuantEmbedding, Q8Linear, GGUFLinear, GGUFEmbedding)) for m in model.modules()
+    )
     mode = weights if quantised else "dequant"
     model = model.to(device)
     model.prepack()
@@ -114,6 +120,13 @@ def load_model(
     if shard is not None:
         summary += f"; tensor-parallel rank {shard.rank} of {shard.size}"
     return LoadedModel(model, tokenizer, config, path, dtype, mode, summary, batch_invariant, int8_activations, shard)
+
+
+def _blocks_allowed(weights: str, device: torch.device | str, shard: TensorShard | None) -> bool:
+    """Whether K-quant / Q5_0 / Q8_0 matrices run on their blocks (``models/gguf_linear.py``) instead of being
+    dequantised: on CPU with kvserve's kernels, unless ``weights="dequant"`` or the model is sharded (a row-parallel
+    shard would cut superblocks)."""
+    return weights != "dequant" and torch.device(device).type == "cpu" and shard is None and cpu_kernels_available()
 
 
 def _int4_refusal(weights: str, dtype: torch.dtype, device: torch.device | str) -> str | None:
@@ -141,6 +154,7 @@ def _load_gguf(
     int4_dense: bool,
     codes_rows: int,
     shard: TensorShard | None,
+    blocks: bool,
 ) -> tuple[LlamaForCausalLM, Tokenizer, str]:
     reader = gguf_file.open_gguf(path)
     config = gguf_file.read_config(reader)
@@ -156,11 +170,14 @@ def _load_gguf(
         config = shard_config(config, shard)
     ran_int4: set[str] = set()  # a Q4 tensor fused with a non-Q4 one is dequantised: record what ran as int4
     int4 = {name: _recorded(source, name, ran_int4) for name, source in int4.items()}
-    head_q8 = None if int4_refusal else gguf_file.embedding_q8_0(reader)
+    native = gguf_file.native_sources(reader, config) if blocks else {}
+    ran_blocks: set[str] = set()
+    native = {name: _recorded(source, name, ran_blocks) for name, source in native.items()}
+    head_q8 = None if int4_refusal or native else gguf_file.embedding_q8_0(reader)
     model = build_model(
-        config, sources, dtype, gguf_file.rope_freq_factors(reader), progress, int4, int4_dense, head_q8
+        config, sources, dtype, gguf_file.rope_freq_factors(reader), progress, int4, int4_dense, head_q8, native
     )
-    summary = _weights_summary(gguf_file.tensor_type_names(reader), ran_int4, dtype)
+    summary = _weights_summary(gguf_file.tensor_type_names(reader), ran_int4, ran_blocks, dtype)
     if isinstance(model._modules.get("lm_head"), Q8Linear):
         summary += "; tied head reads the Q8_0 codes"
     if ran_int4 and int4_dense:
@@ -176,15 +193,19 @@ def _recorded(source: Callable[[], object], name: str, names: set[str]) -> Calla
     return get
 
 
-def _weights_summary(types: dict[str, str], int4: set[str], dtype: torch.dtype) -> str:
-    """E.g. "210 Q4_1 as int4, 61 F32 + 1 Q8_0 as bfloat16"."""
-    counts: dict[tuple[str, bool], int] = {}
+def _weights_summary(types: dict[str, str], int4: set[str], blocks: set[str], dtype: torch.dtype) -> str:
+    """E.g. "210 Q4_1 as int4, 61 F32 + 1 Q8_0 as bfloat16", or "112 Q4_K + 29 Q6_K on their blocks, ..."."""
+    counts: dict[tuple[str, str], int] = {}
     for name, kind in types.items():
-        key = (kind, name in int4)
+        key = (kind, "int4" if name in int4 else "blocks" if name in blocks else "dense")
         counts[key] = counts.get(key, 0) + 1
-    native = " + ".join(f"{n} {kind}" for (kind, q), n in sorted(counts.items()) if q)
-    rest = " + ".join(f"{n} {kind}" for (kind, q), n in sorted(counts.items()) if not q)
-    parts = ([f"{native} as int4"] if native else []) + ([f"{rest} as {_dtype_name(dtype)}"] if rest else [])
+
+    def listed(how: str) -> str:
+        return " + ".join(f"{n} {kind}" for (kind, h), n in sorted(counts.items()) if h == how)
+
+    parts = [f"{listed('int4')} as int4"] if listed("int4") else []
+    parts += [f"{listed('blocks')} on their blocks"] if listed("blocks") else []
+    parts += [f"{listed('dense')} as {_dtype_name(dtype)}"] if listed("dense") else []
     return ", ".join(parts)
 
 

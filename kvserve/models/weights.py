@@ -15,6 +15,7 @@ from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.models.config import ModelConfig
 from kvserve.models.gemma2 import Gemma2ForCausalLM
 from kvserve.models.gemma3 import Gemma3ForCausalLM
+from kvserve.models.gguf_linear import GGUFEmbedding, GGUFLinear, GGUFWeight
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.moe import MoEForCausalLM, Qwen3MoEForCausalLM, load_sparse_block
 from kvserve.models.quant_linear import Int4Weight, Int8Weight, Q8Linear, QuantEmbedding, QuantLinear
@@ -23,6 +24,7 @@ from kvserve.models.qwen3 import Qwen3ForCausalLM
 TensorSource = Callable[[str], torch.Tensor]
 Int4Source = Callable[[], Int4Weight]
 Int8Source = Callable[[], Int8Weight]
+NativeSource = Callable[[], GGUFWeight]
 
 
 def build_model(
@@ -34,6 +36,7 @@ def build_model(
     int4: Mapping[str, Int4Source] | None = None,
     int4_dense: bool = False,
     head_q8: Int8Source | None = None,
+    native: Mapping[str, NativeSource] | None = None,
 ) -> LlamaForCausalLM:
     """Create the model from lazily loaded tensors keyed by their Hugging Face names.
 
@@ -45,9 +48,11 @@ def build_model(
     values the dequantised path runs), used for batches too large for the int4 kernel to win.
     ``head_q8()``, for a tied Q8_0 embedding, gives its 8-bit codes: the LM head reads those (``Q8Linear``)
     and the dequantised embedding only above ``quant_linear.max_rows(dtype)`` rows.
+    ``native[name]()``, where given, returns the weight as its GGUF blocks: a projection whose parts are all there
+    runs as ``GGUFLinear`` (every batch, no dequantised copy), the token embedding as ``GGUFEmbedding``.
     """
     model_class = model_class_for(config)
-    weights = _Weights(names, dtype, int4 or {}, int4_dense, progress)
+    weights = _Weights(names, dtype, int4 or {}, int4_dense, progress, native or {})
     weights.state["norm.weight"] = weights.get("model.norm.weight")
     weights.embeddings(config, head_q8)
     for i in range(config.num_layers):
@@ -82,8 +87,10 @@ class _Weights:
         int4: Mapping[str, Int4Source],
         int4_dense: bool,
         progress: Callable[[int, int], None] | None,
+        native: Mapping[str, NativeSource],
     ) -> None:
         self.names, self.dtype, self.int4, self.int4_dense, self.progress = names, dtype, int4, int4_dense, progress
+        self.native = native
         self.used: set[str] = set()
         self.state: dict[str, torch.Tensor] = {}
         self.modules: dict[str, torch.nn.Module] = {}  # our module name -> its quantised replacement
@@ -107,9 +114,17 @@ class _Weights:
         self._mark_used(name)
         return weight
 
+    def get_native(self, name: str) -> GGUFWeight:
+        weight = self.native[name]()
+        self._mark_used(name)
+        return weight
+
     def linear(self, ours: str, parts: list[str], bias: list[str] | None = None) -> None:
         """The projection ``ours`` from the rows of ``parts`` (fused when several), quantised if all are."""
         bias_tensor = torch.cat([self.get(b) for b in bias]) if bias else None
+        if all(p in self.native for p in parts):
+            self.modules[ours] = GGUFLinear([self.get_native(p) for p in parts], self.dtype, bias_tensor)
+            return
         if all(p in self.int4 for p in parts):
             dense = torch.cat([self.get(p) for p in parts]) if self.int4_dense else None
             weight = Int4Weight.cat([self.get_int4(p) for p in parts])
@@ -128,6 +143,11 @@ class _Weights:
             if config.tie_word_embeddings:  # the head reads the same codes, packed for the int4 matmul
                 dense = self.get(embed) if self.int4_dense else None
                 self.modules["lm_head"] = QuantLinear(weight, self.dtype, dense=dense)
+        elif embed in self.native:
+            weight = self.get_native(embed)
+            self.modules["embed_tokens"] = GGUFEmbedding(weight, self.dtype)
+            if config.tie_word_embeddings:  # the head reads the same blocks
+                self.modules["lm_head"] = GGUFLinear([weight], self.dtype)
         else:
             self.state["embed_tokens.weight"] = self.get(embed)
             if config.tie_word_embeddings and head_q8 is not None:

@@ -1,0 +1,139 @@
+"""GGUF weights of the K-quant mixes (Q4_K, Q5_K, Q6_K, and the Q5_0 / Q8_0 llama.cpp writes for short rows) run in
+their file's own block format, read in place from the mapped file.
+
+A ``GGUFWeight`` is a tensor's bytes, (rows, bytes per row) uint8, and its ggml type; nothing is repacked or copied,
+so a model costs about its file's size. ``GGUFLinear`` runs kvserve's ``gguf_linear`` (``csrc/gguf_gemv.cpp``): the
+activations rounded to int8 per block (256 inputs for the K-quants, 32 for Q5_0 / Q8_0, as llama.cpp does) and each
+block's product an integer sum of byte products. Lossy against float32 activations the way llama.cpp is (every
+input keeps 8 bits); a row's result does not depend on the batch. Several tensors with one input size form one
+fused projection (q/k/v, gate/up) without copying their rows: the kernel writes the parts' outputs side by side,
+and llama.cpp's Q/K row order is undone by where each row's output lands (``out_index``). ``GGUFEmbedding``
+dequantises only the rows a batch looks up; a tied head is a ``GGUFLinear`` over the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+from torch import nn
+
+NATIVE_TYPES = frozenset(
+    {
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
+        GGMLQuantizationType.Q6_K,
+        GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q8_0,
+    }
+)
+
+
+@dataclass
+class GGUFWeight:
+    """An (out, in) weight as ggml blocks: ``blocks`` (out, bytes per row) uint8, a view of the file where it can
+    be; ``row_order`` (out,) int64 or None: row i of the weight as the model wants it is row ``row_order[i]``
+    of ``blocks`` (llama.cpp's Q/K permutation undone)."""
+
+    blocks: torch.Tensor
+    qtype: GGMLQuantizationType
+    row_order: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.qtype not in NATIVE_TYPES:
+            raise ValueError(f"{self.qtype.name} is not one of {sorted(t.name for t in NATIVE_TYPES)}")
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        if self.blocks.dim() != 2 or self.blocks.dtype != torch.uint8 or self.blocks.shape[1] % size:
+            raise ValueError(f"{self.qtype.name} blocks must be (rows, whole {size}-byte blocks) uint8")
+        self.in_features = self.blocks.shape[1] // size * block
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape[0], self.in_features
+
+    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 (len(rows), in) for weight rows ``rows`` (in the model's order)."""
+        stored = rows if self.row_order is None else self.row_order[rows]
+        if _kernels():
+            return torch.ops.kvserve.gguf_dequantize(self.blocks, int(self.qtype), stored.reshape(-1).long())
+        picked = self.blocks[stored.reshape(-1)].numpy()
+        return torch.from_numpy(np.asarray(dequantize(picked, self.qtype), dtype=np.float32))
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 (out, in): the reference the kernels are checked against."""
+        return self.dequantize_rows(torch.arange(self.shape[0]))
+
+
+def _kernels() -> bool:
+    from kvserve.cpu_kernels import cpu_kernels_available
+
+    return cpu_kernels_available()
+
+
+class GGUFLinear(nn.Module):
+    """y = x W^T (+ b), W the rows of ``parts`` stacked, each part read as its ggml blocks (see the top).
+    ``dtype``: the activations' dtype (the product runs on float32 inputs and returns ``dtype``)."""
+
+    def __init__(self, parts: Sequence[GGUFWeight], dtype: torch.dtype, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        inputs = {p.in_features for p in parts}
+        if len(inputs) != 1:
+            raise ValueError(f"the parts of a fused projection must share an input size, got {sorted(inputs)}")
+        (self.in_features,) = inputs
+        self.out_features = sum(p.shape[0] for p in parts)
+        self.act_dtype = dtype
+        self.types = [int(p.qtype) for p in parts]
+        self.type_names = [p.qtype.name for p in parts]
+        for i, part in enumerate(parts):
+            self.register_buffer(f"part{i}", part.blocks, persistent=False)
+        # out_index[o]: the output column of stored row o (counting through the parts): the inverse of row_order.
+        orders, first = [], 0
+        for part in parts:
+            rows = part.shape[0]
+            order = torch.arange(rows) if part.row_order is None else part.row_order
+            orders.append(order + first)
+            first += rows
+        order = torch.cat(orders)
+        index = torch.empty_like(order)
+        index[order] = torch.arange(self.out_features)
+        identity = bool(torch.equal(index, torch.arange(self.out_features)))
+        self.register_buffer("out_index", torch.empty(0, dtype=torch.long) if identity else index, persistent=False)
+        self.bias = nn.Parameter(bias.to(dtype)) if bias is not None else None
+
+    def blocks(self) -> list[torch.Tensor]:
+        return [getattr(self, f"part{i}") for i in range(len(self.types))]
+
+    def code_tensors(self) -> list[torch.Tensor]:
+        """What a product reads (for byte counts)."""
+        return self.blocks()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        y = torch.ops.kvserve.gguf_linear(x2, self.blocks(), self.types, self.out_index).to(self.act_dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, types={'+'.join(self.type_names)}"
+
+
+class GGUFEmbedding(nn.Module):
+    """Token embedding rows kept as ggml blocks, dequantised when looked up."""
+
+    def __init__(self, weight: GGUFWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        if weight.row_order is not None:
+            raise ValueError("an embedding's rows are in their stored order")
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.qtype = weight.qtype
+        self.register_buffer("blocks", weight.blocks, persistent=False)
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = GGUFWeight(self.blocks, self.qtype).dequantize_rows(ids.reshape(-1).cpu())
+        return rows.reshape(*ids.shape, self.embedding_dim).to(device=ids.device, dtype=self.dtype)
