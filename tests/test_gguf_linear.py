@@ -22,6 +22,10 @@ from kvserve.cpu_kernels import CSRC, build_directory, cpu_kernels_available
 from kvserve.models import gguf_file
 from kvserve.models.catalog import gemma3_270m_path
 from kvserve.models.gguf_linear import NATIVE_TYPES, GGUFEmbedding, GGUFLinear, GGUFWeight
+from kvserve.models.loader import load_model
+from tests.test_gguf_loader import GQA, checkpoint, random_ids, write_gguf
+from tests.test_quant_linear import logits_of
+from tests.tiny_models import TinySpec
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="kvserve's CPU kernels did not build here")
 
@@ -196,3 +200,40 @@ def test_the_avx2_build_computes_the_same_bits(tmp_path) -> None:
     subprocess.run([sys.executable, "-c", AVX2_RUN, str(CSRC), str(build), str(path)], check=True, timeout=600)
     for (x, w, qtype), avx2 in zip(cases, torch.load(path), strict=True):
         assert torch.equal(torch.ops.kvserve.gguf_linear(x, [w], [qtype], NO_INDEX), avx2), Q(qtype).name
+
+
+TIED = TinySpec(num_heads=4, num_kv_heads=4, tie_word_embeddings=True, seed=3)
+
+
+@pytest.fixture(scope="module", params=["Q8_0-gqa-untied", "Q5_0-tied"])
+def tiny_blocks(request, tmp_path_factory):
+    qname, _, kind = request.param.partition("-")
+    spec = TIED if kind == "tied" else GQA
+    tmp = tmp_path_factory.mktemp(request.param)
+    _, state = checkpoint(tmp, spec)
+    path = tmp / f"tiny-{request.param}.gguf"
+    write_gguf(path, spec, state, qtype=Q[qname])
+    return spec, path
+
+
+def test_a_llama_file_runs_on_its_blocks_close_to_the_dequantised_model(tiny_blocks) -> None:
+    """Fused q/k/v and gate/up over the file's own tensors, llama.cpp's Q/K rows undone by where outputs land, the
+    embedding (and a tied head) on the same bytes: the dequantised float32 model up to the int8 rounding of the
+    activations, in float32 and bfloat16."""
+    _, path = tiny_blocks
+    native = load_model(path, torch.float32)
+    assert native.weights == "native" and "on their blocks" in native.weights_summary
+    layer = native.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, GGUFLinear) and isinstance(layer.mlp.gate_up_proj, GGUFLinear)
+    assert layer.self_attn.qkv_proj.out_index.numel() == layer.self_attn.qkv_proj.out_features  # Q/K reordered
+    assert isinstance(native.model.embed_tokens, GGUFEmbedding) and isinstance(native.model.lm_head, GGUFLinear)
+    ids = random_ids()
+    dequant = logits_of(load_model(path, torch.float32, weights="dequant"), ids)
+    scale = dequant.abs().max().item()
+    assert (logits_of(native, ids) - dequant).abs().max().item() < 0.03 * scale
+    bf16 = logits_of(load_model(path, torch.bfloat16), ids).float()
+    assert (bf16 - dequant).abs().max().item() < 0.1 * scale
+    # weights=dequant, or no kernels: dequantised as before
+    assert not any(
+        isinstance(m, GGUFLinear) for m in load_model(path, torch.float32, weights="dequant").model.modules()
+    )
