@@ -205,38 +205,49 @@ inline void superblock(const uint8_t* b, const int8_t* const xq[TILE], const flo
   float d, dmin;
   if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
     d = half_at(b), dmin = -half_at(b + 2);
-    uint8_t sc[8], m[8];
-    scale_min_k4(b + 4, sc, m);
+    // The 12 bytes of 6-bit scales and minimums as 8 + 8 bytes (ggml's kmask trick), widened to 16 bits.
+    uint32_t w[4];
+    std::memcpy(w, b + 4, 12);
+    w[3] = ((w[2] >> 4) & 0x0F0F0F0F) | (((w[1] >> 6) & 0x03030303) << 4);
+    const uint32_t m_low = w[1] & 0x3F3F3F3F;
+    w[1] = (w[2] & 0x0F0F0F0F) | (((w[0] >> 6) & 0x03030303) << 4);
+    w[2] = m_low;
+    w[0] &= 0x3F3F3F3F;
+    const __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    const __m256i scales = _mm256_permute2x128_si256(both, both, 0x00);  // sc0..7 in each half
+    const __m128i mins = _mm256_extracti128_si256(both, 1);                  // m0..7
     const uint8_t* qs = b + (TYPE == Q5_K ? 48 : 16);
-    [[maybe_unused]] const __m256i qh = TYPE == Q5_K ? load32(b + 16) : _mm256_setzero_si256();
-    const __m256i bit4 = _mm256_set1_epi8(0x10);
-    auto group = [&](__m256i u, int g) {
-      const __m256i s = _mm256_set1_epi16(sc[g]);
+    __m256i u[8];  // sub-block g's 32 codes as bytes: pair g / 2's low (even g) or high (odd g) nibbles
+    for (int p = 0; p < 4; ++p) {
+      const __m256i v = load32(qs + p * 32);
+      u[2 * p] = _mm256_and_si256(v, nibble);
+      u[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+    }
+    if constexpr (TYPE == Q5_K) {  // bit g of byte i: sub-block g's fifth bit of input i
+      const __m256i qh = load32(b + 16), bit4 = _mm256_set1_epi8(0x10);
+      u[0] = _mm256_or_si256(u[0], _mm256_and_si256(bits_to_4<0>(qh), bit4));
+      u[1] = _mm256_or_si256(u[1], _mm256_and_si256(bits_to_4<1>(qh), bit4));
+      u[2] = _mm256_or_si256(u[2], _mm256_and_si256(bits_to_4<2>(qh), bit4));
+      u[3] = _mm256_or_si256(u[3], _mm256_and_si256(bits_to_4<3>(qh), bit4));
+      u[4] = _mm256_or_si256(u[4], _mm256_and_si256(bits_to_4<4>(qh), bit4));
+      u[5] = _mm256_or_si256(u[5], _mm256_and_si256(bits_to_4<5>(qh), bit4));
+      u[6] = _mm256_or_si256(u[6], _mm256_and_si256(bits_to_4<6>(qh), bit4));
+      u[7] = _mm256_or_si256(u[7], _mm256_and_si256(bits_to_4<7>(qh), bit4));
+    }
+    for (int g = 0; g < 8; ++g) {
+      const __m256i s = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * g)));
       for (int t = 0; t < TILE; ++t)
-        isum[t] = madd_add(isum[t], _mm256_maddubs_epi16(u, load32(xq[t] + g * 32)), s);
-    };
-#define KVSERVE_Q4K_PAIR(P)                                                                                      \
-  {                                                                                                              \
-    const __m256i v = load32(qs + (P) * 32);                                                                     \
-    __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);          \
-    if constexpr (TYPE == Q5_K) {                                                                                \
-      lo = _mm256_or_si256(lo, _mm256_and_si256(bits_to_4<2 * (P)>(qh), bit4));                                  \
-      hi = _mm256_or_si256(hi, _mm256_and_si256(bits_to_4<2 * (P) + 1>(qh), bit4));                              \
-    }                                                                                                            \
-    group(lo, 2 * (P));                                                                                          \
-    group(hi, 2 * (P) + 1);                                                                                      \
-  }
-    KVSERVE_Q4K_PAIR(0) KVSERVE_Q4K_PAIR(1) KVSERVE_Q4K_PAIR(2) KVSERVE_Q4K_PAIR(3)
-#undef KVSERVE_Q4K_PAIR
-    alignas(32) int16_t m16[16];
-    for (int i = 0; i < 16; ++i) m16[i] = m[i / 2];
-    offsets = load32(m16);
+        isum[t] = madd_add(isum[t], _mm256_maddubs_epi16(u[g], load32(xq[t] + g * 32)), s);
+    }
+    offsets = _mm256_set_m128i(_mm_unpackhi_epi16(mins, mins), _mm_unpacklo_epi16(mins, mins));  // per 16 inputs
   } else {  // Q6_K: ql (128), qh (64), 16 int8 scales, d
     const uint8_t *ql = b, *qh = b + 128;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     d = half_at(b + 208), dmin = -32.f * d;
+    offsets = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));  // sc0..15
     const __m256i bits45 = _mm256_set1_epi8(0x30);
     for (int h = 0; h < 2; ++h) {
+      // sub-blocks 4h..4h+3 take scales 8h..8h+7: in each half of a vector
+      const __m256i scales = _mm256_permute2x128_si256(offsets, offsets, h ? 0x11 : 0x00);
       const __m256i low0 = load32(ql + h * 64), low1 = load32(ql + h * 64 + 32), high = load32(qh + h * 32);
       const __m256i u[4] = {
           _mm256_or_si256(_mm256_and_si256(low0, nibble), _mm256_and_si256(bits_to_4<0>(high), bits45)),
@@ -247,13 +258,14 @@ inline void superblock(const uint8_t* b, const int8_t* const xq[TILE], const flo
                           _mm256_and_si256(bits_to_4<6>(high), bits45))};
       for (int gg = 0; gg < 4; ++gg) {
         const int g = h * 4 + gg;
-        // inputs 0-15 of the sub-block are the low 8 pair lanes, 16-31 the high 8: one scale each
-        const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[2 * g + 1]), _mm_set1_epi16(sc[2 * g]));
+        // inputs 0-15 of the sub-block are the low 8 pair lanes (scale 2gg of the half), 16-31 the high 8 (2gg + 1)
+        const int16_t first = static_cast<int16_t>(0x0100 + 0x0202 * (2 * gg));
+        const __m256i s = _mm256_shuffle_epi8(scales, _mm256_set_m128i(_mm_set1_epi16(first + 0x0202),
+                                                                        _mm_set1_epi16(first)));
         for (int t = 0; t < TILE; ++t)
           isum[t] = madd_add(isum[t], _mm256_maddubs_epi16(u[gg], load32(xq[t] + g * 32)), s);
       }
     }
-    offsets = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
   }
   for (int t = 0; t < TILE; ++t) {
     const __m256i mins = _mm256_madd_epi16(load32(xs[t]), offsets);  // per 32 inputs: offset * sum of q
