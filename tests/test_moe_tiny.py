@@ -22,7 +22,7 @@ from kvserve.engine import LLMEngine
 from kvserve.errors import UnsupportedModelError
 from kvserve.models import LoadedModel, load_model
 from kvserve.models.loader import read_model_config
-from kvserve.models.moe import SparseMoE, checkpoint_names
+from kvserve.models.moe import BlockExperts, SparseMoE, checkpoint_names
 from kvserve.models.quant_linear import QuantLinear
 from kvserve.models.sharding import TensorShard, check_shardable
 from kvserve.parallel.tensor_model import RowParallel
@@ -164,11 +164,13 @@ def test_engine_greedy_matches_transformers_with_prefix_hits_and_preemption(fami
 
 
 def test_quantised_gguf_experts_load_and_run(family, tmp_path) -> None:
-    """Q8_0 everywhere: the stacked experts are ggml's dequantisation of their blocks, and the logits stay near
-    transformers'. Qwen2-MoE also as Q4_0: its 2-D projections (attention, shared expert) run on their 4-bit codes
-    while the stacked experts are dequantised, and that equals the same file fully dequantised."""
+    """Q8_0 everywhere: dequantised, the stacked experts are ggml's dequantisation of their blocks, and the logits
+    stay near transformers'; by default the experts run on the file's blocks (``BlockExperts``, int8 activations)
+    close to the dequantised model. Qwen2-MoE also as Q4_0: its 2-D projections (attention, shared expert) run on
+    their 4-bit codes while the stacked experts are dequantised, and that equals the same file fully dequantised."""
     reference = hf_logits(family.hf, IDS)
-    q8 = load_model(write_gguf_from_hf(family.folder, tmp_path / "q8.gguf", Q.Q8_0))
+    q8_path = write_gguf_from_hf(family.folder, tmp_path / "q8.gguf", Q.Q8_0)
+    q8 = load_model(q8_path, weights="dequant")
     assert "Q8_0" in q8.weights_summary
     layer = q8.config.sparse_layers[-1]
     state = load_file(family.folder / "model.safetensors")
@@ -181,6 +183,11 @@ def test_quantised_gguf_experts_load_and_run(family, tmp_path) -> None:
     # Near, not within 1e-4: rounding moves every logit a little, and a token whose top-k changes moves more.
     assert (logits - reference).abs().median().item() < 0.1
     assert (logits.argmax(-1) == reference.argmax(-1)).float().mean().item() > 0.85
+    blocks = load_model(q8_path)
+    assert isinstance(blocks.model.layers[layer].mlp.experts, BlockExperts)
+    on_blocks = all_position_logits(blocks, IDS)  # int8 activations also move a token's top-k now and then
+    assert (on_blocks - reference).abs().median().item() < 0.1
+    assert (on_blocks.argmax(-1) == reference.argmax(-1)).float().mean().item() > 0.85
     if family.name == "qwen2_moe":
         path = write_gguf_from_hf(family.folder, tmp_path / "q4.gguf", Q.Q4_0)
         native, dequant = load_model(path), load_model(path, weights="dequant")

@@ -27,8 +27,9 @@ import torch
 
 from kvserve.extras import extra_imports
 from kvserve.models.config import ModelConfig
+from kvserve.models.gguf_linear import GGUFLinear
 from kvserve.models.layers import Linear, RMSNorm
-from kvserve.models.moe import Experts
+from kvserve.models.moe import BlockExperts, Experts
 from kvserve.models.quant_linear import Q8Linear, QuantLinear
 
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
@@ -358,17 +359,21 @@ def prefill_flops(config: ModelConfig, n: int) -> float:
 
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights a batch-1 decode step reads: int4 / Q8_0 projections in their code form, dense ones
+    """Bytes of weights a batch-1 decode step reads: int4 / Q8_0 projections in their code form, GGUF blocks as
+    the file holds them, dense ones
     whole, norms, and the LM head (a tied head reads the whole embedding matrix); one embedding row only. Of a
     mixture of experts' stacked experts, the share one token routes to (``num_experts_per_tok`` of ``num_experts``)."""
     total = 0
     config = model.config
     for module in model.modules():
-        if isinstance(module, Experts):
-            stacked = sum(t.numel() * t.element_size() for t in (module.gate_up, module.down))
+        if isinstance(module, (Experts, BlockExperts)):
+            parts = module.code_tensors() if isinstance(module, BlockExperts) else (module.gate_up, module.down)
+            stacked = sum(t.numel() * t.element_size() for t in parts)
             total += stacked * config.num_experts_per_tok // config.num_experts
             continue
-        if isinstance(module, QuantLinear):
+        if isinstance(module, GGUFLinear):
+            tensors = [*module.code_tensors(), module.bias]
+        elif isinstance(module, QuantLinear):
             tensors = [*module.code_tensors(), module.bias]
         elif isinstance(module, Q8Linear) and module.planes is None:  # else its planes are a QuantLinear
             tensors = module.code_tensors()

@@ -7,6 +7,7 @@ row count (``packed_linear.ROW_TILE``). Here one kernel serves every row count:
 - int4 projections (and the tied Q8_0 head) always run on their codes: torch's int4 kernel (bfloat16) and
   kvserve's (float32) compute each row with the same loop over the inputs whatever the row count (their
   tiles of 1 to 4 rows share it); the dequantised copies are dropped (less memory too);
+- GGUF blocks (``gguf_linear.py``: K-quants, Q5_0, Q8_0, their experts) run one kernel for every row count already;
 - dense projections, a dense tied head and each expert of a sparse MoE block run in calls of exactly
   ``ROW_TILE`` rows.
 

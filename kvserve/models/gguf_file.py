@@ -337,7 +337,7 @@ def native_sources(reader: GGUFReader, config: ModelConfig) -> dict[str, Callabl
     matrices of the types ``gguf_linear.py`` runs in place (Q/K rows un-permuted by ``row_order``, not moved)."""
     sources: dict[str, Callable[[], GGUFWeight]] = {}
     for tensor in reader.tensors:
-        if tensor.tensor_type not in NATIVE_TYPES or len(tensor.data.shape) != 2:
+        if tensor.tensor_type not in NATIVE_TYPES or len(tensor.data.shape) not in (2, 3):  # 3: stacked experts
             continue
         name = _hf_name(tensor.name, config.architecture)
         sources[name] = _native_loader(tensor, _permuted_heads(name, config))

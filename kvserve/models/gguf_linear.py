@@ -37,7 +37,8 @@ NATIVE_TYPES = frozenset(
 class GGUFWeight:
     """An (out, in) weight as ggml blocks: ``blocks`` (out, bytes per row) uint8, a view of the file where it can
     be; ``row_order`` (out,) int64 or None: row i of the weight as the model wants it is row ``row_order[i]``
-    of ``blocks`` (llama.cpp's Q/K permutation undone)."""
+    of ``blocks`` (llama.cpp's Q/K permutation undone). Stacked experts: ``blocks`` (experts, out, bytes per row),
+    one ``expert(e)`` each."""
 
     blocks: torch.Tensor
     qtype: GGMLQuantizationType
@@ -47,13 +48,17 @@ class GGUFWeight:
         if self.qtype not in NATIVE_TYPES:
             raise ValueError(f"{self.qtype.name} is not one of {sorted(t.name for t in NATIVE_TYPES)}")
         block, size = GGML_QUANT_SIZES[self.qtype]
-        if self.blocks.dim() != 2 or self.blocks.dtype != torch.uint8 or self.blocks.shape[1] % size:
-            raise ValueError(f"{self.qtype.name} blocks must be (rows, whole {size}-byte blocks) uint8")
-        self.in_features = self.blocks.shape[1] // size * block
+        if self.blocks.dim() not in (2, 3) or self.blocks.dtype != torch.uint8 or self.blocks.shape[-1] % size:
+            raise ValueError(f"{self.qtype.name} blocks must be ([experts,] rows, whole {size}-byte blocks) uint8")
+        self.in_features = self.blocks.shape[-1] // size * block
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return self.blocks.shape[0], self.in_features
+    def shape(self) -> tuple[int, ...]:
+        return *self.blocks.shape[:-1], self.in_features
+
+    def expert(self, e: int) -> GGUFWeight:
+        """Expert ``e`` of stacked experts (a view)."""
+        return GGUFWeight(self.blocks[e], self.qtype)
 
     def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """float32 (len(rows), in) for weight rows ``rows`` (in the model's order)."""

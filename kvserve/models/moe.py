@@ -9,9 +9,10 @@ routing weights, are added back into their tokens' rows (in ascending expert ord
 does). The experts are held stacked, gate and up fused: (E, 2I, H) and down (E, H, I); a GGUF file's
 ``ffn_{gate,up,down}_exps`` and a Hugging Face folder's per-expert matrices both load into that form.
 
-Weights: expert tensors are always dequantised at load (Q8_0, Q4_K, ...: ggml's reference dequantisation, then
-the model dtype), as every GGUF tensor is except the 2-D Q4_0 / Q4_1 projections that run on their codes; so a
-quantised MoE file takes its full float size in memory. The routing weights multiply the expert outputs in float32
+Weights: a GGUF file's stacked experts of the types ``gguf_linear.py`` runs in place (Q4_K, Q5_K, Q6_K, Q5_0, Q8_0)
+stay the file's blocks (``BlockExperts``: each expert's tokens through ``gguf_linear``, activations rounded to int8
+as llama.cpp does), so the experts cost their file size; other types, and Hugging Face folders, are dequantised to
+the model dtype at load. The routing weights multiply the expert outputs in float32
 and the product is rounded once to the activation dtype.
 
 Tensor parallelism (``models/sharding.py``): each expert's intermediate dimension is split across the ranks like
@@ -27,6 +28,7 @@ from torch import nn
 
 from kvserve.models import fused
 from kvserve.models.config import ModelConfig
+from kvserve.models.gguf_linear import GGUFWeight
 from kvserve.models.layers import Linear, SwiGLU
 from kvserve.models.llama import DecoderLayer, LlamaForCausalLM
 from kvserve.models.packed_linear import dense_linear
@@ -64,6 +66,48 @@ class Experts(nn.Module):
             outputs.append(dense_linear(h, self.down[expert], None, None, self.row_tile))
             start += count
         scaled = (torch.cat(outputs).float() * weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, tokens, scaled)
+
+
+class BlockExperts(nn.Module):
+    """``Experts`` with the stacked expert matrices kept as a GGUF file's blocks: gate and up (E, I, H) and down
+    (E, H, I) as ``GGUFWeight``; an expert's gate and up run as one fused product over its tokens."""
+
+    _NO_INDEX = torch.empty(0, dtype=torch.long)
+
+    def __init__(self, gate: GGUFWeight, up: GGUFWeight, down: GGUFWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = gate.shape[1]
+        self.num_experts = gate.shape[0]
+        self.types = [int(gate.qtype), int(up.qtype)], [int(down.qtype)]
+        for name, weight in (("gate", gate), ("up", up), ("down", down)):
+            self.register_buffer(name, weight.blocks, persistent=False)
+        self.act_dtype = dtype
+
+    def code_tensors(self) -> list[torch.Tensor]:
+        return [self.gate, self.up, self.down]
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return torch.zeros_like(x)
+        k = experts.shape[1]
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)
+        tokens = order // k
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = x.index_select(0, tokens).float()
+        (gate_up_types, down_types), outputs, start = self.types, [], 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            chunk = rows[start : start + count]
+            h = torch.ops.kvserve.gguf_linear(
+                chunk, [self.gate[expert], self.up[expert]], gate_up_types, self._NO_INDEX
+            )
+            h = fused.silu_mul(h, self.intermediate_size)
+            outputs.append(torch.ops.kvserve.gguf_linear(h, [self.down[expert]], down_types, self._NO_INDEX))
+            start += count
+        scaled = (torch.cat(outputs) * weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, scaled)
 
 
@@ -148,8 +192,12 @@ def load_sparse_block(weights: object, config: ModelConfig, hf: str, ours: str) 
             return weights.get(whole)
         return torch.stack([weights.get(f"{block}experts.{e}.{name}.weight") for e in range(config.num_experts)])
 
-    weights.state[ours + "experts.gate_up"] = torch.cat([stacked(gate), stacked(up)], dim=1)
-    weights.state[ours + "experts.down"] = stacked(down)
+    native = [f"{block}experts.{name}.weight" for name in (gate, up, down)]
+    if all(name in weights.native for name in native):
+        weights.modules[ours + "experts"] = BlockExperts(*(weights.get_native(n) for n in native), weights.dtype)
+    else:
+        weights.state[ours + "experts.gate_up"] = torch.cat([stacked(gate), stacked(up)], dim=1)
+        weights.state[ours + "experts.down"] = stacked(down)
     if config.shared_expert_intermediate_size:
         shared = block + "shared_expert."
         weights.linear(ours + "shared_expert.gate_up_proj", [shared + "gate_proj.weight", shared + "up_proj.weight"])
