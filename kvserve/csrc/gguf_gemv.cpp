@@ -245,9 +245,11 @@ inline void superblock(const uint8_t* b, const int8_t* const xq[TILE], const flo
     d = half_at(b + 208), dmin = -32.f * d;
     offsets = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));  // sc0..15
     const __m256i bits45 = _mm256_set1_epi8(0x30);
+    // sub-blocks 4h..4h+3 take scales 8h..8h+7: in each half of a vector
+    const __m256i halves[2] = {_mm256_permute2x128_si256(offsets, offsets, 0x00),
+                               _mm256_permute2x128_si256(offsets, offsets, 0x11)};
     for (int h = 0; h < 2; ++h) {
-      // sub-blocks 4h..4h+3 take scales 8h..8h+7: in each half of a vector
-      const __m256i scales = _mm256_permute2x128_si256(offsets, offsets, h ? 0x11 : 0x00);
+      const __m256i scales = halves[h];
       const __m256i low0 = load32(ql + h * 64), low1 = load32(ql + h * 64 + 32), high = load32(qh + h * 32);
       const __m256i u[4] = {
           _mm256_or_si256(_mm256_and_si256(low0, nibble), _mm256_and_si256(bits_to_4<0>(high), bits45)),

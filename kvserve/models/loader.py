@@ -171,9 +171,11 @@ def _load_gguf(
     ran_int4: set[str] = set()  # a Q4 tensor fused with a non-Q4 one is dequantised: record what ran as int4
     int4 = {name: _recorded(source, name, ran_int4) for name, source in int4.items()}
     native = gguf_file.native_sources(reader, config) if blocks else {}
+    if int4:  # a Q4_0 / Q4_1 file keeps its tied Q8_0 head on Q8Linear (head_q8), as before blocks ran natively
+        native.pop("model.embed_tokens.weight", None)
     ran_blocks: set[str] = set()
     native = {name: _recorded(source, name, ran_blocks) for name, source in native.items()}
-    head_q8 = None if int4_refusal or native else gguf_file.embedding_q8_0(reader)
+    head_q8 = None if int4_refusal or "model.embed_tokens.weight" in native else gguf_file.embedding_q8_0(reader)
     model = build_model(
         config, sources, dtype, gguf_file.rope_freq_factors(reader), progress, int4, int4_dense, head_q8, native
     )
