@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, normalizers
 
@@ -24,33 +25,44 @@ def sentencepiece_backend(
     """The ``tokenizers`` equivalent of llama.cpp's SPM tokenizer over ``tokens`` and their ``scores``."""
     vocab = {token: index for index, token in enumerate(tokens)}  # a repeated token keeps its last id, as in llama.cpp
     unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
-    model = models.BPE(
-        vocab=vocab, merges=score_ranked_merges(tokens, scores), unk_token=unk, fuse_unk=False, byte_fallback=True
-    )
+    merges = score_ranked_merges(tokens, scores, vocab)
+    model = models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=False, byte_fallback=True)
     backend = BackendTokenizer(model)
     backend.normalizer = _normalizer(add_space_prefix)
     backend.decoder = _decoder(add_space_prefix)
     return backend
 
 
-def score_ranked_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+def score_ranked_merges(
+    tokens: Sequence[str], scores: Sequence[float], ids: dict[str, int] | None = None
+) -> list[tuple[str, str]]:
     """Every split of a token into two vocabulary tokens, the merged token's best score first.
 
     Splits of one token stay together (shorter left part first). Distinct tokens with equal scores keep
     vocabulary order, where llama.cpp takes the leftmost pair in the text; real SentencePiece vocabularies
     give every normal piece its own score (byte tokens share 0.0 but only form from literal "<0xXX>" text).
+    ``ids``: each text's id (its last copy's), when the caller has built it.
     """
-    ids = {token: index for index, token in enumerate(tokens)}
-    ranked = []
+    if ids is None:
+        ids = {token: index for index, token in enumerate(tokens)}
+    vocab = set(ids)  # a set looks up faster than the dict: 1.2M splits to try in a 262k vocabulary
+    pairs: list[tuple[str, str]] = []
+    owners: list[int] = []
+    add_pair, add_owner = pairs.append, owners.append
     for index, token in enumerate(tokens):
-        if ids[token] != index:  # shadowed by a later copy of the same text
-            continue
         for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in ids and right in ids:
-                ranked.append((-scores[index], index, cut))
-    ranked.sort()
-    return [(tokens[index][:cut], tokens[index][cut:]) for _, index, cut in ranked]
+            left = token[:cut]
+            if left in vocab:
+                right = token[cut:]
+                if right in vocab:
+                    add_pair((left, right))
+                    add_owner(index)
+    if len(ids) < len(tokens):  # a repeated text merges once, as its last copy (the id llama.cpp keeps)
+        kept = [i for i, owner in enumerate(owners) if ids[tokens[owner]] == owner]
+        pairs, owners = [pairs[i] for i in kept], [owners[i] for i in kept]
+    # Found in (token, cut) order, so a stable sort by score alone keeps that order among equal scores.
+    order = np.argsort(-np.asarray(scores, np.float64)[owners], kind="stable")
+    return [pairs[i] for i in order.tolist()]
 
 
 def _normalizer(add_space_prefix: bool) -> normalizers.Normalizer:

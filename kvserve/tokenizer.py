@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from gguf import GGUFReader
+import numpy as np
 from jinja2.exceptions import TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
@@ -18,6 +19,9 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.sentencepiece import sentencepiece_backend
+
+if TYPE_CHECKING:
+    from kvserve.models.gguf_reader import GGUFFile
 
 # GGUF token types (llama.cpp's llama_token_type).
 _NORMAL = 1
@@ -103,7 +107,7 @@ class Tokenizer:
     # ----- construction -----
 
     @classmethod
-    def from_gguf(cls, reader: GGUFReader) -> Tokenizer:
+    def from_gguf(cls, reader: GGUFFile) -> Tokenizer:
         def get(key: str, default: object = None) -> object:
             f = reader.fields.get(f"tokenizer.{key}")
             return default if f is None else f.contents()
@@ -118,7 +122,8 @@ class Tokenizer:
                 "load the model from a Hugging Face folder with tokenizer.json instead"
             )
         tokens: list[str] = get("ggml.tokens")
-        token_types: list[int] = get("ggml.token_type") or [_NORMAL] * len(tokens)
+        token_types = get("ggml.token_type")  # a numpy array: one list of ints is cheaper to walk
+        token_types = [_NORMAL] * len(tokens) if token_types is None else np.asarray(token_types).tolist()
         if len(token_types) != len(tokens):
             raise ModelLoadError(f"the GGUF tokenizer has {len(tokens)} tokens but {len(token_types)} token types")
         if kind == "gpt2":

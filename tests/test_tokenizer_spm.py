@@ -21,7 +21,7 @@ import pytest
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.models.gguf_file import open_gguf
-from kvserve.sentencepiece import SPACE, sentencepiece_backend
+from kvserve.sentencepiece import SPACE, score_ranked_merges, sentencepiece_backend
 from kvserve.tokenizer import Tokenizer
 
 DATA = Path(__file__).parent / "data"
@@ -319,3 +319,28 @@ def test_gemma_ids_equal_llamacpp_live(gemma, gemma_path) -> None:
     reference = llamacpp_ids(gemma_path, texts)
     differing = [t for t, ids in zip(texts, reference["ids"], strict=True) if gemma.encode(t) != ids]
     assert differing == [], f"llama_cpp {reference['llama_cpp']} tokenizes these differently"
+
+
+def reference_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """The merges by their definition: every split of a token (its last copy) into two vocabulary tokens, sorted
+    by the merged token's score, then its id, then the cut."""
+    ids = {token: index for index, token in enumerate(tokens)}
+    ranked = sorted(
+        (-scores[index], index, cut)
+        for index, token in enumerate(tokens)
+        if ids[token] == index
+        for cut in range(1, len(token))
+        if token[:cut] in ids and token[cut:] in ids
+    )
+    return [(tokens[index][:cut], tokens[index][cut:]) for _, index, cut in ranked]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_score_ranked_merges_follow_their_definition(seed) -> None:
+    """Random vocabularies with repeated texts, equal scores and NULs."""
+    rng = random.Random(seed)
+    alphabet = ["a", "b", "\x00", "é", S, "🎉"]
+    for _ in range(100):
+        tokens = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 5))) for _ in range(rng.randint(0, 60))]
+        scores = [rng.choice([0.0, -1.0, -2.5, rng.uniform(-10, 0)]) for _ in tokens]
+        assert score_ranked_merges(tokens, scores) == reference_merges(tokens, scores)

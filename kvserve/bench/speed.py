@@ -390,9 +390,9 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
 def gguf_decode_bytes(path: Path) -> int:
     """Bytes of a GGUF file's tensors that llama.cpp reads per decoded token (a tied embedding is the head; of
     stacked experts, the share one token routes to)."""
-    from gguf import GGUFReader
+    from kvserve.models.gguf_file import open_gguf
 
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
     arch = reader.fields["general.architecture"].contents()
     count = reader.fields.get(f"{arch}.expert_count")
     share = reader.fields[f"{arch}.expert_used_count"].contents() / count.contents() if count else 1.0
