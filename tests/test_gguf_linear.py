@@ -23,9 +23,8 @@ from kvserve.models import gguf_file
 from kvserve.models.catalog import gemma3_270m_path
 from kvserve.models.gguf_linear import NATIVE_TYPES, GGUFEmbedding, GGUFLinear, GGUFWeight
 from kvserve.models.loader import load_model
-from tests.test_gguf_loader import GQA, checkpoint, random_ids, write_gguf
-from tests.test_quant_linear import logits_of
-from tests.tiny_models import TinySpec
+from tests.test_gguf_loader import random_ids
+from tests.test_quant_linear import logits_of, tiny_quantised
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="kvserve's CPU kernels did not build here")
 
@@ -202,18 +201,9 @@ def test_the_avx2_build_computes_the_same_bits(tmp_path) -> None:
         assert torch.equal(torch.ops.kvserve.gguf_linear(x, [w], [qtype], NO_INDEX), avx2), Q(qtype).name
 
 
-TIED = TinySpec(num_heads=4, num_kv_heads=4, tie_word_embeddings=True, seed=3)
-
-
 @pytest.fixture(scope="module", params=["Q8_0-gqa-untied", "Q5_0-tied"])
 def tiny_blocks(request, tmp_path_factory):
-    qname, _, kind = request.param.partition("-")
-    spec = TIED if kind == "tied" else GQA
-    tmp = tmp_path_factory.mktemp(request.param)
-    _, state = checkpoint(tmp, spec)
-    path = tmp / f"tiny-{request.param}.gguf"
-    write_gguf(path, spec, state, qtype=Q[qname])
-    return spec, path
+    return tiny_quantised(request.param, tmp_path_factory)
 
 
 def test_a_llama_file_runs_on_its_blocks_close_to_the_dequantised_model(tiny_blocks) -> None:

@@ -7,6 +7,8 @@ activations (torch's int4 kernel) to bfloat16 rounding.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -135,15 +137,20 @@ def test_q8_0_codes_and_planes_give_the_ggml_weight(shape) -> None:
 TIED = TinySpec(num_heads=4, num_kv_heads=4, tie_word_embeddings=True, seed=3)
 
 
-@pytest.fixture(scope="module", params=["Q4_0-gqa-untied", "Q4_1-gqa-untied", "Q4_1-tied"])
-def tiny_q4(request, tmp_path_factory):
-    qname, _, kind = request.param.partition("-")
+def tiny_quantised(param: str, tmp_path_factory) -> tuple[TinySpec, Path]:
+    """A tiny llama GGUF named by ``param`` ("TYPE-gqa-untied" or "TYPE-tied"): its spec and path."""
+    qname, _, kind = param.partition("-")
     spec = TIED if kind == "tied" else GQA
-    tmp = tmp_path_factory.mktemp(request.param)
+    tmp = tmp_path_factory.mktemp(param)
     _, state = checkpoint(tmp, spec)
-    path = tmp / f"tiny-{request.param}.gguf"
+    path = tmp / f"tiny-{param}.gguf"
     write_gguf(path, spec, state, qtype=Q[qname])
     return spec, path
+
+
+@pytest.fixture(scope="module", params=["Q4_0-gqa-untied", "Q4_1-gqa-untied", "Q4_1-tied"])
+def tiny_q4(request, tmp_path_factory):
+    return tiny_quantised(request.param, tmp_path_factory)
 
 
 def test_native_int4_sources_unpermute_qk_like_the_dequantised_ones(tiny_q4) -> None:
