@@ -208,3 +208,14 @@ def test_bench_speed_rejects_unknown_peers_and_non_gguf_models(tmp_path, capsys)
     assert "unknown peer(s) ['vllm']" in capsys.readouterr().err
     assert main(["bench", "speed", "--peers", "", "--model", str(tmp_path)]) == 2
     assert "not a .gguf file" in capsys.readouterr().err
+
+
+def test_an_output_name_with_a_dot_is_refused_not_cut_short() -> None:
+    import argparse
+
+    from kvserve.bench.results_dir import output_path
+
+    with pytest.raises(ValueError, match=r"would be llama3\.json and llama3\.md"):
+        output_path(argparse.Namespace(output="out/llama3.2-1b"), "speed")
+    assert str(output_path(argparse.Namespace(output="out/speed.json"), "speed")) == "out/speed.json"
+    assert str(output_path(argparse.Namespace(output="out/llama32-1b"), "speed")) == "out/llama32-1b"
