@@ -57,6 +57,37 @@ def test_measure_derives_rates_from_engine_times() -> None:
     assert (result.load_s, result.decode_bytes_per_token) == (0.5, 1000)
 
 
+class FakeWorker(FakeEngine):
+    """A worker-process engine: the batch's first tokens after ``a`` seconds, and a peak resident set."""
+
+    def batch_phases(self, prompts, new_tokens: int) -> tuple[float, float]:
+        return self.batch(prompts, new_tokens), self.a
+
+    def peak_rss_bytes(self) -> int:
+        return 3 * 2**30
+
+
+def test_measure_times_a_batch_decode_apart_and_reads_the_peak_rss() -> None:
+    ids = list(range(100))
+    result = speed.measure(FakeWorker(0.2, 0.01), ids, [50], 8, [ids[:10]] * 8, [8], 16, 2, lambda _: None)
+    assert result.batch_tokens_per_s == pytest.approx({8: 8 * 16 / 0.36})
+    assert result.batch_decode_tokens_per_s == pytest.approx({8: 8 * 15 / 0.16})  # the steps after the first token
+    assert result.peak_rss_bytes == 3 * 2**30
+    plain = speed.measure(FakeEngine(0.2, 0.01), ids, [50], 8, [ids[:10]] * 8, [8], 16, 2, lambda _: None)
+    assert plain.batch_decode_tokens_per_s == {} and plain.peak_rss_bytes is None
+
+
+def test_kv_memory_for_tokens_holds_that_many_tokens_in_whole_blocks() -> None:
+    config = ModelConfig(
+        architecture="llama", vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
+        num_kv_heads=1, head_dim=4, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+    )  # fmt: skip
+    per_token = 2 * 2 * 1 * 4 * 2  # K and V, 2 layers, 1 head of 4, bfloat16
+    assert speed.kv_memory_for_tokens(config, 2048, torch.bfloat16) == 2048 * per_token
+    assert speed.kv_memory_for_tokens(config, 2047, torch.bfloat16) == 2048 * per_token  # whole 16-token blocks
+    assert speed.kv_memory_for_tokens(config, 2048, torch.float32, "bfloat16") == 2048 * per_token
+
+
 def test_short_output_is_an_error() -> None:
     with pytest.raises(RuntimeError, match="produced 3 tokens, expected 4"):
         speed._check_lengths("x", [[1, 2, 3, 4], [1, 2, 3]], 4)
@@ -131,6 +162,16 @@ def test_table_and_plot_show_ratios_against_each_peer(tmp_path) -> None:
     assert "bfloat16 matmul 2,000 GFLOP/s" in legacy and "| kvserve | 100.0 | 25% | 25% | 25% |" in legacy
     plot_speed_ratios(report, tmp_path / "ratios.png")
     assert (tmp_path / "ratios.png").stat().st_size > 1000
+    assert "peak RSS" not in table  # a report without them has no rates-and-memory table
+    ours, peer = report["results"]
+    ours |= {"peak_rss_bytes": 2 * 2**30, "batch_decode_tokens_per_s": {32: 400.0}}
+    peer |= {"peak_rss_bytes": 2**30, "batch_decode_tokens_per_s": {32: 200.0}}
+    report["kv_memory"] = {"kvserve": "KV cache: 128 blocks", "llama.cpp": "n_ctx 2048 (one pool)"}
+    table = _speed_table(report)
+    assert "| engine | load (s) | prefill 512 (tok/s) | prefill 2048 (tok/s) | decode b=1 (tok/s) |" in table
+    assert "| kvserve | 1.00 | 2560 | 2048 | 50.0 | 400.0 | 2.00 | 25% |" in table
+    assert "| **kvserve / llama.cpp** | 1.00x | 4.00x | 4.00x | 4.00x | 2.00x | 2.00x | 4.00x |" in table
+    assert "KV memory: kvserve: KV cache: 128 blocks; llama.cpp: n_ctx 2048 (one pool)." in table
 
 
 @pytest.mark.real_model
@@ -167,3 +208,14 @@ def test_bench_speed_rejects_unknown_peers_and_non_gguf_models(tmp_path, capsys)
     assert "unknown peer(s) ['vllm']" in capsys.readouterr().err
     assert main(["bench", "speed", "--peers", "", "--model", str(tmp_path)]) == 2
     assert "not a .gguf file" in capsys.readouterr().err
+
+
+def test_an_output_name_with_a_dot_is_refused_not_cut_short() -> None:
+    import argparse
+
+    from kvserve.bench.results_dir import output_path
+
+    with pytest.raises(ValueError, match=r"would be llama3\.json and llama3\.md"):
+        output_path(argparse.Namespace(output="out/llama3.2-1b"), "speed")
+    assert str(output_path(argparse.Namespace(output="out/speed.json"), "speed")) == "out/speed.json"
+    assert str(output_path(argparse.Namespace(output="out/llama32-1b"), "speed")) == "out/llama32-1b"

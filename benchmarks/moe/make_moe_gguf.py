@@ -16,6 +16,7 @@ import argparse
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -99,19 +100,37 @@ def write_f16(path: Path, shape: dict, tokenizer_source: Path, context: int) -> 
     for key, value, kind, item in fields:
         writer.add_key_value(key, value, kind, sub_type=item)
     shapes = tensor_shapes(shape, vocab)
+    write_streaming(writer, shapes, random_tensor)
+
+
+def write_streaming(
+    writer: gguf.GGUFWriter,
+    shapes: dict[str, tuple[int, ...]],
+    make: Callable[[str, tuple[int, ...], np.random.Generator], np.ndarray],
+    every: int = 24,
+) -> None:
+    """Write the header, then each tensor as ``make(name, shape, rng)`` makes it, one at a time (vectors F32,
+    matrices F16): the model never sits in memory. ``writer`` holds the metadata already."""
     for name, dims in shapes.items():
-        dtype = np.float32 if len(dims) == 1 else np.float16
-        writer.add_tensor_info(name, dims, np.dtype(dtype), int(np.prod(dims)) * np.dtype(dtype).itemsize)
+        dtype = np.dtype(np.float32 if len(dims) == 1 else np.float16)
+        writer.add_tensor_info(name, dims, dtype, int(np.prod(dims)) * dtype.itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(0)
     start = time.time()
     for i, (name, dims) in enumerate(shapes.items()):
-        writer.write_tensor_data(random_tensor(name, dims, rng))
-        if i % 24 == 0:
+        writer.write_tensor_data(make(name, dims, rng))
+        if i % every == 0 or i == len(shapes) - 1:
             print(f"  {i + 1}/{len(shapes)} tensors written ({time.time() - start:.0f} s)", file=sys.stderr, flush=True)
     writer.close()
+
+
+def quantize_q4_k_m(python: str, f16: Path, out: Path, threads: int) -> None:
+    """llama.cpp's own ``llama_model_quantize`` (default parameters, Q4_K_M) under ``python``, which has llama_cpp."""
+    start = time.time()
+    subprocess.run([python, "-c", QUANTIZE, str(f16), str(out), str(threads)], check=True)
+    print(f"  quantised in {time.time() - start:.0f} s", file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -129,7 +148,7 @@ def main() -> None:
     print(f"writing {f16}", file=sys.stderr)
     write_f16(f16, OLMOE, resolve_model_path(None), args.context)
     print(f"quantising to {q4} with llama.cpp", file=sys.stderr)
-    subprocess.run([args.llamacpp_python, "-c", QUANTIZE, str(f16), str(q4), str(args.threads)], check=True)
+    quantize_q4_k_m(args.llamacpp_python, f16, q4, args.threads)
     if not args.keep_f16:
         f16.unlink()
     print(q4)

@@ -66,6 +66,17 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
         "--batch-invariant", action="store_true",
         help="also run kvserve in the batch-invariant mode, after the default: its cost is the ratio row",
     )  # fmt: skip
+    spd.add_argument(
+        "--n-ctx", type=int, default=0,
+        help="llama.cpp's n_ctx, one KV pool shared by all sequences, and kvserve's KV memory sized to hold as many "
+        "tokens with no swap space (comparable memory); 0: llama.cpp a stream per sequence, kvserve's defaults",
+    )  # fmt: skip
+    spd.add_argument("--kv-cache-memory", default=None, help="kvserve's KV memory (default: --n-ctx's, or 1GiB)")
+    spd.add_argument("--swap-space", default=None, help="kvserve's host tier for swapping (default: 0 with --n-ctx)")
+    spd.add_argument(
+        "--in-process", action="store_true",
+        help="run kvserve in this process (no peak resident set of its own) instead of a worker process",
+    )  # fmt: skip
     add_output_arg(spd, "speed", "speed-WEIGHTS")
     spd.set_defaults(func=cmd_bench_speed)
 
@@ -515,27 +526,28 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
         f"{roofline.matmul_dtype} matmul {roofline.matmul_gflop_per_s:,.0f} GFLOP/s"
     )
     kv_dtypes = [d for d in args.kv_cache_dtype.split(",") if d]
-    engines: list[Callable[[], speed.SpeedEngine]] = [
-        functools.partial(
-            speed.KVServeSpeed,
-            str(model_path),
-            args.dtype,
-            args.weights,
-            max(batch_sizes),
-            device=args.device,
-            kv_cache_dtype=kv_dtype,
-            int8_activations=args.int8_activations,
+    swap_space = args.swap_space if args.swap_space is not None else (0 if args.n_ctx else None)
+
+    def kvserve(kv_cache_dtype: str = "auto", **options: object) -> speed.SpeedEngine:
+        kv_memory = args.kv_cache_memory
+        if kv_memory is None and args.n_ctx:
+            kv_memory = speed.kv_memory_for_tokens(config, args.n_ctx, dtype, kv_cache_dtype)
+        options = dict(
+            model=str(model_path), dtype=args.dtype, weights=args.weights, max_seqs=max(batch_sizes),
+            device=args.device, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=kv_memory, swap_space=swap_space,
+            **options,
         )  # fmt: skip
-        for kv_dtype in kv_dtypes
+        if args.in_process:
+            return speed.KVServeSpeed(**options)
+        return speed.KVServeProcess(threads, **options)
+
+    engines: list[Callable[[], speed.SpeedEngine]] = [
+        functools.partial(kvserve, kv_dtype, int8_activations=args.int8_activations) for kv_dtype in kv_dtypes
     ]
     if args.int8_activations:  # float32 activations too, as the row the int8 speedup is read against
-        engines.append(
-            lambda: speed.KVServeSpeed(str(model_path), args.dtype, args.weights, max(batch_sizes), device=args.device)
-        )
+        engines.append(kvserve)
     if args.batch_invariant:
-        engines.append(
-            lambda: speed.KVServeSpeed(str(model_path), args.dtype, args.weights, max(batch_sizes), True, args.device)
-        )
+        engines.append(functools.partial(kvserve, batch_invariant=True))
     seq_len = (
         max(
             [
@@ -548,12 +560,19 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
     )
     peer_info = {}
     if llamacpp_python:
-        engines.append(lambda: speed.LlamaCppSpeed(llamacpp_python, model_path, threads, seq_len, max(batch_sizes)))
+        engines.append(
+            lambda: speed.LlamaCppSpeed(llamacpp_python, model_path, threads, seq_len, max(batch_sizes), args.n_ctx)
+        )
     if "transformers" in peers:
         engines.append(lambda: speed.TransformersSpeed(model_path, dtype, args.device))
     results = []
+    memory: dict[str, object] = {}
     for make in engines:
         engine = make()
+        if isinstance(engine, speed.KVServeSpeed | speed.KVServeProcess) and "kvserve" not in memory:
+            summary = engine.kv_summary if isinstance(engine, speed.KVServeProcess) else engine.llm.engine.kv_summary
+            memory["kvserve"] = summary
+            log(f"  {engine.name}: {summary}")
         try:
             results.append(
                 speed.measure(
@@ -574,6 +593,8 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
         if isinstance(engine, speed.LlamaCppSpeed):
             peer_info["llama.cpp"] = {"version": engine.version, "system_info": engine.system_info,
                                       "settings": "use_extra_bufts=False, flash attention off"}  # fmt: skip
+            pool = "one pool shared by all sequences" if engine.kv_unified else "a stream per sequence"
+            memory["llama.cpp"] = f"n_ctx {engine.n_ctx} ({pool})"
     report = new_report(
         "speed",
         model=model_path.name,
@@ -591,6 +612,7 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
             "batch_new_tokens": args.batch_new_tokens,
         },  # fmt: skip
         peers=peer_info,
+        kv_memory=memory,
         results=[asdict(r) for r in results],
     )
     # Leaves the default's own report alone.
@@ -666,7 +688,56 @@ def _speed_table(report: dict) -> str:
         prefill = [report["prefill_gflop"][n] / r["prefill_s"][n] / peak for n in lengths]
         fractions = " | ".join(f"{f:.0%}" for f in prefill)
         lines.append(f"| {r['engine']} | {per_token / 1e6:.1f} | {decode:.0%} | {fractions} |")
+    lines += _speed_memory_table(report)
     return "\n".join(lines) + "\n"
+
+
+def _speed_memory_table(report: dict) -> list[str]:
+    """Rates and memory side by side (reports that measured them): prefill tokens/s, decode tokens/s at batch 1 and
+    of each batch's decode steps alone, each engine's process's peak resident set, and batch-1 decode as a share of
+    the copy bandwidth; kvserve over each peer beneath."""
+    results = report["results"]
+    if not any(r.get("peak_rss_bytes") or r.get("batch_decode_tokens_per_s") for r in results):
+        return []
+    copy = report["roofline"]["copy_gb_per_s"] * 1e9
+    lengths = list(results[0]["prefill_s"])
+    sizes = list(results[0].get("batch_decode_tokens_per_s", {}))
+
+    def figures(r: dict) -> list[float | None]:
+        rss = r.get("peak_rss_bytes")
+        return [
+            r["load_s"], *(int(n) / r["prefill_s"][n] for n in lengths), r["decode_tokens_per_s"],
+            *(r.get("batch_decode_tokens_per_s", {}).get(b) for b in sizes), rss / 2**30 if rss else None,
+            r["decode_bytes_per_token"] * r["decode_tokens_per_s"] / copy if r["decode_bytes_per_token"] else None,
+        ]  # fmt: skip
+
+    formats = ["{:.2f}", *["{:.0f}"] * len(lengths), "{:.1f}", *["{:.1f}"] * len(sizes), "{:.2f}", "{:.0%}"]
+    lines = [
+        "",
+        "Rates and memory. Batch decode: the steps after every sequence's first token. Peak RSS: the resident "
+        "high-water mark (VmHWM) of the engine's own process, after all of the above.",
+    ]
+    if report.get("kv_memory"):
+        lines += ["", "KV memory: " + "; ".join(f"{name}: {text}" for name, text in report["kv_memory"].items()) + "."]
+    lines += [
+        "",
+        "| engine | load (s) | " + "".join(f"prefill {n} (tok/s) | " for n in lengths) + "decode b=1 (tok/s) | "
+        + "".join(f"decode {b} seqs (tok/s) | " for b in sizes) + "peak RSS (GiB) | decode b=1 / copy bandwidth |",
+        "| --- |" + " ---: |" * len(formats),
+    ]  # fmt: skip
+    for r in results:
+        cells = ["-" if v is None else f.format(v) for f, v in zip(formats, figures(r), strict=True)]
+        lines.append(f"| {r['engine']} | " + " | ".join(cells) + " |")
+    ours = figures(results[0])
+    for peer in results[1:]:
+        cells = [
+            "-" if a is None or b is None or not b else f"{a / b:.2f}x"
+            for a, b in zip(ours, figures(peer), strict=True)
+        ]
+        lines.append(f"| **kvserve / {peer['engine']}** | " + " | ".join(cells) + " |")
+    lines += ["", "The ratio row is kvserve's figure over the peer's: above 1 is faster for a rate, larger for load "
+              "time and memory."]  # fmt: skip
+    return lines
 
 
 def cmd_bench_compression(args: argparse.Namespace) -> int:

@@ -15,7 +15,8 @@ then one JSON answer line per JSON command line read from stdin:
 
 - ``{"op": "generate", "ids": [...], "new_tokens": N}`` -> ``{"seconds": s, "first_token_s": f, "tokens": [N ids]}``
   (``f``: the prefill, which samples the first token)
-- ``{"op": "batch", "prompts": [[...], ...], "new_tokens": N}`` -> ``{"seconds": s, "tokens": [[N ids], ...]}``
+- ``{"op": "batch", "prompts": [[...], ...], "new_tokens": N}`` -> ``{"seconds": s, "first_token_s": f, "tokens":
+  [[N ids], ...]}`` (``f``: all prompts' prefill, which samples every sequence's first token)
 - ``{"op": "quit"}`` -> frees everything and exits 0.
 
 Generation is greedy (argmax) and ignores EOS, so exactly N tokens come back per sequence. A failure answers
@@ -202,8 +203,8 @@ def _handle(worker: Worker, command: dict[str, Any]) -> dict[str, Any]:
         seconds, first_token_s, tokens = worker.generate([command["ids"]], int(command["new_tokens"]))
         return {"seconds": seconds, "first_token_s": first_token_s, "tokens": tokens[0]}
     if op == "batch":
-        seconds, _, tokens = worker.generate(command["prompts"], int(command["new_tokens"]))
-        return {"seconds": seconds, "tokens": tokens}
+        seconds, first_token_s, tokens = worker.generate(command["prompts"], int(command["new_tokens"]))
+        return {"seconds": seconds, "first_token_s": first_token_s, "tokens": tokens}
     raise ValueError(f"unknown op {op!r}")
 
 

@@ -21,7 +21,14 @@ def add_output_arg(
 
 
 def output_path(args: argparse.Namespace, stem: str) -> Path:
-    """``--output`` if given, else ``kvserve-results/SUBCOMMAND/STEM``; the caller adds the suffixes."""
+    """``--output`` if given, else ``kvserve-results/SUBCOMMAND/STEM``; the caller adds the suffixes (replacing one
+    of its own, so a name with another dot in its last part is refused rather than cut short there)."""
     if args.output:
-        return Path(args.output)
+        out = Path(args.output)
+        if out.suffix not in ("", ".json", ".md", ".png"):
+            raise ValueError(
+                f"--output {args.output}: the reports would be {out.with_suffix('.json').name} and "
+                f"{out.with_suffix('.md').name}; name it without a dot after the last '/'"
+            )
+        return out
     return Path(RESULTS_DIR) / args.results_subcommand / stem

@@ -5,7 +5,8 @@ tokens/s, and end-to-end output tokens/s for N concurrent sequences (N prompts i
 producing ``new_tokens`` greedy tokens with EOS ignored, so every engine does identical work).
 kvserve runs its paged engine with prefix caching off (a repeated prompt must be recomputed);
 llama.cpp runs in a worker process (``llamacpp_worker.py``, llama-cpp-python's low-level batched API)
-under whatever interpreter has ``llama_cpp`` installed.
+under whatever interpreter has ``llama_cpp`` installed; kvserve runs in a worker process too
+(``kvserve_worker.py``) unless asked to run in this one, so each engine's peak resident set (``VmHWM``) is its own.
 
 Each figure is also placed against this machine's roofline, measured in the same run: decode against
 copy bandwidth (the bytes of weights one token reads), prefill against the matmul FLOP/s of kvserve's dtype.
@@ -44,6 +45,9 @@ class SpeedResult:
     long_decode_tokens_per_s: dict[int, float] = field(default_factory=dict)  # batch 1, context -> tok/s
     batch_tokens_per_s: dict[int, float] = field(default_factory=dict)  # concurrent sequences -> output tok/s
     decode_bytes_per_token: int | None = None  # weight bytes one batch-1 decode step reads
+    # Concurrent sequences -> tokens/s of the steps after every sequence's first token (the batch's decode alone).
+    batch_decode_tokens_per_s: dict[int, float] = field(default_factory=dict)
+    peak_rss_bytes: int | None = None  # the engine's process's resident high-water mark (None: not its own process)
 
 
 class SpeedEngine(Protocol):
@@ -68,15 +72,17 @@ class KVServeSpeed:
 
     def __init__(
         self, model: str, dtype: str, weights: str, max_seqs: int, batch_invariant: bool = False, device: str = "cpu",
-        kv_cache_dtype: str = "auto", int8_activations: bool = False,
+        kv_cache_dtype: str = "auto", int8_activations: bool = False, kv_cache_memory: str | int | None = None,
+        swap_space: str | int | None = None,
     ) -> None:  # fmt: skip
         from kvserve.llm import LLM
 
+        memory = {"kv_cache_memory": kv_cache_memory, "swap_space": swap_space}  # None: the engine's default
         start = time.perf_counter()
         self.llm = LLM(
             model=model, dtype=dtype, weights=weights, enable_prefix_caching=False, max_num_seqs=max_seqs,
             batch_invariant=batch_invariant, device=device, kv_cache_dtype=kv_cache_dtype,
-            int8_activations=int8_activations,
+            int8_activations=int8_activations, **{k: v for k, v in memory.items() if v is not None},
         )  # fmt: skip
         self.load_s = time.perf_counter() - start
         self.decode_bytes_per_token = decode_weight_bytes(self.llm.engine.loaded.model)
@@ -95,6 +101,12 @@ class KVServeSpeed:
     def batch(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
         return self._run(prompts, new_tokens)[0]
 
+    def batch_phases(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> tuple[float, float]:
+        """``batch``'s seconds, and the seconds until the last sequence's first token."""
+        start = time.monotonic()  # the clock of the outputs' metrics
+        seconds, outputs = self._run(prompts, new_tokens)
+        return seconds, max(o.metrics["first_token_time"] for o in outputs) - start
+
     def _run(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> tuple[float, list]:
         from kvserve.sampling_params import SamplingParams
 
@@ -109,39 +121,19 @@ class KVServeSpeed:
         del self.llm
 
 
-class LlamaCppSpeed:
-    """llama.cpp in a worker process speaking JSON lines (see ``llamacpp_worker.py``)."""
+class WorkerProcess:
+    """An engine in a worker process speaking JSON lines (``llamacpp_worker.py``'s protocol)."""
 
-    name = "llama.cpp"
+    process: subprocess.Popen
 
-    def __init__(self, python: str, model: Path, threads: int, seq_len: int, max_seqs: int) -> None:
-        # One KV stream per sequence (--split-kv): each attends over its own cells only, llama.cpp's
-        # faster setting for independent sequences; n_ctx is divided among the streams.
-        command = [python, str(WORKER), str(model), "--threads", str(threads), "--n-ctx", str(seq_len * max_seqs)]
-        command += ["--max-seqs", str(max_seqs), "--split-kv"]
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        ready = self._read()
-        self.load_s = ready["load_s"]
-        self.version = ready.get("llama_cpp", "?")
-        self.system_info = ready.get("system_info", "")
-        self.decode_bytes_per_token = gguf_decode_bytes(model)
-
-    def generate(self, ids: Sequence[int], new_tokens: int) -> float:
-        return self._generate(ids, new_tokens)["seconds"]
-
-    def decode(self, ids: Sequence[int], new_tokens: int) -> float:
-        answer = self._generate(ids, new_tokens)
-        return answer["seconds"] - answer["first_token_s"]
-
-    def _generate(self, ids: Sequence[int], new_tokens: int) -> dict:
-        answer = self._ask({"op": "generate", "ids": list(ids), "new_tokens": new_tokens})
-        _check_lengths(self.name, [answer["tokens"]], new_tokens)
-        return answer
-
-    def batch(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
+    def batch_phases(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> tuple[float, float]:
+        """``batch``'s seconds, and the seconds until every sequence's first token."""
         answer = self._ask({"op": "batch", "prompts": [list(p) for p in prompts], "new_tokens": new_tokens})
-        _check_lengths(self.name, answer["tokens"], new_tokens)
-        return answer["seconds"]
+        return answer["seconds"], answer["first_token_s"]
+
+    def peak_rss_bytes(self) -> int | None:
+        """The worker's resident high-water mark so far (``VmHWM``), or None where /proc does not tell."""
+        return process_peak_rss(self.process.pid)
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -160,11 +152,81 @@ class LlamaCppSpeed:
     def _read(self) -> dict:
         line = self.process.stdout.readline()
         if not line:
-            raise RuntimeError(f"the llama.cpp worker exited (status {self.process.wait()}); see its messages above")
+            raise RuntimeError(f"the {self.name} worker exited (status {self.process.wait()}); see its messages above")
         answer = json.loads(line)
         if "error" in answer:
-            raise RuntimeError(f"llama.cpp worker: {answer['error']}")
+            raise RuntimeError(f"{self.name} worker: {answer['error']}")
         return answer
+
+
+class KVServeProcess(WorkerProcess):
+    """``KVServeSpeed`` in a worker process of its own (``kvserve_worker.py``): the same figures, and a resident set
+    that is kvserve's alone."""
+
+    name = "kvserve"
+
+    def __init__(self, threads: int, **options: object) -> None:
+        command = [sys.executable, "-m", "kvserve.bench.kvserve_worker", json.dumps(options), "--threads", str(threads)]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = self._read()
+        self.name = ready["name"]
+        self.load_s = ready["load_s"]
+        self.decode_bytes_per_token = ready["decode_bytes_per_token"]
+        self.kv_summary = ready["kv_summary"]
+
+    def generate(self, ids: Sequence[int], new_tokens: int) -> float:
+        return self._ask({"op": "generate", "ids": list(ids), "new_tokens": new_tokens})["seconds"]
+
+    def decode(self, ids: Sequence[int], new_tokens: int) -> float:
+        return self._ask({"op": "decode", "ids": list(ids), "new_tokens": new_tokens})["seconds"]
+
+    def batch(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
+        return self.batch_phases(prompts, new_tokens)[0]
+
+
+class LlamaCppSpeed(WorkerProcess):
+    """llama.cpp in a worker process speaking JSON lines (see ``llamacpp_worker.py``)."""
+
+    name = "llama.cpp"
+
+    def __init__(
+        self, python: str, model: Path, threads: int, seq_len: int, max_seqs: int, n_ctx: int | None = None
+    ) -> None:
+        if n_ctx:  # one pool of n_ctx cells shared by all sequences: a context the size kvserve's KV memory holds
+            command = [python, str(WORKER), str(model), "--threads", str(threads), "--n-ctx", str(n_ctx)]
+            command += ["--max-seqs", str(max_seqs)]
+        else:
+            # One KV stream per sequence (--split-kv): each attends over its own cells only, llama.cpp's
+            # faster setting for independent sequences; n_ctx is divided among the streams.
+            command = [python, str(WORKER), str(model), "--threads", str(threads), "--n-ctx", str(seq_len * max_seqs)]
+            command += ["--max-seqs", str(max_seqs), "--split-kv"]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = self._read()
+        self.load_s = ready["load_s"]
+        self.version = ready.get("llama_cpp", "?")
+        self.system_info = ready.get("system_info", "")
+        self.n_ctx, self.kv_unified = ready.get("n_ctx"), ready.get("kv_unified")
+        self.decode_bytes_per_token = gguf_decode_bytes(model)
+
+    def generate(self, ids: Sequence[int], new_tokens: int) -> float:
+        return self._generate(ids, new_tokens)["seconds"]
+
+    def decode(self, ids: Sequence[int], new_tokens: int) -> float:
+        answer = self._generate(ids, new_tokens)
+        return answer["seconds"] - answer["first_token_s"]
+
+    def _generate(self, ids: Sequence[int], new_tokens: int) -> dict:
+        answer = self._ask({"op": "generate", "ids": list(ids), "new_tokens": new_tokens})
+        _check_lengths(self.name, [answer["tokens"]], new_tokens)
+        return answer
+
+    def batch(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> float:
+        return self.batch_phases(prompts, new_tokens)[0]
+
+    def batch_phases(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> tuple[float, float]:
+        answer = self._ask({"op": "batch", "prompts": [list(p) for p in prompts], "new_tokens": new_tokens})
+        _check_lengths(self.name, answer["tokens"], new_tokens)
+        return answer["seconds"], answer["first_token_s"]
 
 
 class TransformersSpeed:
@@ -287,11 +349,46 @@ def measure(
         seconds = median(lambda c=context: engine.decode(c, decode_tokens + 1))
         result.long_decode_tokens_per_s[n] = decode_tokens / seconds
         log(f"  {engine.name}: batch-1 decode after {n} tokens {result.long_decode_tokens_per_s[n]:.1f} tokens/s")
+    phases = getattr(engine, "batch_phases", None)  # the batch's decode timed apart from its prefill, where known
     for b in batch_sizes:
-        seconds = median(lambda b=b: engine.batch(batch_prompts[:b], batch_new_tokens), max(1, repeats // 2))
+        if phases is None:
+            seconds = median(lambda b=b: engine.batch(batch_prompts[:b], batch_new_tokens), max(1, repeats // 2))
+        else:
+            runs = [phases(batch_prompts[:b], batch_new_tokens) for _ in range(max(1, repeats // 2))]
+            seconds = statistics.median(total for total, _ in runs)
+            decode_s = statistics.median(total - first for total, first in runs)
+            result.batch_decode_tokens_per_s[b] = b * (batch_new_tokens - 1) / decode_s
         result.batch_tokens_per_s[b] = b * batch_new_tokens / seconds
-        log(f"  {engine.name}: {b} sequences, {result.batch_tokens_per_s[b]:.1f} output tokens/s end to end")
+        decode = f", decode {result.batch_decode_tokens_per_s[b]:.1f}" if b in result.batch_decode_tokens_per_s else ""
+        log(f"  {engine.name}: {b} sequences, {result.batch_tokens_per_s[b]:.1f} output tokens/s end to end{decode}")
+    peak = getattr(engine, "peak_rss_bytes", None)
+    result.peak_rss_bytes = peak() if peak is not None else None
+    if result.peak_rss_bytes is not None:
+        log(f"  {engine.name}: peak resident set {result.peak_rss_bytes / 2**30:.2f} GiB")
     return result
+
+
+def process_peak_rss(pid: int) -> int | None:
+    """Process ``pid``'s resident high-water mark in bytes (``VmHWM`` of ``/proc/PID/status``), or None."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def kv_memory_for_tokens(model: ModelConfig, tokens: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of kvserve KV memory that hold ``tokens`` tokens of full context (whole blocks, as its log counts
+    them): the same context as a llama.cpp ``n_ctx`` of ``tokens``."""
+    from kvserve.config import EngineConfig
+    from kvserve.kv_plan import plan_kv
+
+    config = EngineConfig(kv_cache_dtype=kv_cache_dtype, swap_space=0)
+    plan = plan_kv(config, model, dtype)
+    blocks = -(-tokens * model.num_layers // (config.block_size * plan.block_layers))
+    return blocks * plan.block_bytes
 
 
 # ----- roofline -----
