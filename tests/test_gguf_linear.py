@@ -14,12 +14,14 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from kvserve.cpu_kernels import CSRC, build_directory, cpu_kernels_available
 from kvserve.models import gguf_file
+from kvserve.models.batch_invariant import make_batch_invariant
 from kvserve.models.catalog import gemma3_270m_path
 from kvserve.models.gguf_linear import NATIVE_TYPES, GGUFEmbedding, GGUFLinear, GGUFWeight
 from kvserve.models.loader import load_model
@@ -120,6 +122,35 @@ def test_fused_parts_of_mixed_types_with_a_row_order() -> None:
     assert_close(y.reshape(6, 32) - torch.arange(32.0), expected, scale)
     bf16 = GGUFLinear(parts, torch.bfloat16)(x.bfloat16())
     assert bf16.dtype == torch.bfloat16
+
+
+def test_bfloat16_batches_from_dense_rows_run_a_gemm_on_the_dequantised_weight() -> None:
+    """Prefill-sized bfloat16 batches: the weight dequantised to bfloat16 in the model's row order (the Q/K rows
+    undone) and oneDNN's GEMM; smaller batches, and the batch-invariant mode, keep the int8 kernel."""
+    k = 256
+    types = [Q.Q4_K, Q.Q8_0]
+    weights = [random_blocks(t, 16, k, seed=i) for i, t in enumerate(types)]
+    order = torch.randperm(16, generator=torch.Generator().manual_seed(1))
+    parts = [
+        GGUFWeight(torch.from_numpy(weights[0]), types[0], order),
+        GGUFWeight(torch.from_numpy(weights[1]), types[1]),
+    ]
+    module = GGUFLinear(parts, torch.bfloat16)
+    stacked = torch.cat([p.dequantize() for p in parts])  # each in the model's row order
+    assert torch.equal(stacked[:16], torch.from_numpy(dequantize(weights[0], types[0]).reshape(16, -1))[order])
+    assert torch.equal(module.dequantize(), stacked)
+    assert torch.equal(module.dequantize(torch.bfloat16), stacked.bfloat16())
+    module.dense_rows = 8  # what a CPU with bfloat16 matmuls sets (SUPER_BLOCK_DENSE_ROWS), made small
+    x = torch.randn(9, k).bfloat16()
+    assert torch.equal(module(x), F.linear(x, stacked.bfloat16()))
+    few = x[:7]
+    expected = torch.ops.kvserve.gguf_linear(few.float(), module.blocks(), module.types, module.out_index)
+    assert torch.equal(module(few), expected.bfloat16())
+    model = torch.nn.Module()
+    model.proj = module
+    model.head_row_tile = 0
+    make_batch_invariant(model)
+    assert module.dense_rows > 2**40
 
 
 def test_embedding_looks_up_dequantised_rows() -> None:

@@ -7,7 +7,8 @@ row count (``packed_linear.ROW_TILE``). Here one kernel serves every row count:
 - int4 projections (and the tied Q8_0 head) always run on their codes: torch's int4 kernel (bfloat16) and
   kvserve's (float32) compute each row with the same loop over the inputs whatever the row count (their
   tiles of 1 to 4 rows share it); the dequantised copies are dropped (less memory too);
-- GGUF blocks (``gguf_linear.py``: K-quants, Q5_0, Q8_0, their experts) run one kernel for every row count already;
+- GGUF blocks (``gguf_linear.py``: K-quants, Q5_0, Q8_0, their experts) run their int8 kernel for every row count
+  (no GEMM on a dequantised weight for large batches);
 - dense projections, a dense tied head and each expert of a sparse MoE block run in calls of exactly
   ``ROW_TILE`` rows.
 
@@ -17,6 +18,9 @@ attention gets the same treatment in ``attention/row_invariant.py``.
 
 from __future__ import annotations
 
+import sys
+
+from kvserve.models.gguf_linear import GGUFLinear
 from kvserve.models.layers import Linear
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.moe import Experts
@@ -31,4 +35,6 @@ def make_batch_invariant(model: LlamaForCausalLM) -> None:
             module.row_tile = ROW_TILE
         elif isinstance(module, (QuantLinear, Q8Linear)):
             module.dense, module.dense_packed = None, None  # the codes for every row count
+        elif isinstance(module, GGUFLinear):
+            module.dense_rows = sys.maxsize
     model.head_row_tile = ROW_TILE
