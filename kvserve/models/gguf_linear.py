@@ -41,8 +41,7 @@ NATIVE_TYPES = frozenset(
 class GGUFWeight:
     """An (out, in) weight as ggml blocks: ``blocks`` (out, bytes per row) uint8, a view of the file where it can
     be; ``row_order`` (out,) int64 or None: row i of the weight as the model wants it is row ``row_order[i]``
-    of ``blocks`` (llama.cpp's Q/K permutation undone). Stacked experts: ``blocks`` (experts, out, bytes per row),
-    one ``expert(e)`` each."""
+    of ``blocks`` (llama.cpp's Q/K permutation undone). Stacked experts: ``blocks`` (experts, out, bytes per row)."""
 
     blocks: torch.Tensor
     qtype: GGMLQuantizationType
@@ -59,10 +58,6 @@ class GGUFWeight:
     @property
     def shape(self) -> tuple[int, ...]:
         return *self.blocks.shape[:-1], self.in_features
-
-    def expert(self, e: int) -> GGUFWeight:
-        """Expert ``e`` of stacked experts (a view)."""
-        return GGUFWeight(self.blocks[e], self.qtype)
 
     def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """float32 (len(rows), in) for weight rows ``rows`` (in the model's order)."""
