@@ -173,6 +173,8 @@ def test_the_ops_name_what_is_wrong() -> None:
         torch.ops.kvserve.gguf_linear(torch.randn(1, 256).double(), [blocks], [int(Q.Q4_K)], NO_INDEX)
     with pytest.raises(RuntimeError, match="out_index must be"):
         torch.ops.kvserve.gguf_linear(torch.randn(1, 256), [blocks], [int(Q.Q4_K)], torch.arange(3))
+    with pytest.raises(RuntimeError, match=r"out_index\[3\] = 4 is not a column of 4"):
+        torch.ops.kvserve.gguf_linear(torch.randn(1, 256), [blocks], [int(Q.Q4_K)], torch.arange(1, 5))
     with pytest.raises(RuntimeError, match="row 4 is out of range"):
         torch.ops.kvserve.gguf_dequantize(blocks, int(Q.Q4_K), torch.tensor([4]))
     with pytest.raises(ValueError, match="Q4_0 is not one of"):

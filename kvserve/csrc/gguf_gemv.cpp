@@ -414,6 +414,9 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList weights, at::IntArray
   TORCH_CHECK(!remap || (out_index.scalar_type() == at::kLong && out_index.numel() == n && out_index.is_contiguous()),
               "gguf_linear: out_index must be contiguous int64 with ", n, " entries");
   const int64_t* index = remap ? out_index.data_ptr<int64_t>() : nullptr;
+  for (int64_t o = 0; remap && o < n; ++o)
+    TORCH_CHECK(index[o] >= 0 && index[o] < n, "gguf_linear: out_index[", o, "] = ", index[o],
+                " is not a column of ", n);
   const at::Tensor xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
   const Int8Rows x256 = super ? quantize_rows(xp, rows, k, SUPER) : Int8Rows{};
