@@ -68,7 +68,9 @@ def load_model(
 
     ``None`` loads the default model; a shipped model's short name (``models/catalog.py``) loads that one.
     ``progress(done, total)`` is called per tensor.
-    ``weights="native"`` runs a GGUF file's Q4_0 / Q4_1 projections (and a tied Q8_0 head) on their codes
+    ``weights="native"`` runs a GGUF file's Q4_K / Q5_K / Q6_K / Q5_0 / Q8_0 matrices on the file's blocks on CPU
+    (``models/gguf_linear.py``; not on other devices or in a tensor-parallel shard), and its Q4_0 / Q4_1 projections
+    (and a tied Q8_0 head) on their codes
     when ``dtype`` is bfloat16 or float32 on CPU, for batches of up to ``quant_linear.max_rows(dtype)`` rows,
     and a dequantised copy for larger ones;
     ``"int4"`` keeps the int4 form only (other types, dtypes and devices are dequantised, and the log
