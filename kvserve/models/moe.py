@@ -23,6 +23,8 @@ once per layer (``parallel/tensor_model.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -49,24 +51,35 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (N, H), each token's experts (N, k) and float32 routing weights (N, k) -> (N, H)."""
-        if x.shape[0] == 0:  # every row dropped by the cache: nothing to route
-            return torch.zeros_like(x)
-        k = experts.shape[1]
-        flat = experts.reshape(-1)
-        order = flat.argsort(stable=True)  # pairs grouped by expert, each group in token order
-        tokens = order // k
-        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
-        rows = x.index_select(0, tokens)
-        outputs, start = [], 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            h = dense_linear(rows[start : start + count], self.gate_up[expert], None, None, self.row_tile)
-            h = fused.silu_mul(h, self.intermediate_size)
-            outputs.append(dense_linear(h, self.down[expert], None, None, self.row_tile))
+        return grouped_by_expert(x, experts, weights, self.gate_up.shape[0], self.expert_mlp)
+
+    def expert_mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        h = dense_linear(rows, self.gate_up[expert], None, None, self.row_tile)
+        h = fused.silu_mul(h, self.intermediate_size)
+        return dense_linear(h, self.down[expert], None, None, self.row_tile)
+
+
+def grouped_by_expert(
+    x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, num_experts: int, mlp: Callable
+) -> torch.Tensor:
+    """The routed experts' outputs summed into their tokens' rows: the (token, expert) pairs sorted by expert, each
+    expert with tokens run once over all of them (``mlp(expert, rows)``), the outputs scaled by their routing weights
+    in float32 and rounded once to x's dtype."""
+    if x.shape[0] == 0:  # every row dropped by the cache: nothing to route
+        return torch.zeros_like(x)
+    k = experts.shape[1]
+    flat = experts.reshape(-1)
+    order = flat.argsort(stable=True)  # pairs grouped by expert, each group in token order
+    tokens = order // k
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    rows = x.index_select(0, tokens)
+    outputs, start = [], 0
+    for expert, count in enumerate(counts):
+        if count:
+            outputs.append(mlp(expert, rows[start : start + count]))
             start += count
-        scaled = (torch.cat(outputs).float() * weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, tokens, scaled)
+    scaled = (torch.cat(outputs).float() * weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, scaled)
 
 
 class BlockExperts(nn.Module):
@@ -88,27 +101,14 @@ class BlockExperts(nn.Module):
         return [self.gate, self.up, self.down]
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 0:
-            return torch.zeros_like(x)
-        k = experts.shape[1]
-        flat = experts.reshape(-1)
-        order = flat.argsort(stable=True)
-        tokens = order // k
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        rows = x.index_select(0, tokens).float()
-        (gate_up_types, down_types), outputs, start = self.types, [], 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            chunk = rows[start : start + count]
-            h = torch.ops.kvserve.gguf_linear(
-                chunk, [self.gate[expert], self.up[expert]], gate_up_types, self._NO_INDEX
-            )
-            h = fused.silu_mul(h, self.intermediate_size)
-            outputs.append(torch.ops.kvserve.gguf_linear(h, [self.down[expert]], down_types, self._NO_INDEX))
-            start += count
-        scaled = (torch.cat(outputs) * weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, tokens, scaled)
+        return grouped_by_expert(x, experts, weights, self.num_experts, self.expert_mlp)
+
+    def expert_mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate_up_types, down_types = self.types
+        gate_up = [self.gate[expert], self.up[expert]]
+        h = torch.ops.kvserve.gguf_linear(rows.float().contiguous(), gate_up, gate_up_types, self._NO_INDEX)
+        h = fused.silu_mul(h, self.intermediate_size)
+        return torch.ops.kvserve.gguf_linear(h, [self.down[expert]], down_types, self._NO_INDEX)
 
 
 class SparseMoE(nn.Module):
