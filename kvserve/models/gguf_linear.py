@@ -24,6 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import nn
 
+from kvserve.cpu_kernels import cpu_kernels_available
 from kvserve.models.dtype import cpu_has_bf16_acceleration
 
 NATIVE_TYPES = frozenset(
@@ -62,7 +63,7 @@ class GGUFWeight:
     def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """float32 (len(rows), in) for weight rows ``rows`` (in the model's order)."""
         stored = rows if self.row_order is None else self.row_order[rows]
-        if _kernels():
+        if cpu_kernels_available():
             return torch.ops.kvserve.gguf_dequantize(self.blocks, int(self.qtype), stored.reshape(-1).long(), False)
         picked = self.blocks[stored.reshape(-1)].numpy()
         return torch.from_numpy(np.asarray(dequantize(picked, self.qtype), dtype=np.float32))
@@ -70,12 +71,6 @@ class GGUFWeight:
     def dequantize(self) -> torch.Tensor:
         """float32 (out, in): the reference the kernels are checked against."""
         return self.dequantize_rows(torch.arange(self.shape[0]))
-
-
-def _kernels() -> bool:
-    from kvserve.cpu_kernels import cpu_kernels_available
-
-    return cpu_kernels_available()
 
 
 # Batches from which a bfloat16 model dequantises a weight to bfloat16 for the call and runs oneDNN's GEMM instead
