@@ -30,7 +30,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's kvserve, tests and benchmarks, however the script is started
 
-from benchmarks.moe.make_moe_gguf import quantize_q4_k_m, tokenizer_fields, write_streaming  # noqa: E402
+from benchmarks.moe.make_moe_gguf import (  # noqa: E402
+    attention_shapes,
+    quantize_q4_k_m,
+    tokenizer_fields,
+    write_streaming,
+)
 from tests.gguf_convert import llama3_rope_factors  # noqa: E402
 
 LLAMA3_VOCAB = 128256
@@ -72,12 +77,8 @@ def tensor_shapes(cfg: dict, vocab: int) -> dict[str, tuple[int, ...]]:
     q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
     shapes = {"rope_freqs.weight": (cfg["head_dim"] // 2,), "token_embd.weight": (vocab, h)}
     for i in range(cfg["num_hidden_layers"]):
+        shapes |= attention_shapes(i, h, q, kv)
         shapes |= {
-            f"blk.{i}.attn_norm.weight": (h,),
-            f"blk.{i}.attn_q.weight": (q, h),
-            f"blk.{i}.attn_k.weight": (kv, h),
-            f"blk.{i}.attn_v.weight": (kv, h),
-            f"blk.{i}.attn_output.weight": (h, q),
             f"blk.{i}.ffn_norm.weight": (h,),
             f"blk.{i}.ffn_gate.weight": (ff, h),
             f"blk.{i}.ffn_up.weight": (ff, h),

@@ -47,18 +47,25 @@ def tokenizer_fields(source: Path) -> list[tuple[str, object, gguf.GGUFValueType
     return fields
 
 
+def attention_shapes(i: int, h: int, q: int, kv: int) -> dict[str, tuple[int, ...]]:
+    """Layer ``i``'s attention norm and q/k/v/output matrices (hidden ``h``, ``q`` query and ``kv`` key/value rows)."""
+    return {
+        f"blk.{i}.attn_norm.weight": (h,),
+        f"blk.{i}.attn_q.weight": (q, h),
+        f"blk.{i}.attn_k.weight": (kv, h),
+        f"blk.{i}.attn_v.weight": (kv, h),
+        f"blk.{i}.attn_output.weight": (h, q),
+    }
+
+
 def tensor_shapes(shape: dict, vocab: int) -> dict[str, tuple[int, ...]]:
     """llama.cpp tensor name -> numpy shape (rows last-but-one, as ``gguf`` writes them)."""
     h, q, kv = shape["hidden"], shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
     e, ff = shape["experts"], shape["expert_ff"]
     shapes = {"token_embd.weight": (vocab, h), "output_norm.weight": (h,), "output.weight": (vocab, h)}
     for i in range(shape["layers"]):
+        shapes |= attention_shapes(i, h, q, kv)
         shapes |= {
-            f"blk.{i}.attn_norm.weight": (h,),
-            f"blk.{i}.attn_q.weight": (q, h),
-            f"blk.{i}.attn_k.weight": (kv, h),
-            f"blk.{i}.attn_v.weight": (kv, h),
-            f"blk.{i}.attn_output.weight": (h, q),
             f"blk.{i}.attn_q_norm.weight": (shape["head_dim"],),
             f"blk.{i}.attn_k_norm.weight": (shape["head_dim"],),
             f"blk.{i}.ffn_norm.weight": (h,),
