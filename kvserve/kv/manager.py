@@ -39,6 +39,7 @@ which attention masks. Freed, they keep their hash like any freed cached block.
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -582,6 +583,20 @@ class KVCacheManager:
             prefix_query_tokens=self._query_tokens,
             prefix_hit_tokens=self._hit_tokens,
         )
+
+    def leaked_blocks(self) -> int:
+        """Blocks (device and host) whose reference count differs from the block tables that hold them: 0 unless
+        a block was lost or freed twice. A walk over every table: for audits (an idle server, tests), not steps."""
+        held: Counter[tuple[bool, int]] = Counter()
+        for seq in self._seqs.values():
+            for table in seq.tables:
+                held.update((seq.swapped, block.block_id) for block in table.blocks)
+        pools = [(False, self.pool), (True, self.host_pool)] if self.host_pool else [(False, self.pool)]
+        return sum(block.ref_count != held[host, block.block_id] for host, pool in pools for block in pool.blocks)
+
+    def num_request_sequences(self) -> int:
+        """Sequences of requests (ids >= 0; Prompt Cache module sequences have negative ids)."""
+        return sum(seq_id >= 0 for seq_id in self._seqs)
 
     def device_status(self, num_blocks: int) -> AllocationStatus:
         """Whether ``num_blocks`` device blocks are free now, may be later, or never can be."""

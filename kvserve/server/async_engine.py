@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvserve import faults
 from kvserve.engine import LLMEngine
 from kvserve.heap import HeapTrimmer
 from kvserve.log import get_logger
@@ -407,8 +408,9 @@ class AsyncEngine:
     def _observe_engine(self) -> None:
         if self.metrics is None:
             return
-        scheduler, usage = self.engine.scheduler, self.engine.kv_usage()
+        scheduler, usage, kv = self.engine.scheduler, self.engine.kv_usage(), self.engine.kv
         store = self.engine.prompt_cache.store
+        idle = not (scheduler.running or scheduler.waiting or scheduler.swapped)
         self.metrics.observe_engine(
             EngineSnapshot(
                 num_running=len(scheduler.running),
@@ -423,6 +425,9 @@ class AsyncEngine:
                 prompt_cache_encoded_tokens=store.stats.encoded_tokens,
                 prompt_cache_evictions=store.stats.evictions,
                 **offload_counters(self.engine),
+                kv_request_sequences=kv.num_request_sequences(),
+                kv_leaked_blocks=kv.leaked_blocks() if idle else None,
+                faults_injected=sum(faults.injected.values()),
             )
         )
 

@@ -45,6 +45,9 @@ class EngineSnapshot:
     prompt_cache_evictions: int = 0  # cumulative
     kv_offload_bytes_fetched: int = 0  # cumulative: offloaded KV moved to the device (kv_offload)
     kv_offload_bytes_stored: int = 0  # cumulative: new KV moved to the slower tier
+    kv_request_sequences: int = 0  # sequences of requests holding KV blocks (0 once nothing runs or waits)
+    kv_leaked_blocks: int | None = None  # audited only while idle (None: not audited this time)
+    faults_injected: int = 0  # cumulative: faults raised at kvserve.faults points (KVSERVE_FAULTS)
 
 
 class ServerMetrics:
@@ -85,6 +88,14 @@ class ServerMetrics:
         self.kv_offload_bytes_stored = counter(
             "kv_offload_stored_bytes", "Bytes of new KV stored from the device to the slower tier."
         )
+        self.kv_request_sequences = gauge(
+            "kv_request_sequences", "Sequences of requests holding KV blocks (Prompt Cache modules not counted)."
+        )
+        self.kv_leaked_blocks = gauge(
+            "kv_leaked_blocks",
+            "KV blocks whose reference count differs from the block tables holding them (audited when idle; 0).",
+        )
+        self.faults_injected = counter("faults_injected", "Faults raised by KVSERVE_FAULTS fault injection.")
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Time from arrival to the first generated token.", TTFT_BUCKETS
         )
@@ -121,6 +132,10 @@ class ServerMetrics:
         self.prompt_cache_evictions.inc(max(0, snap.prompt_cache_evictions - last.prompt_cache_evictions))
         self.kv_offload_bytes_fetched.inc(max(0, snap.kv_offload_bytes_fetched - last.kv_offload_bytes_fetched))
         self.kv_offload_bytes_stored.inc(max(0, snap.kv_offload_bytes_stored - last.kv_offload_bytes_stored))
+        self.kv_request_sequences.set(snap.kv_request_sequences)
+        if snap.kv_leaked_blocks is not None:
+            self.kv_leaked_blocks.set(snap.kv_leaked_blocks)
+        self.faults_injected.inc(max(0, snap.faults_injected - last.faults_injected))
         self._last = snap
 
     def on_first_token(self, ttft: float, num_prompt_tokens: int) -> None:

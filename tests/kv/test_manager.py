@@ -432,3 +432,22 @@ def test_swap_in_rehashes_only_the_blocks_written_before_the_swap():
     assert m.cached_prefix_tokens(PROMPT) == 0
     m.swap_in(0)
     assert m.cached_prefix_tokens(PROMPT) == 4
+
+
+def test_the_audit_counts_blocks_whose_references_disagree_with_the_tables():
+    m = _manager(num_host_blocks=6)
+    _cached(m, 0, PROMPT)
+    m.fork(0, 1)
+    _cached(m, -1, [7] * 8)  # a Prompt Cache module sequence: not a request's
+    assert m.leaked_blocks() == 0 and m.num_request_sequences() == 2
+    m.free(1)
+    m.swap_out(0)
+    assert m.leaked_blocks() == 0 and m.num_request_sequences() == 1
+    m.host_pool.blocks[0].ref_count += 1  # a block nobody holds that the pool counts as used: lost
+    m.pool.blocks[9].ref_count += 1
+    assert m.leaked_blocks() == 2
+    m.host_pool.blocks[0].ref_count -= 1
+    m.pool.blocks[9].ref_count -= 1
+    m.free(0)
+    m.free(-1)
+    assert m.leaked_blocks() == 0 and m.num_request_sequences() == 0
