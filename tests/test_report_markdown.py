@@ -112,13 +112,20 @@ def window_table() -> str:
 
 def soak_table() -> str:
     results = {
-        "requests": 120, "elapsed_s": 600 + X, "options": {"concurrency": 8, "prefill_parallel": 2},
-        "by_kind": {"stream": {"sent": 60, "as_expected": 60, "statuses": {"200": 60}}},
+        "requests": 120, "elapsed_s": 600 + X, "options": {"concurrency": 8, "prefill_parallel": 2, "chaos": True,
+                                                       "faults": "swap=0.05"},
+        "by_kind": {"stream": {"sent": 60, "as_expected": 60, "statuses": {"200": 60}, "fault_errors": 2,
+                               "hung_up": 0}},
         "exactly_once": True, "engine_requests_accepted": 100, "engine_requests_ended": 100.0,
+        "engine_requests_uncertain": 3, "fault_errors": 2, "faults_injected": 9.0, "fault_log_lines": 9,
+        "kv_audit": [{"request_sequences": 0.0, "leaked_blocks": 0.0, "kv_cache_usage": 0.01 + X / 100}],
+        "lives": [{"start_s": 0.0, "schema_s": 1 + X, "first_pml_ttft_s": None, "warm_pml_ttft_s": 0.05 + X},
+                  {"start_s": 300 + X, "schema_s": 0.1 + X, "first_pml_ttft_s": 0.06 + X, "warm_pml_ttft_s": None}],
         "ended_by_reason": {'kvserve:request_success_total{finished_reason="stop"}': 100.0},
         "left_running_or_waiting": 0.0, "prefill_metrics": {"kvserve:prefill_parallel_restarts_total": 1.0},
-        "health": {"probes": 6000, "not_200": 0, "p50_ms": 2 + X, "p99_ms": 20 + X, "max_ms": 90 + X},
-        "server_rss_mib": {"second_quarter": 700 + X, "last_quarter": 710 + X, "max": 730 + X},
+        "health": {"probes": 6000, "not_200": 0, "p50_ms": 2 + X, "p99_ms": 20 + X, "max_ms": 90 + X,
+                   "during_restarts": 40},
+        "server_rss_mib": {"second_quarter": 700 + X, "last_quarter": 710 + X, "max": 730 + X, "since_s": 305 + X},
         "events": [[300 + X, "SIGKILL prefill worker 4321"]], "processes_left_after_stop": [4321, 4322],
     }  # fmt: skip
     return soak.soak_table({**HEAD, "results": results})

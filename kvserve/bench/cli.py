@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import json
 import math
+import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -238,6 +239,17 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     soak.add_argument("--max-request-bytes", type=int, default=1 << 20, help="the server's body limit (default: 1 MiB)")
     soak.add_argument("--threads", type=int, default=None, help="the server's torch threads")
     soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument(
+        "--chaos", action="store_true",
+        help="inject I/O faults at the tiers (swap, disk tier, module directory), preempt to swap, persist Prompt "
+        "Cache modules, restart the server mid-way, and let clients hang up",
+    )  # fmt: skip
+    soak.add_argument("--restart-at", type=float, default=0.5,
+                      help="--chaos: restart the server at this fraction of the duration; negative: never")  # fmt: skip
+    soak.add_argument("--faults", default=None, metavar="SPEC",
+                      help="--chaos: the server's KVSERVE_FAULTS, e.g. 'swap=0.05,module-dir-write=0.3:ENOSPC' "
+                      "(default: every point, see kvserve/bench/soak.py)")  # fmt: skip
+    soak.add_argument("--server-args", default="", help="more arguments for kvserve serve, in one string")
     add_output_arg(soak, "soak", "soak")
     soak.set_defaults(func=cmd_bench_soak)
 
@@ -1074,6 +1086,7 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
     with extra_imports("bench", "kvserve bench soak"):
         from kvserve.bench import soak
     from kvserve.bench.plots import plot_soak
+    from kvserve.faults import parse_faults
     from kvserve.models.catalog import resolve_model_path
 
     def log(line: str) -> None:
@@ -1083,7 +1096,11 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
         model=args.model, duration_s=args.duration, max_requests=args.max_requests, concurrency=args.concurrency,
         prefill_parallel=args.prefill_parallel, kill_worker_at=args.kill_worker_at,
         max_request_bytes=args.max_request_bytes, threads=args.threads, seed=args.seed,
+        extra_server_args=tuple(shlex.split(args.server_args)), chaos=args.chaos, restart_at=args.restart_at,
+        faults=args.faults if args.faults is not None else soak.CHAOS_FAULTS,
     )  # fmt: skip
+    if args.faults:
+        parse_faults(args.faults)  # a bad spec is an error here, not a server that fails to start
     results = soak.run_soak(opts, log)
     report = new_report("soak", model=resolve_model_path(args.model).name, results=results)
     out = output_path(args, "soak")
