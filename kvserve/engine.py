@@ -22,6 +22,7 @@ from kvserve.config import HEAD_BUDGETS_AND_MODULES, EngineConfig
 from kvserve.cpu_kernels import prepare_cpu_kernels
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.extras import extra_imports
+from kvserve.isolation import GLOBAL_NAMESPACE, check_cache_salt, prefix_salt
 from kvserve.kv.manager import KVCacheManager, KVUsage
 from kvserve.kv_plan import plan_kv, request_policy
 from kvserve.log import get_logger
@@ -190,11 +191,12 @@ class LLMEngine:
 
     # ----- Prompt Cache schemas -----
 
-    def register_schema(self, pml_text: str) -> dict:
-        """Register a PML schema; its modules are encoded now (``prompt_cache_encode="eager"``) or on first use."""
+    def register_schema(self, pml_text: str, namespace: str = GLOBAL_NAMESPACE) -> dict:
+        """Register a PML schema (in ``namespace``: ``kvserve/isolation.py``); its modules are encoded now
+        (``prompt_cache_encode="eager"``) or on first use."""
         self._check_prompt_cache()
         try:
-            return self.prompt_cache.register(pml_text).to_dict()
+            return self.prompt_cache.register(pml_text, namespace).to_dict()
         finally:
             self._queue_encodings()
 
@@ -233,12 +235,17 @@ class LLMEngine:
         request_id: str | None = None,
         add_special_tokens: bool = True,
         score_from: int = 0,
+        cache_salt: str | None = None,
+        namespace: str = GLOBAL_NAMESPACE,
     ) -> str:
         """Queue a request (text or token ids); returns its id. Raises ValueError for a bad request.
 
         ``score_from``: with ``prompt_logprobs``, only positions from there on are needed; the tokens
         before it run in steps of their own, so a compressing KV policy compresses that context first
-        (how the eval tools score a continuation under compression)."""
+        (how the eval tools score a continuation under compression).
+        ``cache_salt`` (vLLM's): prompts share prefix-cache blocks only with prompts of the same salt.
+        ``namespace``: whose schemas a PML prompt names, and whose prefix blocks a plain prompt may share
+        (``kvserve/isolation.py``; the caller's API key's, on a server with several)."""
         if self.closed:
             raise RuntimeError("the engine is closed (close() was called): build a new one")
         if self.tensor_parallel is not None:
@@ -247,12 +254,15 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
+        check_cache_salt(cache_salt, is_pml_prompt(prompt))
         if is_pml_prompt(prompt):
-            return self._add_pml_request(prompt, params, request_id, score_from)
+            return self._add_pml_request(prompt, params, request_id, score_from, namespace)
         ids = self.tokenizer.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
-        return self._queue(request_id, text, ids, params, score_from)
+        return self._queue(request_id, text, ids, params, score_from, salt=prefix_salt(namespace, cache_salt))
 
-    def _add_pml_request(self, pml_text: str, params: SamplingParams, request_id: str, score_from: int) -> str:
+    def _add_pml_request(
+        self, pml_text: str, params: SamplingParams, request_id: str, score_from: int, namespace: str
+    ) -> str:
         """A Prompt Cache prompt: its modules' KV pinned for the request's lifetime, the rest computed."""
         arrival = time.monotonic()  # pinning (and a lazy encoding) is part of the time to first token
         self._check_prompt_cache()
@@ -262,7 +272,7 @@ class LLMEngine:
             raise ValueError("prompt_logprobs need every prompt position's logits; a PML prompt computes only its "
                              "uncached tokens (send the prompt as plain text to score it)")  # fmt: skip
         try:
-            prepared = self.prompt_cache.prepare(pml_text)
+            prepared = self.prompt_cache.prepare(pml_text, namespace)
         finally:
             self._queue_encodings()
         try:
@@ -273,7 +283,7 @@ class LLMEngine:
 
     def _queue(
         self, request_id: str, text: str | None, ids: list[int], params: SamplingParams, score_from: int,
-        prepared: PreparedPrompt | None = None, arrival: float | None = None,
+        prepared: PreparedPrompt | None = None, arrival: float | None = None, salt: tuple = (),
     ) -> str:  # fmt: skip
         self.validate_prompt(ids)
         self.validate_params(params)
@@ -286,7 +296,7 @@ class LLMEngine:
         if not 0 <= score_from < len(ids):
             raise ValueError(f"score_from={score_from} must be in [0, {len(ids)}) for a prompt of {len(ids)} tokens")
         seq = self._new_sequence(ids, len(ids), params, seed_offset=0)
-        cached = {} if prepared is None else {
+        cached = {"cache_salt": salt} if prepared is None else {
             "prompt_positions": tuple(prepared.positions), "prompt_cache": prepared.cached, "cache_salt": prepared.salt,
             "arrival_time": arrival,
         }  # fmt: skip

@@ -195,12 +195,12 @@ def _read_schema(path: str) -> str:
         raise ValueError(f"cannot read schema file {path!r}: {exc.strerror}") from None
 
 
-def register_schemas(engine: object, paths: list[str]) -> None:
-    """Register each PML schema file with ``engine`` (an ``LLMEngine``); errors name the file."""
+def register_schemas(engine: object, paths: list[str], namespace: str = "") -> None:
+    """Register each PML schema file with ``engine`` (an ``LLMEngine``) in ``namespace``; errors name the file."""
     for path in paths:
         text = _read_schema(path)
         try:
-            engine.register_schema(text)
+            engine.register_schema(text, namespace)
         except ValueError as exc:
             raise ValueError(f"schema file {path}: {exc}") from None
 

@@ -74,9 +74,10 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in prompt order. A prompt is text, a list of token ids, vLLM's
-        ``{"prompt": text}`` or ``{"prompt_token_ids": [...]}``, or a PML prompt (text starting with
+        ``{"prompt": text}`` or ``{"prompt_token_ids": [...]}`` (either with a ``"cache_salt"``: prefix-cache
+        blocks are shared only among prompts of the same salt), or a PML prompt (text starting with
         ``<prompt schema=...>``) over a registered schema."""
-        return self._run([(p, True) for p in parse_prompts(prompts)], sampling_params, use_tqdm)
+        return self._run([(p.prompt, True, p.cache_salt) for p in parse_prompts(prompts)], sampling_params, use_tqdm)
 
     def chat(
         self,
@@ -91,21 +92,21 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
         prompts = [
-            (tokenizer.encode(chat_prompt(tokenizer, conversation, True, tools), add_special_tokens=False), False)
+            (tokenizer.encode(chat_prompt(tokenizer, conversation, True, tools), add_special_tokens=False), False, None)
             for conversation in conversations
         ]
         return self._run(prompts, sampling_params, use_tqdm)
 
     def _run(
         self,
-        prompts: list[tuple[Prompt, bool]],
+        prompts: list[tuple[Prompt, bool, str | None]],  # (prompt, add special tokens, cache salt)
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         params = _params_per_prompt(sampling_params, len(prompts))
         ids = [
-            self.engine.add_request(prompt, p, add_special_tokens=special)
-            for (prompt, special), p in zip(prompts, params, strict=True)
+            self.engine.add_request(prompt, p, add_special_tokens=special, cache_salt=salt)
+            for (prompt, special, salt), p in zip(prompts, params, strict=True)
         ]
         results: dict[str, RequestOutput] = {}
         progress = _progress_bar(len(ids), use_tqdm)

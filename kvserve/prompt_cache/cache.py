@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
+from kvserve.isolation import GLOBAL_NAMESPACE, qualified_name
 from kvserve.prompt_cache.pml import PMLError, parse_prompt, parse_schema
 from kvserve.prompt_cache.recompute import plan_recompute
 from kvserve.prompt_cache.roles import RoleFrames
@@ -59,6 +60,8 @@ class PreparedPrompt:
 
 @dataclass(frozen=True)
 class _Registered:
+    name: str
+    namespace: str
     text: str
     layout: SchemaLayout
 
@@ -88,50 +91,57 @@ class PromptCache:
 
     # ----- schemas -----
 
-    def register(self, pml_text: str) -> SchemaInfo:
+    # Every method takes the caller's ``namespace`` (``kvserve/isolation.py``): names resolve within it, and a
+    # schema of another namespace is as unknown as one never registered. Registry and store keys are qualified.
+
+    def register(self, pml_text: str, namespace: str = GLOBAL_NAMESPACE) -> SchemaInfo:
         """Parse, lay out and store a schema's modules (encoding them now when eager). Registering the same
         text again is a no-op; another schema under a taken name is an error (remove it first)."""
         schema = parse_schema(pml_text)
         check_schema_name(schema.name, schema.line)
-        known = self._schemas.get(schema.name)
+        key = qualified_name(namespace, schema.name)
+        known = self._schemas.get(key)
         if known is not None:
             if known.text == pml_text:
-                return self.info(schema.name)
+                return self.info(schema.name, namespace)
             raise PMLError(f"a different schema named {schema.name!r} is registered; delete it first", schema.line)
         layout = SchemaLayout.build(schema, self.tokenizer, self.frames, self.max_model_len)
-        self._schemas[schema.name] = _Registered(pml_text, layout)
+        self._schemas[key] = _Registered(schema.name, namespace, pml_text, layout)
         try:
             for name, module in layout.modules.items():
                 if module.token_ids:
                     self.store.add(
-                        (schema.name, name), module.token_ids, module.positions, self.eager, self._context(layout, name)
+                        (key, name), module.token_ids, module.positions, self.eager, self._context(layout, name)
                     )
         except Exception:
-            self.remove(schema.name)
+            self.remove(schema.name, namespace)
             raise
-        return self.info(schema.name)
+        return self.info(schema.name, namespace)
 
-    def remove(self, name: str) -> None:
-        registered = self._schemas.pop(name, None)
+    def remove(self, name: str, namespace: str = GLOBAL_NAMESPACE) -> None:
+        key = qualified_name(namespace, name)
+        registered = self._schemas.pop(key, None)
         if registered is None:
             raise KeyError(_unknown(name))
         for module in registered.layout.modules:
-            self.store.remove((name, module))
+            self.store.remove((key, module))
 
-    def encoding(self, name: str) -> bool:
+    def encoding(self, name: str, namespace: str = GLOBAL_NAMESPACE) -> bool:
         """Whether any of schema ``name``'s modules is queued or running to be encoded."""
-        return any(m.encoding for key, m in self.store.modules.items() if key[0] == name)
+        key = qualified_name(namespace, name)
+        return any(m.encoding for k, m in self.store.modules.items() if k[0] == key)
 
-    def names(self) -> list[str]:
-        return sorted(self._schemas)
+    def names(self, namespace: str = GLOBAL_NAMESPACE) -> list[str]:
+        return sorted(r.name for r in self._schemas.values() if r.namespace == namespace)
 
-    def info(self, name: str) -> SchemaInfo:
-        registered = self._schemas.get(name)
+    def info(self, name: str, namespace: str = GLOBAL_NAMESPACE) -> SchemaInfo:
+        key = qualified_name(namespace, name)
+        registered = self._schemas.get(key)
         if registered is None:
             raise KeyError(_unknown(name))
         modules = {}
         for module_name, module in registered.layout.modules.items():
-            stored = self.store.modules.get((name, module_name))
+            stored = self.store.modules.get((key, module_name))
             modules[module_name] = {
                 "start": module.start, "end": module.end, "tokens": len(module.token_ids),
                 "params": {p.name: p.length for p in module.params.values()},
@@ -141,12 +151,13 @@ class PromptCache:
 
     # ----- prompts -----
 
-    def prepare(self, pml_text: str) -> PreparedPrompt:
+    def prepare(self, pml_text: str, namespace: str = GLOBAL_NAMESPACE) -> PreparedPrompt:
         """Bind a PML prompt to its schema and pin its modules' KV in device blocks (an encoding queued for any
         not yet encoded: ``store.take_encode_jobs``). The caller unpins ``modules`` when the request ends."""
         prompt = parse_prompt(pml_text)
         check_schema_name(prompt.schema, prompt.line)
-        registered = self._schemas.get(prompt.schema)
+        key = qualified_name(namespace, prompt.schema)
+        registered = self._schemas.get(key)
         if registered is None:
             # Other clients' schema names are not this client's business: name only the one asked for.
             raise PMLError(f"unknown schema {prompt.schema!r}: no schema of that name is registered", prompt.line)
@@ -154,14 +165,16 @@ class PromptCache:
         pinned: list[ModuleBlocks] = []
         try:
             for name in layout.modules:
-                module = self._stored(prompt.schema, name, registered.layout)
+                module = self._stored(key, name, registered.layout)
                 if module is not None:
                     pinned.append(self.store.pin(module))
         except Exception:
             for blocks in pinned:
                 self.store.unpin(blocks.module)
             raise
-        prepared = _assemble(pinned, layout.token_ids, layout.positions, self.store.kv.block_size, registered.text)
+        prepared = _assemble(
+            pinned, layout.token_ids, layout.positions, self.store.kv.block_size, (key, registered.text)
+        )
         if self.recompute > 0 and not self.store.per_layer_groups:
             return _with_recompute(prepared, pinned, self.store.kv.block_size, self.recompute, self.probe_window)
         return prepared
@@ -191,7 +204,7 @@ def _unknown(name: str) -> str:
 
 
 def _assemble(
-    pinned: list[ModuleBlocks], uncached: list[int], uncached_positions: list[int], block_size: int, schema_text: str
+    pinned: list[ModuleBlocks], uncached: list[int], uncached_positions: list[int], block_size: int, schema: tuple
 ) -> PreparedPrompt:
     """Slot order: every module's full blocks (shared), every module's tail (copied), the uncached tokens.
     Attention does not care about slot order; RoPE put each position in its key already. (Token order follows
@@ -215,7 +228,8 @@ def _assemble(
     # The sequences whose encodings the prompt waits for: a module encoded after a context runs in a scratch one.
     module_seqs = tuple(blocks.module.encode_seq_id or blocks.module.seq_id for blocks in pinned)
     cached = CachedPrompt(shared, tuple(tail_slots), module_seqs, num_tokens=sum(m.module.num_tokens for m in pinned))
-    digest = hashlib.sha256(repr((schema_text, tuple(token_ids), tuple(positions))).encode()).hexdigest()
+    # ``schema``: its qualified name and text, so another namespace's copy of the schema never shares the blocks.
+    digest = hashlib.sha256(repr((schema, tuple(token_ids), tuple(positions))).encode()).hexdigest()
     return PreparedPrompt(
         token_ids, positions, cached, [b.module for b in pinned], len(uncached), ("prompt-cache", digest)
     )  # fmt: skip

@@ -4,9 +4,10 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as 
 with ``stream: true``; a prompt starting with ``<prompt schema=...>`` is a Prompt Cache prompt),
 ``POST/GET /v1/schemas``, ``GET/DELETE /v1/schemas/{name}`` (Prompt Cache schemas, see
 ``server/schemas.py``), ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize`` (``server/tokenize.py``),
-``GET /version``, ``GET /health``, ``GET /metrics``. With an ``api_key``, every ``/v1`` route and the two
-tokenizer routes (they spend CPU on the caller's input) need ``Authorization: Bearer <key>``; ``/version``,
-``/health`` and ``/metrics`` stay open.
+``GET /version``, ``GET /health``, ``GET /metrics``. With an ``api_key`` (or several), every ``/v1`` route and
+the two tokenizer routes (they spend CPU on the caller's input) need ``Authorization: Bearer <key>``;
+``/version``, ``/health`` and ``/metrics`` stay open. With several keys each key is a tenant: its schemas and
+its prefix-cache blocks are its own (``kvserve/isolation.py``).
 A body over ``max_request_bytes`` gets 413; large bodies and prompts are parsed and tokenised off the
 event loop (``server/blocking.py``).
 Errors use OpenAI's shape with the offending field in ``param``.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -28,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import kvserve
+from kvserve.isolation import key_namespaces
 from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.blocking import BlockingWork
 from kvserve.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
@@ -44,7 +46,7 @@ from kvserve.server.protocol import (
     TokenizeRequest,
 )
 from kvserve.server.schemas import create_schema, delete_schema, get_schema, list_schemas
-from kvserve.server.serving import ClientDisconnected, ServeContext
+from kvserve.server.serving import NAMESPACE_STATE, ClientDisconnected, ServeContext, request_namespace
 from kvserve.server.tokenize import detokenize, tokenize
 from kvserve.server.tokens import TokenTexts
 from kvserve.server.tool_parsers import check_parser, detect_parser
@@ -56,7 +58,7 @@ KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")  # what needs the API key when
 def build_app(
     async_engine: AsyncEngine,
     model_name: str,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     model_aliases: Iterable[str] = (),
     model_root: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
@@ -86,8 +88,9 @@ def build_app(
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.ctx = ctx
-    if api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+    if api_keys:
+        app.add_middleware(ApiKeyMiddleware, api_keys=api_keys)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     _add_error_handlers(app)
 
@@ -122,19 +125,19 @@ def _add_schema_routes(app: FastAPI, ctx: ServeContext) -> None:
 
     @app.post("/v1/schemas")
     async def schemas_create(raw: Request) -> Response:
-        return await create_schema(ctx, await _parse(ctx, raw, SchemaRequest))
+        return await create_schema(ctx, await _parse(ctx, raw, SchemaRequest), request_namespace(raw))
 
     @app.get("/v1/schemas")
-    async def schemas_list() -> Response:
-        return await list_schemas(ctx)
+    async def schemas_list(raw: Request) -> Response:
+        return await list_schemas(ctx, request_namespace(raw))
 
     @app.get("/v1/schemas/{name}")
-    async def schemas_get(name: str) -> Response:
-        return await get_schema(ctx, name)
+    async def schemas_get(name: str, raw: Request) -> Response:
+        return await get_schema(ctx, name, request_namespace(raw))
 
     @app.delete("/v1/schemas/{name}")
-    async def schemas_delete(name: str) -> Response:
-        return await delete_schema(ctx, name)
+    async def schemas_delete(name: str, raw: Request) -> Response:
+        return await delete_schema(ctx, name, request_namespace(raw))
 
 
 def _add_service_routes(app: FastAPI, ctx: ServeContext, model_name: str, model_root: str | None) -> None:
@@ -199,18 +202,25 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 class ApiKeyMiddleware:
-    """Plain ASGI (so streaming responses pass through untouched): ``KEYED_PATHS`` need the bearer key."""
+    """Plain ASGI (so streaming responses pass through untouched): ``KEYED_PATHS`` need a bearer key, and the
+    request carries that key's namespace (``kvserve/isolation.py``) in ``scope["state"]``."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        namespaces = key_namespaces(list(api_keys))
+        self.expected = [(f"Bearer {key}".encode(), ns) for key, ns in zip(api_keys, namespaces, strict=True)]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(KEYED_PATHS) and scope["method"] != "OPTIONS":
             given = dict(scope["headers"]).get(b"authorization")
-            if given is None or not secrets.compare_digest(given, self.expected):
+            namespace = None
+            for expected, key_namespace in self.expected:  # every key compared: the time names no key
+                if given is not None and secrets.compare_digest(given, expected):
+                    namespace = key_namespace
+            if namespace is None:
                 message = "missing API key: send 'Authorization: Bearer <key>'" if given is None else "invalid API key"
                 error = ApiError(401, message, None, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 await _error(error)(scope, receive, send)
                 return
+            scope.setdefault("state", {})[NAMESPACE_STATE] = namespace
         await self.app(scope, receive, send)

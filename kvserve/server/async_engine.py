@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from kvserve import faults
 from kvserve.engine import LLMEngine
 from kvserve.heap import HeapTrimmer
+from kvserve.isolation import GLOBAL_NAMESPACE
 from kvserve.log import get_logger
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -63,6 +64,8 @@ class _Add:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     arrival: float
+    cache_salt: str | None = None  # ``LLMEngine.add_request``'s isolation arguments (``kvserve/isolation.py``)
+    namespace: str = GLOBAL_NAMESPACE
 
 
 @dataclass
@@ -238,25 +241,36 @@ class AsyncEngine:
                 f"{self.max_queue}; retry later"
             )
 
-    def add_request(self, request_id: str, prompt: Sequence[int] | str, params: SamplingParams) -> RequestStream:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Sequence[int] | str,
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        namespace: str = GLOBAL_NAMESPACE,
+    ) -> RequestStream:
         """Queue a request (token ids or a PML prompt) for the engine thread; await ``wait_accepted()`` on the
-        result to see it admitted."""
+        result to see it admitted. ``cache_salt``, ``namespace``: as ``LLMEngine.add_request`` takes them."""
         self.check_capacity(1)
         if request_id in self._active:
             raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         prompt = prompt if isinstance(prompt, str) else list(prompt)
-        command = _Add(request_id, prompt, params, asyncio.get_running_loop(), queue, time.monotonic())
+        loop = asyncio.get_running_loop()
+        command = _Add(request_id, prompt, params, loop, queue, time.monotonic(), cache_salt, namespace)
         self._active.add(request_id)
         self._post(command)
         return RequestStream(self, request_id, queue)
 
     async def add_requests(
-        self, items: Sequence[tuple[str, Sequence[int] | str, SamplingParams]]
+        self,
+        items: Sequence[tuple[str, Sequence[int] | str, SamplingParams]],
+        cache_salt: str | None = None,
+        namespace: str = GLOBAL_NAMESPACE,
     ) -> list[RequestStream]:
         """Add several requests (one per prompt) all or none: on any error the others are aborted."""
         self.check_capacity(len(items))
-        streams = [self.add_request(*item) for item in items]
+        streams = [self.add_request(*item, cache_salt, namespace) for item in items]
         try:
             for stream in streams:
                 await stream.wait_accepted()
@@ -337,7 +351,10 @@ class AsyncEngine:
             return
         tracked = _Tracked(command.loop, command.queue, command.arrival, 0)
         try:
-            self.engine.add_request(command.prompt, command.params, request_id=command.request_id)
+            self.engine.add_request(
+                command.prompt, command.params, request_id=command.request_id, cache_salt=command.cache_salt,
+                namespace=command.namespace,
+            )  # fmt: skip
         except Exception as exc:  # ValueError for a bad request; anything else is reported the same way
             tracked.deliver(exc)
             return

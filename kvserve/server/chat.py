@@ -38,7 +38,7 @@ from kvserve.server.protocol import (
     UsageInfo,
     random_id,
 )
-from kvserve.server.serving import DONE, RequestStream, ServeContext, results, sse, sse_error
+from kvserve.server.serving import DONE, RequestStream, ServeContext, request_namespace, results, sse, sse_error
 from kvserve.server.tokens import chat_logprobs, prompt_logprobs
 from kvserve.server.tools import ToolPlan, tool_plan
 from kvserve.server.truncation import check_keep, refuse_pml, truncate
@@ -65,7 +65,9 @@ async def create_chat_completion(ctx: ServeContext, body: ChatCompletionRequest,
     guided = plan.guided if plan is not None else None
     params = chat_params(body, prompt_len, ctx.max_model_len, ctx.max_num_seqs, guided)
     request_id = random_id("chatcmpl")
-    streams = await ctx.admit(request_id, [prompt], params, prompt_param="messages[0].content")
+    streams = await ctx.admit(
+        request_id, [prompt], params, "messages[0].content", body.cache_salt, request_namespace(raw)
+    )
     if body.stream:
         events = _stream(ctx, body, plan, request_id, streams[0], prompt_len)
         return StreamingResponse(events, media_type="text/event-stream")

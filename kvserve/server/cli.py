@@ -32,8 +32,14 @@ def add_serve_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
         "--api-key",
-        default=os.environ.get("KVSERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (default: $KVSERVE_API_KEY)",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (default: $KVSERVE_API_KEY); "
+        "give it again for more keys: with two or more, each key has its own Prompt Cache schemas and "
+        "prefix-cache blocks",
+    )
+    serve.add_argument(
+        "--api-key-file", default=None, metavar="PATH", help="more API keys, one per line ('#' starts a comment)"
     )
     serve.add_argument(
         "--max-queue", type=int, default=None, help="most requests waiting + running; more get 503 (default: no limit)"
@@ -71,7 +77,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from kvserve.cli import load_from_args
     from kvserve.engine import LLMEngine
+    from kvserve.isolation import GLOBAL_NAMESPACE, key_namespaces
     from kvserve.server.api import build_app
+    from kvserve.server.api_keys import ENV_VAR, read_api_keys
     from kvserve.server.async_engine import AsyncEngine
     from kvserve.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
     from kvserve.server.metrics import ServerMetrics
@@ -84,6 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     args.model = model_from_args(args.model_name, args.model)
+    api_keys = read_api_keys(args.api_key, args.api_key_file, os.environ.get(ENV_VAR))
     config = engine_config_from_args(args)
     node = run_worker_node(config)
     if node is not None:  # another machine of a tensor-parallel group: its ranks only
@@ -91,13 +100,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_schemas(config, args.schema)
     check_model_fit(config)
     engine = LLMEngine(config, load_from_args(args))
-    register_schemas(engine, args.schema)
+    for namespace in dict.fromkeys(key_namespaces(api_keys) or [GLOBAL_NAMESPACE]):
+        register_schemas(engine, args.schema, namespace)  # with several keys, each gets its own copy
     path = engine.loaded.path
     name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
     aliases = {str(path), str(path.resolve()), args.model or DEFAULT_SERVED_NAME}
     metrics = ServerMetrics(name)
     app = build_app(
-        AsyncEngine(engine, metrics, args.max_queue), name, args.api_key, aliases, str(path), max_bytes,
+        AsyncEngine(engine, metrics, args.max_queue), name, api_keys, aliases, str(path), max_bytes,
         tool_call_parser=args.tool_call_parser,
     )  # fmt: skip
     host = f"[{args.host}]" if ":" in args.host else args.host
@@ -105,8 +115,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = f"context {engine.max_model_len} tokens, at most {config.max_num_seqs} sequences per step"
     queue = f", at most {args.max_queue} requests queued" if args.max_queue else ""
     queue += f", request bodies up to {max_bytes:,} bytes"
-    print(f"kvserve: {limits}{queue}; API key {'required' if args.api_key else 'not required'}", file=sys.stderr)
-    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+    keys = f"one of {len(api_keys)} API keys required" if len(api_keys) > 1 else "API key required"
+    print(f"kvserve: {limits}{queue}; {keys if api_keys else 'API key not required'}", file=sys.stderr)
+    if not api_keys and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"kvserve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

@@ -28,7 +28,16 @@ from kvserve.server.protocol import (
     UsageInfo,
     random_id,
 )
-from kvserve.server.serving import DONE, RequestStream, ServeContext, merged, results, sse, sse_error
+from kvserve.server.serving import (
+    DONE,
+    RequestStream,
+    ServeContext,
+    merged,
+    request_namespace,
+    results,
+    sse,
+    sse_error,
+)  # fmt: skip
 from kvserve.server.tokens import completion_logprobs, prompt_logprobs
 from kvserve.server.truncation import check_keep, refuse_pml, truncate
 
@@ -46,7 +55,9 @@ async def create_completion(ctx: ServeContext, body: CompletionRequest, raw: Req
     # Tokenising (and detokenising ids for echo) a large prompt takes seconds: not on the event loop.
     prompts = await ctx.blocking.run(_prompt_size(body.prompt), _prompts, ctx, body, params.skip_special_tokens)
     request_id = random_id("cmpl")
-    streams = await ctx.admit(request_id, [p.ids for p in prompts], params)
+    streams = await ctx.admit(
+        request_id, [p.ids for p in prompts], params, cache_salt=body.cache_salt, namespace=request_namespace(raw)
+    )
     if body.stream:
         return StreamingResponse(_stream(ctx, body, request_id, prompts, streams), media_type="text/event-stream")
     outputs = await results(streams, raw)

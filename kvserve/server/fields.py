@@ -51,7 +51,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "documents": (None,),
     "mm_processor_kwargs": (None,),
     "priority": (None, 0),
-    "cache_salt": (None,),
     "request_id": (None,),
     "kv_transfer_params": (None,),
     "vllm_xargs": (None,),

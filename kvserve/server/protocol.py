@@ -102,6 +102,7 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool = True
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    cache_salt: str | None = None  # prefix-cache blocks are shared only among requests of one salt (isolation.py)
     # kvserve extras: this request's KV policy (the engine must run with per-layer KV groups)
     kv_policy: str | None = None
     kv_budget: float | None = None

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 from starlette.requests import Request
 
+from kvserve.isolation import GLOBAL_NAMESPACE, check_cache_salt
 from kvserve.outputs import RequestOutput
 from kvserve.prompt_cache.pml import PMLError
 from kvserve.prompt_cache.store import PromptCacheError
@@ -26,6 +27,7 @@ from kvserve.server.errors import ApiError, bad_request
 from kvserve.server.tokens import TokenTexts
 
 RETRY_AFTER_S = 1
+NAMESPACE_STATE = "kvserve_namespace"  # where ``ApiKeyMiddleware`` leaves the caller's namespace in the scope
 DONE = "data: [DONE]\n\n"
 
 
@@ -71,9 +73,16 @@ class ServeContext:
         prompts: Sequence[Sequence[int] | str],
         params: SamplingParams,
         prompt_param: str = "prompt",
+        cache_salt: str | None = None,
+        namespace: str = GLOBAL_NAMESPACE,
     ) -> list[RequestStream]:
         """One engine request per prompt (token ids, or PML prompt text), all admitted or none; errors become
-        400 / 503. A PML prompt's errors name ``prompt_param``, the field that held it."""
+        400 / 503. A PML prompt's errors name ``prompt_param``, the field that held it. ``cache_salt`` and
+        ``namespace`` (the caller's API key's) isolate the request's cache use (``kvserve/isolation.py``)."""
+        try:
+            check_cache_salt(cache_salt, any(isinstance(p, str) for p in prompts))  # a str prompt: a PML one
+        except ValueError as exc:
+            raise bad_request(str(exc), "cache_salt") from None
         try:
             self.engine.engine.validate_params(params)
         except ValueError as exc:  # the message starts with the field's name
@@ -84,7 +93,7 @@ class ServeContext:
             raise bad_request(str(exc), _policy_param(params)) from None
         items = [(f"{request_id}-{i}", ids, params) for i, ids in enumerate(prompts)]
         try:
-            return await self.engine.add_requests(items)
+            return await self.engine.add_requests(items, cache_salt, namespace)
         except QueueTooSmallError as exc:
             raise bad_request(str(exc), "prompt") from None
         except QueueFullError as exc:
@@ -95,6 +104,11 @@ class ServeContext:
             raise bad_request(str(exc), prompt_param) from None
         except ValueError as exc:
             raise bad_request(str(exc)) from None
+
+
+def request_namespace(raw: Request) -> str:
+    """The caller's namespace, as ``ApiKeyMiddleware`` found it from the API key (``kvserve/isolation.py``)."""
+    return raw.scope.get("state", {}).get(NAMESPACE_STATE, GLOBAL_NAMESPACE)
 
 
 def _policy_param(params: SamplingParams) -> str:

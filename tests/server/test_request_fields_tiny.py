@@ -29,7 +29,7 @@ ASKING = {
     "logits_processors": ["x"], "return_tokens_as_token_ids": True, "return_token_ids": True,
     "add_special_tokens": True, "continue_final_message": True, "chat_template": "{{ messages }}",
     "chat_template_kwargs": {"enable_thinking": True}, "documents": [{"text": "x"}], "mm_processor_kwargs": {},
-    "priority": 1, "cache_salt": "salt", "request_id": "mine", "kv_transfer_params": {}, "vllm_xargs": {},
+    "priority": 1, "request_id": "mine", "kv_transfer_params": {}, "vllm_xargs": {},
     "cache_prompt": False,
 }  # fmt: skip
 REQUESTS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}

@@ -68,3 +68,36 @@ def test_serve_command_serves_and_stops_cleanly(tiny_folder):
     assert process.returncode == 0, stderr
     assert f"serving tiny-cli at http://127.0.0.1:{port}/v1" in stderr
     assert "KV cache:" in stderr and "blocks x 8 tokens" in stderr
+
+
+def test_serve_with_several_keys_gives_each_its_own_copy_of_the_schema_files(tiny_folder, tmp_path, monkeypatch):
+    schema = tmp_path / "s.xml"
+    schema.write_text(
+        '<schema name="s"><module name="doc">the cat sat on the mat and then it ran off</module></schema>'
+    )
+    keys = tmp_path / "keys"
+    keys.write_text("# tenant B\nsk-b\n")
+    monkeypatch.setenv("KVSERVE_API_KEY", "sk-env-ignored")  # the options give keys: the environment's is not one
+    port = free_port()
+    command = [
+        sys.executable, "-m", "kvserve.cli", "serve", "--model", str(tiny_folder), "--port", str(port),
+        "--threads", "1", "--api-key", "sk-a", "--api-key-file", str(keys), "--schema", str(schema),
+        "--kv-cache-memory", "8MiB", "--block-size", "8", "--max-num-seqs", "4", "--log-level", "warning",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_health(process, port)
+        url = f"http://127.0.0.1:{port}/v1/schemas/s"
+        assert httpx.delete(url, headers={"Authorization": "Bearer sk-b"}).status_code == 200  # B's copy only
+        assert httpx.get(url, headers={"Authorization": "Bearer sk-b"}).status_code == 404
+        assert httpx.get(url, headers={"Authorization": "Bearer sk-a"}).status_code == 200
+        assert httpx.get(url, headers={"Authorization": "Bearer sk-env-ignored"}).status_code == 401
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            _, stderr = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert process.returncode == 0, stderr
+    assert "one of 2 API keys required" in stderr and "sk-a" not in stderr and "sk-b" not in stderr
