@@ -21,6 +21,7 @@ from kvserve.attention.factory import make_kv_cache
 from kvserve.config import HEAD_BUDGETS_AND_MODULES, EngineConfig
 from kvserve.cpu_kernels import prepare_cpu_kernels
 from kvserve.detokenizer import IncrementalDetokenizer
+from kvserve.errors import KVTierError
 from kvserve.extras import extra_imports
 from kvserve.isolation import GLOBAL_NAMESPACE, check_cache_salt, prefix_salt
 from kvserve.kv.manager import KVCacheManager, KVUsage
@@ -32,7 +33,7 @@ from kvserve.policies import KVPolicy
 from kvserve.prompt_cache.cache import PreparedPrompt, PromptCache
 from kvserve.prompt_cache.pml import is_pml_prompt
 from kvserve.prompt_cache.store import CachedModule, EncodeJob, ModuleStore
-from kvserve.request import Request, Sequence
+from kvserve.request import Request, RequestStatus, Sequence
 from kvserve.runner import ModelRunner
 from kvserve.sampler import SampledToken, SampleRow, make_generator, sample_batch, sample_each
 from kvserve.sampling_params import SamplingParams
@@ -103,6 +104,7 @@ class LLMEngine:
         self._pinned_modules: dict[str, list[CachedModule]] = {}  # request id -> Prompt Cache modules it pins
         self._pending_beams: dict[str, dict[int, torch.Tensor]] = {}  # request -> beam -> logits row
         self._encodings: dict[int, EncodeJob] = {}  # module sequence -> its encoding, while the scheduler runs it
+        self._tier_faulted: set[str] = set()  # requests recomputed once after a KV tier fault (a second one ends them)
         self._seq_ids = itertools.count()
         self._grammar_cache = None  # structured/grammars.py GrammarCache, built at the first guided request
         self.guided_mask_seconds = 0.0  # time spent filling grammar masks, and the steps that filled any
@@ -402,7 +404,10 @@ class LLMEngine:
                     request.finished_beams.append(seq)
             touched[request_id] = request
         rows_from = self._prompt_logprob_rows(out)
-        result = self.runner.execute(out, rows_from)
+        try:
+            result = self.runner.execute(out, rows_from)
+        except KVTierError as error:
+            return [self._finish_or_report(request) for request in touched.values()] + self._tier_fault(out, error)
         for seq_id in self.scheduler.update(out, result.report):
             self.prompt_cache.store.finish_encoding(self._encodings.pop(seq_id))
         sampled: dict[str, list[tuple[Sequence, torch.Tensor]]] = {}
@@ -419,6 +424,38 @@ class LLMEngine:
                 sampled.setdefault(request.request_id, []).append((seq, logits[-1]))
         self._sample(sampled)
         return [self._finish_or_report(request) for request in touched.values()]
+
+    def _tier_fault(self, out: SchedulerOutput, error: KVTierError) -> list[RequestOutput]:
+        """A KV tier failed a transfer in step ``out``, which is given up. Only the requests it touched (run,
+        swapped out or in) are affected: each computes again from its tokens (exact, as preemption by recompute
+        is); one that faults a second time ends with finish_reason "error". The others are served as before."""
+        if any(s.seq_id not in self._seqs for s in out.scheduled):
+            raise error  # a Prompt Cache module's encoding ran in the step: no request owns it to recompute
+        self.runner.cache.recover()
+        affected = {self._seqs[s.seq_id][0].request_id: self._seqs[s.seq_id][0] for s in out.scheduled}
+        for request_id in out.preempted:  # swapped out in the step: the host copy may be incomplete
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.SWAPPED:
+                affected[request_id] = request
+        error.request_ids = tuple(request_id for request_id in affected if request_id in self._tier_faulted)
+        get_logger().warning(
+            "%s; recomputing %d requests, failing %d",
+            error,
+            len(affected) - len(error.request_ids),
+            len(error.request_ids),
+        )
+        outputs = []
+        for request in affected.values():
+            if request.request_id in error.request_ids:
+                for seq in request.live_seqs:
+                    seq.finish_reason = "error"
+                self._release(request)
+                outputs.append(dataclasses.replace(self._output(request), error=str(error)))
+            else:
+                self._tier_faulted.add(request.request_id)
+                self.scheduler.recompute(request)
+        self.kv.pool.forget_free()  # a block the step wrote (or swapped in) may hold a failed copy: no prefix hits
+        return outputs
 
     def _prompt_logprob_rows(self, out: SchedulerOutput) -> dict[int, int]:
         """seq_id -> the first row of its chunk whose logits prompt logprobs need (from there on)."""
@@ -610,6 +647,7 @@ class LLMEngine:
         for seq in request.seqs:
             self._seqs.pop(seq.seq_id, None)
         self._pending_beams.pop(request.request_id, None)
+        self._tier_faulted.discard(request.request_id)
         self.prompt_cache.release(self._pinned_modules.pop(request.request_id, []))
         request.finish_time = time.monotonic()
 

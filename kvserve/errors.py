@@ -19,3 +19,12 @@ class ParallelPrefillError(KVServeError):
 
 class TensorParallelError(KVServeError):
     """A tensor-parallel rank died, hung past the timeout or failed; the group is lost (the message says why)."""
+
+
+class KVTierError(KVServeError):
+    """A KV tier below the device (swap space, an offload tier's host memory or disk file) could not be created
+    or failed a transfer. ``request_ids``: the requests it failed (set by the engine; empty at start-up)."""
+
+    def __init__(self, message: str, request_ids: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids

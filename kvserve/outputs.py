@@ -12,7 +12,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None  # per generated token: top tokens -> logprob
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" (RequestOutput.error says why)
     stop_reason: int | str | None = None
 
     def finished(self) -> bool:
@@ -31,3 +31,4 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first token and finish times
     # With prompt_logprobs: each prompt token's rank in the vocabulary (1: the most likely; None for the first).
     prompt_token_ranks: list[int | None] | None = None
+    error: str | None = None  # why the request failed (finish_reason "error"): a KV tier fault, for one

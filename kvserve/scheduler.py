@@ -160,6 +160,20 @@ class Scheduler:
             self.free_sequence(seq)
         request.status = RequestStatus.FINISHED
 
+    def recompute(self, request: Request) -> None:
+        """Preempt ``request`` by recompute outside a step (its KV could not be trusted after a failed step): free
+        its blocks, device or host, and queue it first to compute again from its tokens."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if request in queue:
+                queue.remove(request)
+        for seq in request.live_seqs:
+            self.free_sequence(seq)
+            seq.num_computed_tokens = 0
+            seq.group_slots, seq.group_heads = [], []
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
     def update(self, out: SchedulerOutput, report: StepReport) -> list[int]:
         """Apply what the step ``out`` did (vLLM v1's ``update_from_output``): every scheduled sequence has its
         tokens computed, and where a policy compacted a sequence's KV groups (``report.group_slots``) the blocks

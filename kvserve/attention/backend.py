@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvserve.errors import KVTierError
+
 if TYPE_CHECKING:  # plain data the scheduler emits; the cache only reads it
     from kvserve.scheduler import SchedulerOutput
 
@@ -179,14 +181,24 @@ class AttentionBackend(ABC):
     def apply_moves(self, out: SchedulerOutput) -> None:
         """Swap-outs first (the blocks they vacate may be handed out again in this very step), then swap-ins,
         copy-on-write blocks and Prompt Cache module tails."""
-        if out.blocks_to_swap_out:
-            self.swap_out(out.blocks_to_swap_out)
-        if out.blocks_to_swap_in:
-            self.swap_in(out.blocks_to_swap_in)
+        try:
+            if out.blocks_to_swap_out:
+                self.swap_out(out.blocks_to_swap_out)
+            if out.blocks_to_swap_in:
+                self.swap_in(out.blocks_to_swap_in)
+        except UnsupportedKVOperation:
+            raise
+        except (OSError, RuntimeError) as exc:  # the host tier failed a copy: the engine recomputes those sequences
+            raise KVTierError(f"swapping KV blocks to or from the host tier (swap_space) failed: {exc!r}") from exc
         if out.blocks_to_copy:
             self.copy_blocks(out.blocks_to_copy)
         if out.slots_to_copy:
             self.copy_slots(out.slots_to_copy)
+
+    def recover(self) -> None:
+        """After a step that raised ``KVTierError``: settle what the step left in flight (the engine recomputes
+        the step's sequences). Nothing by default."""
+        return None
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: each (src, dst) block's contents in every layer."""

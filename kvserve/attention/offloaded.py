@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention.backend import AttentionBackend, AttentionMetadata, UnsupportedKVOperation
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata, StepReport, UnsupportedKVOperation
 from kvserve.attention.decode import paged_decode
 from kvserve.attention.paged import attend_prefill
 from kvserve.attention.softcap import sdpa
@@ -249,9 +249,17 @@ class OffloadedKVCache(AttentionBackend):
     def close(self) -> None:
         self.queue.close()
 
+    def report(self, metadata: AttentionMetadata) -> StepReport:
+        self.queue.check()  # a failed store leaves rows missing from the tier: the step must not count as done
+        return super().report(metadata)
+
+    def recover(self) -> None:
+        self.queue.drain()
+
     # ----- a step -----
 
     def build_metadata(self, out: SchedulerOutput, rows_from: Mapping[int, int]) -> OffloadAttentionMetadata:
+        self.queue.check()  # a store of the last step that failed after its report: this step's sequences redo it
         scheduled = out.scheduled
         metadata = OffloadAttentionMetadata(
             seq_ids=tuple(s.seq_id for s in scheduled),

@@ -43,6 +43,7 @@ from kvserve.attention.masks import causal_mask, window_binds
 from kvserve.attention.row_invariant import RowPlan, attend_row_calls, plan_row_calls
 from kvserve.attention.softcap import sdpa
 from kvserve.attention.step_layout import padded_table, row_starts, token_positions
+from kvserve.errors import KVTierError
 from kvserve.kv import huge_pages
 
 if TYPE_CHECKING:
@@ -308,7 +309,17 @@ class PagedKVCache(AttentionBackend):
         self.layer_to_group = tuple(layer_to_group)
         self.layer_windows = tuple(layer_windows) if any(w is not None for w in layer_windows) else ()
         self.softcap = softcap
-        self.host_cache = self.make_host_cache(num_host_blocks) if num_host_blocks else None
+        self.host_cache = self._make_swap_space(num_host_blocks) if num_host_blocks else None
+
+    def _make_swap_space(self, num_blocks: int) -> PagedKVCache:
+        try:
+            return self.make_host_cache(num_blocks)
+        except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors are RuntimeErrors
+            nbytes = 2 * self.k[:, :1].nbytes * num_blocks  # keys and values of one block, every layer
+            raise KVTierError(
+                f"the host tier for swapping ({num_blocks} blocks, {nbytes:,} bytes: swap_space) could not be "
+                f"allocated: {exc}; lower swap_space, or set it to 0 to preempt by recompute"
+            ) from None
 
     def make_host_cache(self, num_blocks: int | None = None) -> PagedKVCache:
         """A CPU cache with this one's block shape to swap to (pinned when this cache is on CUDA)."""

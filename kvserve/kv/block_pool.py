@@ -107,3 +107,10 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached[block_hash] = block
         return True
+
+    def forget_free(self) -> None:
+        """Free blocks stop serving prefix hits: a tier failed a transfer, so what they hold is not to be trusted."""
+        for block in self._free.values():
+            if block.block_hash is not None:
+                del self._cached[block.block_hash]
+                block.block_hash = None

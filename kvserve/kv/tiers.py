@@ -5,7 +5,13 @@ offloading engine (``kv_offload``) keeps every sequence's full KV in a slower ti
 
 - ``host``: CPU memory, pinned when the device is CUDA so copies run asynchronously;
 - ``disk``: a memory-mapped file (``torch.from_file``), for contexts beyond RAM. The file is unlinked
-  as soon as it is mapped, so it disappears with the process.
+  as soon as it is mapped, so it disappears with the process. Its space is reserved at creation
+  (``posix_fallocate``): a full disk, or a missing, read-only or unwritable folder, is a ``KVTierError`` at
+  start naming the folder and the bytes, never a fault later. A write to a mapped page cannot fail for
+  space then; a disk's I/O error on a mapped page is a SIGBUS, which no handler in Python can catch (the
+  process dies). mmap is kept over explicit ``preadv``/``pwritev`` (which would turn EIO into an OSError)
+  because it is the faster path: one thread, SmolLM2's 30 layers, fetch-everything over 4 x 2,048 tokens,
+  8.4 ms of gathers a step against 14.0 ms of preadv, and the step's stores 0.13 ms against 1.45 ms of pwritev.
 
 A tier holds named per-slot arrays (K and V, or INT4 codes and their scales), each (layers, slots,
 *row shape), indexed by the slots the KV manager hands out (block * block_size + offset).
@@ -19,11 +25,13 @@ threads, SmolLM2 bfloat16 decode at 8,000 tokens x 8 sequences: fetch-everything
 InfiniGen 240 -> 203 ms; the worker's handoffs cost ~1.6 ms a layer). Copies are queued in order, so a
 fetch submitted after a store sees what was stored. A ``Transfer`` is waited on before its destination is
 read; a staging buffer is written again only after the attention that read it has returned (see
-``StagingBuffers``). Bytes moved each way are counted.
+``StagingBuffers``). Bytes moved each way are counted. A copy that raises becomes a ``KVTierError``: a
+fetch raises it at ``wait``; a store, which nobody waits for, at the queue's next ``check``.
 """
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import queue
@@ -35,6 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from kvserve.errors import KVTierError
 
 KV_OFFLOAD_MODES = ("none", "host", "disk")
 
@@ -104,17 +114,44 @@ class KVTier:
 
 
 def _mapped_file(path: str | os.PathLike | None, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled tensor backed by a new file in ``path`` (the system's temp dir if None)."""
+    """A zero-filled tensor backed by a new file in ``path`` (the system's temp dir if None), its space reserved."""
     folder = Path(path) if path is not None else Path(tempfile.gettempdir())
     if not folder.is_dir():
         raise ValueError(f"kv_offload_path {str(folder)!r} is not a directory")
-    fd, file = tempfile.mkstemp(prefix=f"kvserve-kv-{name}-", suffix=".bin", dir=folder)
-    os.close(fd)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     try:
+        fd, file = tempfile.mkstemp(prefix=f"kvserve-kv-{name}-", suffix=".bin", dir=folder)
+    except OSError as exc:  # read-only file system, no write permission
+        raise KVTierError(f"the disk tier cannot create its file in {str(folder)!r}: {_describe(exc)}") from None
+    try:
+        _reserve(fd, nbytes, folder)
         tensor = torch.from_file(file, shared=True, size=math.prod(shape), dtype=dtype)
     finally:
+        os.close(fd)
         os.unlink(file)  # the mapping keeps the pages; the name goes now so nothing is left behind
     return tensor.view(shape)
+
+
+def _reserve(fd: int, nbytes: int, folder: Path) -> None:
+    """Allocate the file's blocks now: a sparse file would run out of disk at a page fault (SIGBUS), mid-run."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        free = f"; {_free_bytes(folder):,} bytes are free there" if exc.errno == errno.ENOSPC else ""
+        raise KVTierError(
+            f"the disk tier needs {nbytes:,} bytes in {str(folder)!r} (kv_offload_path) and could not reserve them: "
+            f"{_describe(exc)}{free}"
+        ) from None
+
+
+def _free_bytes(folder: Path) -> int:
+    stats = os.statvfs(folder)
+    return stats.f_bavail * stats.f_frsize
+
+
+def _describe(exc: OSError) -> str:
+    code = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno is not None else type(exc).__name__
+    return f"{exc.strerror or exc} ({code})"
 
 
 def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
@@ -164,6 +201,7 @@ class TransferQueue:
         self.stats = TransferStats()
         self._lock = threading.Lock()
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._failure: BaseException | None = None  # the first store that failed since the last check
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._worker = None
         if inline is None:
@@ -196,7 +234,33 @@ class TransferQueue:
         with self._lock:
             self.stats.bytes_stored += nbytes
             self.stats.stores += 1
-        return self._submit(copy)
+        return self._submit(self._noting_failure(copy))
+
+    def _noting_failure(self, copy: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            try:
+                return copy()
+            except BaseException as error:
+                with self._lock:
+                    self._failure = self._failure or error
+                raise
+
+        return run
+
+    def check(self) -> None:
+        """Raise the first store that failed since the last check, as a ``KVTierError`` (and forget it)."""
+        with self._lock:
+            failure, self._failure = self._failure, None
+        if failure is not None:
+            raise _tier_error(failure)
+
+    def drain(self) -> None:
+        """After a failed step: let every queued copy finish, and forget the failures (the step is given up)."""
+        self._submit(lambda: None).wait()
+        if self._stream is not None:
+            self._stream.synchronize()
+        with self._lock:
+            self._failure = None
 
     def _submit(self, copy: Callable[[], object]) -> Transfer:
         if self._stream is None:
@@ -208,7 +272,10 @@ class TransferQueue:
             return Transfer(future=future)
         self._stream.wait_stream(torch.cuda.current_stream())  # inputs the compute stream produced
         with torch.cuda.stream(self._stream):
-            result = copy()
+            try:
+                result = copy()
+            except Exception as error:
+                raise _tier_error(error) from error
             event = torch.cuda.Event()
             event.record(self._stream)
         return Transfer(event=event, result=result)
@@ -230,8 +297,18 @@ def _run(copy: Callable[[], object], future: Future) -> None:
     try:
         with torch.inference_mode():
             future.set_result(copy())
-    except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the transfer
+    except Exception as error:  # handed to whoever waits on the transfer
+        future.set_exception(_tier_error(error))
+    except BaseException as error:  # noqa: BLE001 - likewise
         future.set_exception(error)
+
+
+def _tier_error(error: BaseException) -> KVTierError:
+    if isinstance(error, KVTierError):
+        return error
+    wrapped = KVTierError(f"a KV tier transfer failed: {error!r}")
+    wrapped.__cause__ = error
+    return wrapped
 
 
 class StagingBuffers:

@@ -9,7 +9,8 @@ the request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``. Outputs carr
 tokens, so a reader that falls behind takes only the newest one and loses nothing.
 
 An exception inside ``step()`` fails the requests in flight (their readers get an ``EngineStepError``)
-and aborts them in the engine; the thread keeps serving new requests.
+and aborts them in the engine; the thread keeps serving new requests. A KV tier fault is the engine's own
+to handle: it fails only the requests it touched (an output with ``error``, handed on as an ``EngineStepError``).
 """
 
 from __future__ import annotations
@@ -379,7 +380,8 @@ class AsyncEngine:
             self._record(tracked, output, now)
             if output.finished:
                 del self._tracked[output.request_id]
-            batches.setdefault(tracked.loop, []).append((tracked.queue, output))
+            item = output if output.error is None else EngineStepError(output.error)  # this request alone failed
+            batches.setdefault(tracked.loop, []).append((tracked.queue, item))
         for loop, items in batches.items():  # one wake-up of the event loop per step, not one per request
             _deliver(loop, _put_all, items)
 

@@ -15,6 +15,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine
+from kvserve.errors import KVTierError
 from kvserve.kv import tiers
 from kvserve.kv.tiers import KVTier, RowSpec, StagingBuffers, TransferQueue, gather_rows, scatter_rows
 from kvserve.models import LoadedModel, load_model
@@ -138,9 +139,27 @@ def test_wait_returns_the_copy_result_and_raises_its_error(queue) -> None:
     def broken() -> None:
         raise RuntimeError("copy failed")
 
-    with pytest.raises(RuntimeError, match="copy failed"):
+    with pytest.raises(KVTierError, match="a KV tier transfer failed: RuntimeError.'copy failed'") as info:
         queue.store(broken, 0).wait()
+    assert isinstance(info.value.__cause__, RuntimeError)
     assert queue.fetch(lambda: "still serving", 0).wait() == "still serving"
+
+
+def test_a_failed_store_is_raised_by_the_next_check_once(queue) -> None:
+    """Nobody waits on a store: its failure waits for ``check`` (the offloaded cache's report of the step)."""
+
+    def broken() -> None:
+        raise OSError(5, "Input/output error")
+
+    queue.store(broken, 0)
+    queue.store(lambda: None, 0)  # a later store that works does not hide it
+    queue.synchronize()
+    with pytest.raises(KVTierError, match="Input/output error"):
+        queue.check()
+    queue.check()  # raised once
+    queue.store(broken, 0)
+    queue.drain()  # a given-up step forgets it
+    queue.check()
 
 
 def test_wait_is_what_makes_a_slow_copy_visible(queue) -> None:
@@ -181,7 +200,7 @@ def test_inline_copies_run_at_submission_where_compute_takes_every_core(monkeypa
         raise RuntimeError("copy failed")
 
     failed = q.store(broken, 0)
-    with pytest.raises(RuntimeError, match="copy failed"):
+    with pytest.raises(KVTierError, match="copy failed"):
         failed.wait()
     assert q.fetch(lambda: "still serving", 0).wait() == "still serving"
     assert (q.stats.bytes_stored, q.stats.bytes_fetched) == (2 * 64, 2 * 64)
