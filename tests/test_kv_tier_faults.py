@@ -22,6 +22,7 @@ from kvserve.attention.paged import PagedKVCache
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine
 from kvserve.errors import KVTierError
+from kvserve.faults import FAULT_MARK, faults
 from kvserve.kv.sizing import kv_block_bytes
 from kvserve.server.async_engine import AsyncEngine, EngineStepError
 
@@ -263,3 +264,26 @@ def test_failed_swap_copy_falls_back_to_recompute(default_model, prompts, swap_r
     assert _tokens(outputs) == swap_reference
     assert all(output.error is None for output in outputs.values())
     _assert_all_blocks_free(engine)
+
+
+# ----- the named fault points (KVSERVE_FAULTS in a server; the chaos soak arms them) -----
+
+
+@pytest.mark.parametrize("point", ["kv-disk", "swap"])
+def test_armed_fault_points_end_each_request_once_right_or_with_the_fault(
+    default_model, prompts, disk_reference, swap_reference, tmp_path, point
+):
+    engine = _disk_engine(default_model, tmp_path) if point == "kv-disk" else _swap_engine(default_model, prompts)
+    reference = disk_reference if point == "kv-disk" else swap_reference
+    with faults({point: 0.3}, seed=1) as injected:
+        outputs = _run(engine, prompts)
+    assert injected[point] > 0
+    assert sorted(outputs) == ["0", "1", "2"]
+    for request_id, output in outputs.items():
+        if output.error is None:
+            assert output.outputs[0].token_ids == reference[request_id]
+        else:
+            assert FAULT_MARK in output.error and output.outputs[0].finish_reason == "error"
+    _assert_all_blocks_free(engine)
+    assert engine.kv.leaked_blocks() == 0
+    engine.close()

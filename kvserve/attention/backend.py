@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.errors import KVTierError
+from kvserve.faults import fault_point
 
 if TYPE_CHECKING:  # plain data the scheduler emits; the cache only reads it
     from kvserve.scheduler import SchedulerOutput
@@ -182,6 +183,8 @@ class AttentionBackend(ABC):
         """Swap-outs first (the blocks they vacate may be handed out again in this very step), then swap-ins,
         copy-on-write blocks and Prompt Cache module tails."""
         try:
+            if out.blocks_to_swap_out or out.blocks_to_swap_in:
+                fault_point("swap")
             if out.blocks_to_swap_out:
                 self.swap_out(out.blocks_to_swap_out)
             if out.blocks_to_swap_in:

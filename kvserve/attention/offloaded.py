@@ -182,7 +182,7 @@ class OffloadedKVCache(AttentionBackend):
         self.num_slots = num_blocks * block_size
         self.rows = _row_specs(policy, num_kv_heads, head_dim, dtype)
         self.tier = KVTier(tier_kind, num_layers, self.num_slots, self.rows, self.device.type == "cuda", path)
-        self.queue = queue or TransferQueue(self.device)
+        self.queue = queue or TransferQueue(self.device, fault="kv-disk" if tier_kind == "disk" else None)
         self.staging = StagingBuffers(self.rows, self.device)
         self.stats = OffloadStats([0] * num_layers, [0] * num_layers)
         self.partial_keys = self.pool = None

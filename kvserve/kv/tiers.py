@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from kvserve.errors import KVTierError
+from kvserve.faults import fault_point
 
 KV_OFFLOAD_MODES = ("none", "host", "disk")
 
@@ -194,10 +195,13 @@ class TransferStats:
 class TransferQueue:
     """Runs copies between tiers in order, off the compute thread (see the module doc)."""
 
-    def __init__(self, device: torch.device | str = "cpu", inline: bool | None = None) -> None:
+    def __init__(
+        self, device: torch.device | str = "cpu", inline: bool | None = None, fault: str | None = None
+    ) -> None:
         """``inline`` (CPU): run each copy at submission instead of on the worker; None: when the compute
-        threads take every core the process may use."""
+        threads take every core the process may use. ``fault``: the ``kvserve.faults`` point each copy passes."""
         self.device = torch.device(device)
+        self.fault = fault
         self.stats = TransferStats()
         self._lock = threading.Lock()
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -227,14 +231,25 @@ class TransferQueue:
         with self._lock:
             self.stats.bytes_fetched += nbytes
             self.stats.fetches += 1
-        return self._submit(copy)
+        return self._submit(self._at_fault_point(copy))
 
     def store(self, copy: Callable[[], object], nbytes: int) -> Transfer:
         """Queue ``copy`` (device -> slower tier) of ``nbytes``."""
         with self._lock:
             self.stats.bytes_stored += nbytes
             self.stats.stores += 1
-        return self._submit(self._noting_failure(copy))
+        return self._submit(self._noting_failure(self._at_fault_point(copy)))
+
+    def _at_fault_point(self, copy: Callable[[], object]) -> Callable[[], object]:
+        if self.fault is None:
+            return copy
+        point = self.fault
+
+        def run() -> object:
+            fault_point(point)
+            return copy()
+
+        return run
 
     def _noting_failure(self, copy: Callable[[], object]) -> Callable[[], object]:
         def run() -> object:
