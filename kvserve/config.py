@@ -90,6 +90,9 @@ class EngineConfig:
     prompt_cache_context: str = "prefix"
     # Share of a prompt's imported module tokens recomputed with attention across modules (CacheBlend; 0: none).
     prompt_cache_recompute: float = 0.0
+    # A folder where encoded modules are written and, by a restarted engine, loaded instead of encoded
+    # (prompt_cache/disk.py); None: modules live in memory only.
+    prompt_cache_dir: str | None = None
     # The same numerics for a sequence whatever runs beside it and whether its prefix came from the cache:
     # one matmul kernel for every row count, attention per query row (models/batch_invariant.py,
     # attention/row_invariant.py). Off: a sequence's last bits, and so some greedy tokens, depend on its batch.
@@ -146,6 +149,7 @@ class EngineConfig:
                 f"prompt_cache_context must be one of {PROMPT_CACHE_CONTEXTS}, got {self.prompt_cache_context!r}"
             )
         self._check_prompt_cache_recompute()
+        self._check_prompt_cache_dir(policy.per_layer_groups)
         check_device(self.device)  # last: the rules above name what a device cannot run, wherever it exists
 
     def _check_kv_cache_dtype(self) -> None:
@@ -222,6 +226,16 @@ class EngineConfig:
         for name, (value, needed, why) in others.items():
             if value != needed:
                 raise ValueError(f"prompt_cache_recompute={share} needs {name}={needed!r}, got {value!r}: {why}")
+
+    def _check_prompt_cache_dir(self, per_layer_groups: bool) -> None:
+        """A module file holds every layer's keys and values of every KV head, read from the paged cache."""
+        if self.prompt_cache_dir is None:
+            return
+        if per_layer_groups:
+            raise ValueError(f"prompt_cache_dir: a compressing kv_policy ({self.kv_policy!r}) keeps each module's "
+                             "own slots per layer, which are not saved: use kv_policy='full'")  # fmt: skip
+        self._require("prompt_cache_dir saves modules read from the paged cache of one process",
+                      {"kv_offload": "none", "tensor_parallel_size": 1})  # fmt: skip
 
     def _check_batch_invariant(self) -> None:
         if self.batch_invariant:

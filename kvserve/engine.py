@@ -31,6 +31,7 @@ from kvserve.models.loader import LoadedModel, load_model
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.policies import KVPolicy
 from kvserve.prompt_cache.cache import PreparedPrompt, PromptCache
+from kvserve.prompt_cache.disk import ModuleFiles, model_fingerprint
 from kvserve.prompt_cache.pml import is_pml_prompt
 from kvserve.prompt_cache.store import CachedModule, EncodeJob, ModuleStore
 from kvserve.request import Request, RequestStatus, Sequence
@@ -119,9 +120,12 @@ class LLMEngine:
         module_budget = config.prompt_cache_bytes
         if config.prompt_cache_tier == "device":
             module_budget = min(module_budget, plan.num_blocks * plan.block_bytes // 2)
+        files = None
+        if config.prompt_cache_dir is not None:
+            files = ModuleFiles(config.prompt_cache_dir, model_fingerprint(self.loaded, config))
         store = ModuleStore(
             self.kv, self.runner.cache, config.prompt_cache_tier, module_budget, plan.block_bytes // config.block_size,
-            plan.per_layer_groups,
+            plan.per_layer_groups, files,
         )  # fmt: skip
         eager = config.prompt_cache_encode == "eager"
         # A module encoded after the schema's prefix is copied out of a scratch sequence: in this process, one
@@ -180,6 +184,8 @@ class LLMEngine:
             self.abort_request(request_id)
         if self.parallel_prefill is not None:
             self.parallel_prefill.close()
+        if self.prompt_cache.store.files is not None:  # modules encoded so far are on disk when close returns
+            self.prompt_cache.store.files.close()
         self.runner.cache.close()
         if self.tensor_parallel is not None:
             self.tensor_parallel.close()

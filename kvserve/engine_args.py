@@ -137,6 +137,11 @@ def add_prompt_cache_args(parser: argparse.ArgumentParser) -> None:
         help="share in [0, 1] of a prompt's imported module tokens recomputed with attention across modules, "
         "those whose KV deviates most (CacheBlend); 0: none",
     )  # fmt: skip
+    group.add_argument(
+        "--prompt-cache-dir", default=None, metavar="DIR",
+        help="folder where encoded modules are saved (checked against the model, dtype and KV layout); a restarted "
+        "server loads them instead of encoding them again (created if missing; read-only: loaded, not written)",
+    )  # fmt: skip
 
 
 def add_schema_arg(parser: argparse.ArgumentParser) -> None:
@@ -164,7 +169,7 @@ def prompt_cache_options(args: argparse.Namespace) -> dict[str, object]:
     return {
         "prompt_cache_tier": args.prompt_cache_tier, "prompt_cache_memory": args.prompt_cache_memory,
         "prompt_cache_encode": args.prompt_cache_encode, "prompt_cache_recompute": args.prompt_cache_recompute,
-        "prompt_cache_context": args.prompt_cache_context,
+        "prompt_cache_context": args.prompt_cache_context, "prompt_cache_dir": args.prompt_cache_dir,
     }  # fmt: skip
 
 

@@ -121,6 +121,10 @@ SCHEMA = "<schema name='s'><module name='m'>text</module></schema>"
             ["serve", "--kv-offload", "disk", "--prompt-cache-tier", "host", "--schema", "{schema}"],
             "--schema: an offloading engine keeps every block, modules' too, in its disk tier",
         ),
+        (
+            ["serve", "--kv-offload", "host", "--prompt-cache-dir", "{schema}.d"],
+            "prompt_cache_dir saves modules read from the paged cache of one process: it needs kv_offload='none'",
+        ),
         (["serve", "--kv-offload", "host", "--preemption-mode", "swap"], "preemption_mode='swap' does not apply"),
         (["serve", "--block-size", "0"], "block_size must be an integer >= 1, got 0"),
         (["serve", "--kv-pool-limit", "0.5"], "kv_pool_limit=0.5 limits an offloaded cache"),

@@ -20,7 +20,9 @@ Tiers: ``device`` keeps the module sequence for as long as the module is stored.
 keys and values in CPU tensors (pinned on CUDA) and copies them into device blocks when a request
 pins the module; the device copy goes back to the pool when the last pin is released. Either way the
 module's full blocks are registered for prefix caching under the module's own key, so a device copy
-freed a moment ago is found again instead of being encoded or copied anew.
+freed a moment ago is found again instead of being encoded or copied anew. With a folder of module files
+(``disk.py``), a module is loaded from its file instead of encoded when a valid one is there, and each
+encoding is written to one.
 
 Memory: the stored modules' bytes in their tier stay under ``budget_bytes``; past it the least
 recently used module is evicted (a pinned one keeps its device blocks until its last pin goes).
@@ -39,6 +41,7 @@ from kvserve.attention.backend import AttentionBackend
 from kvserve.errors import KVServeError
 from kvserve.kv.block_pool import NoFreeBlocksError
 from kvserve.kv.manager import KVCacheManager
+from kvserve.prompt_cache.disk import ModuleFiles
 
 TIERS = ("device", "host")
 
@@ -119,13 +122,15 @@ class ModuleStore:
         budget_bytes: int,
         token_bytes: int,
         per_layer_groups: bool = False,
+        files: ModuleFiles | None = None,
     ) -> None:
         """``token_bytes``: one token's slot in one block of the pool (every layer, or one with
-        ``per_layer_groups``: a compressing policy's group per layer, each keeping its own slots of a module)."""
+        ``per_layer_groups``: a compressing policy's group per layer, each keeping its own slots of a module).
+        ``files``: where modules are persisted (``prompt_cache_dir``), or None."""
         if tier not in TIERS:
             raise ValueError(f"prompt_cache_tier must be one of {TIERS}, got {tier!r}")
         self.kv, self.cache, self.tier = kv, cache, tier
-        self.per_layer_groups = per_layer_groups
+        self.per_layer_groups, self.files = per_layer_groups, files
         self.budget_bytes, self.token_bytes = budget_bytes, token_bytes
         self.modules: OrderedDict[tuple[str, str], CachedModule] = OrderedDict()  # least recently used first
         self.stats = StoreStats()
@@ -160,8 +165,8 @@ class ModuleStore:
             context_ids=context_ids, context_positions=context_positions,
         )  # fmt: skip
         self.modules[key] = module
-        if encode:  # the host tier drops the device copy when the encoding's pin goes
-            self._ensure_device(module)
+        if encode and not (self.tier == "host" and self._load(module)):  # host tier: a loaded module stays there
+            self._ensure_device(module)  # the host tier drops the device copy when the encoding's pin goes
             self._enforce_budget(keep=module)
         return module
 
@@ -217,8 +222,10 @@ class ModuleStore:
         seq_id = next(self._seq_ids)
         computed = self._allocate(seq_id, module, module.token_ids, module.hash_salt)
         module.seq_id = seq_id
-        if module.host_kv is not None:
+        if module.host_kv is not None or self._load(module):
             self._copy_in(module, computed)
+            if self.tier == "device":  # loaded from its file: the device blocks are its only copy
+                module.host_kv = None
             return
         if module.context_ids:
             job = self._context_job(module, computed)
@@ -277,12 +284,24 @@ class ModuleStore:
         self.kv.cache_full_blocks(module.seq_id, module.token_ids)
         self.stats.encoded_modules += 1
         self.stats.encoded_tokens += len(job.token_ids) - job.computed
-        if self.tier == "host" and module.stored:
+        keep = self.tier == "host" and module.stored
+        if keep or (self.files is not None and self.files.writable):
             k, v = self.cache.read_slots(self.kv.slots(module.seq_id, 0, module.num_tokens))
-            pin = k.is_cuda
-            module.host_kv = (k.to("cpu").pin_memory() if pin else k, v.to("cpu").pin_memory() if pin else v)
+            k, v = _to_host(k), _to_host(v)
+            if keep:
+                module.host_kv = (k, v)
+            if self.files is not None:
+                self.files.save(module, k, v)
         self.unpin(module)
         self._enforce_budget(keep=module)
+
+    def _load(self, module: CachedModule) -> bool:
+        """Whether the module's keys and values were loaded from its file (now in ``host_kv``)."""
+        kv = self.files.load(module) if self.files is not None and not self.per_layer_groups else None
+        if kv is None:
+            return False
+        module.host_kv = (_to_host(kv[0]), _to_host(kv[1]))
+        return True
 
     def _copy_in(self, module: CachedModule, computed: int) -> None:
         k, v = module.host_kv
@@ -319,3 +338,8 @@ class ModuleStore:
                 self.stats.evictions += 1
                 return True
         return False
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``t`` (pinned when it comes from CUDA, for fast copies back); a CPU tensor as it is."""
+    return t.to("cpu").pin_memory() if t.is_cuda else t

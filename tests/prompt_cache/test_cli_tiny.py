@@ -47,3 +47,19 @@ def test_bench_prompt_cache_report(tmp_path, layout):
         assert hit == full if layout == "behind-parameter" else hit < full - length / 2
     assert out.with_suffix(".png").stat().st_size > 0
     assert f"# Prompt Cache: time to first token ({layout})" in out.with_suffix(".md").read_text()
+
+
+def test_generate_saves_modules_to_prompt_cache_dir_and_a_second_run_loads_them(tmp_path, capsys):
+    folder = write_tiny_model(tmp_path / "tiny", SPEC)
+    schema = tmp_path / "s.xml"
+    schema.write_text(SCHEMA)
+    modules = tmp_path / "modules"
+    argv = ["generate", "--model", str(folder), "--dtype", "float32", "--max-tokens", "6", "--schema", str(schema)]
+    argv += ["--prompt-cache-dir", str(modules), "--pml-prompt", '<prompt schema="s"><doc/> and so</prompt>']
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    files = {p: p.stat().st_mtime_ns for p in modules.glob("*.safetensors")}
+    assert files  # written before the command returned
+    assert main(argv) == 0
+    assert capsys.readouterr().out == first
+    assert {p: p.stat().st_mtime_ns for p in modules.glob("*.safetensors")} == files  # loaded, not encoded again
