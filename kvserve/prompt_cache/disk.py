@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import safetensors.torch
 import torch
 
+from kvserve.faults import fault_point
 from kvserve.log import get_logger
 from kvserve.models.dtype import DTYPE_NAMES
 
@@ -138,6 +139,7 @@ class ModuleFiles:
         path = self.path(module)
         try:
             with open(path, "rb") as f:
+                fault_point("module-dir-read", str(path))
                 data = f.read()
         except FileNotFoundError:
             return None
@@ -200,6 +202,7 @@ class ModuleFiles:
             data = safetensors.torch.save({"k": k.contiguous(), "v": v.contiguous()}, metadata=meta)
             with open(temp, "wb") as f:
                 f.write(data)
+                fault_point("module-dir-write", str(temp))  # as a disk that fills up after the first bytes
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(temp, path)

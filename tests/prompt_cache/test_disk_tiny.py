@@ -20,6 +20,7 @@ import pytest
 
 from kvserve.config import EngineConfig
 from kvserve.engine import LLMEngine
+from kvserve.faults import faults
 from kvserve.models import LoadedModel, load_model
 from kvserve.prompt_cache import disk
 from kvserve.prompt_cache.disk import ModuleFiles
@@ -281,3 +282,20 @@ def test_the_engine_keeps_serving_other_requests_while_writes_fail(loaded, encod
     plain, cached = run(engine, ["the cat sat on the", MULTI])
     assert len(plain.outputs[0].token_ids) == GREEDY.max_tokens and cached.outputs[0].token_ids == encoded[1]
     engine.close()
+
+
+def test_the_named_fault_points_fail_writes_and_reads_as_a_disk_would(loaded, encoded, folder, tmp_path):
+    """KVSERVE_FAULTS's module-dir points (the chaos soak arms them): a write that fills the disk half-way leaves
+    no file, a read that fails is a miss; both answer as the encoding engine did."""
+    with faults({"module-dir-write": (1.0, errno.ENOSPC)}) as injected:
+        engine = make_engine(loaded, prompt_cache_dir=str(tmp_path / "fresh"))
+        assert answer(engine) == encoded[1]
+        engine.close()
+    assert injected["module-dir-write"] == NUM_MODULES and list((tmp_path / "fresh").iterdir()) == []
+    with faults({"module-dir-read": 1.0}) as injected:
+        engine = make_engine(loaded, prompt_cache_dir=str(folder))
+        assert answer(engine) == encoded[1]
+        store = engine.prompt_cache.store
+        assert store.files.stats.read_errors == NUM_MODULES and store.stats.encoded_modules == NUM_MODULES
+        engine.close()
+    assert injected["module-dir-read"] == NUM_MODULES
