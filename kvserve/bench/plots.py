@@ -271,6 +271,9 @@ def plot_soak(report: dict, path: Path) -> None:
     bottom.set_ylabel("resident memory (MiB)")
     bottom.legend(fontsize=8)
     bottom.set_xlabel("seconds")
+    for down, up in r["timeline"].get("restarts", []):  # the server was stopped on purpose: probes left out
+        for ax in (top, bottom):
+            ax.axvspan(down, up, color="#dddddd", zorder=0)
     for t, event in r["events"]:
         for ax in (top, bottom):
             ax.axvline(t, color="#e67e22", linewidth=0.8)

@@ -123,6 +123,7 @@ class Probes:
     rss: list[tuple[float, float, float]] = field(default_factory=list)  # (t, MiB of the server, of its workers)
     events: list[tuple[float, str]] = field(default_factory=list)
     restarts: list[tuple[float, float]] = field(default_factory=list)  # (from, to): the server was down on purpose
+    engine_requests: int = 0  # sent by the soak itself (the restart's TTFT requests): each ends once too
 
 
 # ----- the server -----
@@ -430,6 +431,7 @@ def restart(server: SoakServer, probes: Probes, lives: list[Life], log: Callable
     a start on the same module directory, the schema registered again and the same request's first TTFT."""
     life = lives[-1]
     life.warm_pml_ttft_s = first_token_seconds(server.url, RESTART_PROMPT)
+    probes.engine_requests += 1
     life.metrics = _settled_metrics(server.url)
     down = time.monotonic() - start
     probes.events.append((down, "server restarted"))
@@ -440,6 +442,7 @@ def restart(server: SoakServer, probes: Probes, lives: list[Life], log: Callable
     new = Life(time.monotonic() - start)
     new.schema_s = server.register_schema()
     new.first_pml_ttft_s = first_token_seconds(server.url, RESTART_PROMPT)
+    probes.engine_requests += 1
     probes.restarts.append((down, time.monotonic() - start))
     lives.append(new)
     log(
@@ -520,7 +523,7 @@ def run_soak(opts: SoakOptions, log: Callable[[str], None]) -> dict:
                 t.join()
         finally:
             leftover = server.stop()
-        fault_lines = server.log_lines(faults.faults.FAULT_MARK) if opts.chaos else 0
+        fault_lines = server.log_lines(faults.FAULT_MARK) if opts.chaos else 0
     return summarize(opts, outcomes, probes, lives, leftover, elapsed, fault_lines)
 
 
@@ -548,7 +551,7 @@ def summarize(
     elapsed: float,
     fault_lines: int = 0,
 ) -> dict:
-    accepted = sum(o.engine_requests for o in outcomes)
+    accepted = sum(o.engine_requests for o in outcomes) + probes.engine_requests
     uncertain = sum(o.uncertain for o in outcomes)
     ended = sum(_metric(life.metrics, "kvserve:request_success_total") for life in lives)
     ended_by_reason: Counter[str] = Counter()
@@ -569,6 +572,7 @@ def summarize(
         "ended_by_reason": dict(ended_by_reason),
         "exactly_once": accepted <= ended <= accepted + uncertain,
         "fault_errors": sum(o.fault for o in outcomes),
+        "preemptions": sum(_metric(life.metrics, "kvserve:num_preemptions_total") for life in lives),
         "faults_injected": sum(_metric(life.metrics, "kvserve:faults_injected_total") for life in lives),
         "fault_log_lines": fault_lines,
         "left_running_or_waiting": sum(
@@ -605,7 +609,7 @@ def summarize(
         "server_rss_mib": _rss_halves(probes),
         "events": probes.events,
         "processes_left_after_stop": leftover,
-        "timeline": {"health": probes.health, "rss": probes.rss},
+        "timeline": {"health": probes.health, "rss": probes.rss, "restarts": probes.restarts},
     }
 
 
@@ -684,7 +688,8 @@ def soak_table(report: dict) -> str:
     if chaos:
         lives = r["lives"]
         lines.append(
-            f"- Faults injected (`{r['options']['faults']}`): {r['faults_injected']:.0f}; requests that ended with "
+            f"- Preemptions (to the swap space): {r['preemptions']:.0f}. "
+            f"Faults injected (`{r['options']['faults']}`): {r['faults_injected']:.0f}; requests that ended with "
             f"the fault's error: {r['fault_errors']}; server log lines naming a fault: {r['fault_log_lines']}."
         )
         if len(lives) > 1 and lives[1]["first_pml_ttft_s"] is not None:
