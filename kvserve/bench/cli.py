@@ -1092,6 +1092,8 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    if args.restart_at >= 1:
+        raise SystemExit(f"kvserve bench soak: --restart-at {args.restart_at:g} is not within the run (0 to 1)")
     opts = soak.SoakOptions(
         model=args.model, duration_s=args.duration, max_requests=args.max_requests, concurrency=args.concurrency,
         prefill_parallel=args.prefill_parallel, kill_worker_at=args.kill_worker_at,

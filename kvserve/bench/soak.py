@@ -65,7 +65,7 @@ KIND_WEIGHTS = {
 # --chaos: faults at every tier point (the disk tier's only fire with --kv-offload disk in the server's arguments),
 # a 64 MiB KV memory (about 2,900 SmolLM2 tokens) so that 8 clients' prompts preempt each other to the swap space.
 CHAOS_FAULTS = "swap=0.05,kv-disk=0.002,module-dir-write=0.3,module-dir-read=0.3"
-CHAOS_SERVER_ARGS = ("--preemption-mode", "swap", "--kv-cache-memory", "64MiB", "--swap-space", "256MiB")
+CHAOS_SERVER_ARGS = ("--preemption-mode", "swap", "--kv-cache-memory", "48MiB", "--swap-space", "256MiB")
 CHAOS_KIND_WEIGHTS = {"hangup": 1}
 BAD_BODIES = (
     {"prompt": "Hello", "max_tokens": 8, "temperature": -1.0},
@@ -145,6 +145,10 @@ class SoakServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.lives = 0
         self.proc: subprocess.Popen | None = None
+        # Set while the server serves, cleared from the moment it is stopped: a worker is killed only while the
+        # server serves (a worker killed while the model loads fails the start-up, which is another test).
+        self.serving = threading.Event()
+        self.lock = threading.Lock()  # held by a kill and by a stop, so neither runs into the other
 
     @property
     def pid(self) -> int:
@@ -184,6 +188,7 @@ class SoakServer:
                 )
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.serving.set()
                     return
             except httpx.HTTPError:
                 pass
@@ -198,9 +203,11 @@ class SoakServer:
 
     def stop(self) -> list[int]:
         """Ctrl-C the server; the pids of its processes still alive 30 s later (then killed)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return []
-        return stop_server(self.proc)
+        with self.lock:
+            self.serving.clear()
+            if self.proc is None or self.proc.poll() is not None:
+                return []
+            return stop_server(self.proc)
 
     def log_lines(self, marker: str) -> int:
         """Lines of every life's server log that contain ``marker``."""
@@ -415,11 +422,13 @@ async def run_traffic(
 
     clients = [asyncio.ensure_future(client_loop(i)) for i in range(opts.concurrency)]
     ticker = asyncio.ensure_future(progress())
-    restarter = asyncio.ensure_future(restart_later()) if opts.chaos and opts.restart_at >= 0 else None
-    await asyncio.gather(*clients)
-    ticker.cancel()
-    if restarter is not None and not restarter.done():
-        restarter.cancel()
+    restarter = [asyncio.ensure_future(restart_later())] if opts.chaos and opts.restart_at >= 0 else []
+    try:
+        await asyncio.gather(*clients, *restarter)  # a failed restart ends the soak with its error
+    finally:
+        ticker.cancel()
+        for task in [*clients, *restarter]:
+            task.cancel()
     return outcomes
 
 
@@ -484,14 +493,18 @@ def kill_worker_later(server: SoakServer, delay_s: float, probes: Probes, start:
     """SIGKILL one prefill worker after ``delay_s`` (the engine must notice, keep serving and restart it)."""
     if stop.wait(delay_s):
         return
-    try:
-        pids = worker_pids(server.pid)
-    except psutil.Error:  # the server is restarting
-        pids = []
-    if not pids:
-        probes.events.append((time.monotonic() - start, "no prefill worker to kill"))
-        return
-    os.kill(pids[0], signal.SIGKILL)
+    while not server.serving.wait(0.5):  # restarting: the kill waits for the next life
+        if stop.is_set():
+            return
+    with server.lock:
+        try:
+            pids = worker_pids(server.pid) if server.serving.is_set() else []
+        except psutil.Error:
+            pids = []
+        if not pids:
+            probes.events.append((time.monotonic() - start, "no prefill worker to kill"))
+            return
+        os.kill(pids[0], signal.SIGKILL)
     probes.events.append((time.monotonic() - start, f"killed prefill worker {pids[0]}"))
 
 
