@@ -85,7 +85,7 @@ class Sim:
         params = SamplingParams(max_tokens=max_tokens, best_of=best_of, n=1, temperature=1.0, ignore_eos=True)
         extra = {}
         if modules and self.pinned:
-            return  # one module prompt at a time: see the note on pins at the top
+            return  # one module prompt at a time: see "Left out" at the top
         if modules:
             pinned = []
             try:
