@@ -12,8 +12,10 @@ executes what it emits.
 Progress: blocks kept only as a cache (Prompt Cache modules no request pins) are reclaimed
 (``KVCacheManager.reclaim``) before a request waits or is preempted for blocks; a module's encoding
 counts against ``max_num_seqs`` like any running request; while nothing runs, a waiting head that
-cannot start is passed over (what it waits for may be pinned by a later arrival); and a module prompt
-that could never fit beside its own modules is rejected rather than left waiting.
+cannot start is passed over (what it waits for may be pinned by a later arrival); a module prompt
+that could never fit beside its own modules is rejected rather than left waiting; and if nothing
+runs and no waiting request can start (module prompts pin their modules on arrival, so together
+they can hold the pool), the oldest waiting one is rejected.
 
 Sliding-window KV groups hold only what their window still sees: every step first gives back the
 blocks no query of a running sequence sees any more, and a window group gets blocks chunk by chunk
@@ -292,6 +294,14 @@ class Scheduler:
                 if request.prefilling:
                     request.num_cached_prompt_tokens = seqs[0].num_computed_tokens
             self._start(request, step)
+        stuck = [r for r in passed if not r.encodes_module]  # the store owns an encoding: never rejected here
+        if stuck and not self.running and not step.rejected:
+            # Nothing runs and no waiting request can start: the modules the waiting ones pinned (on arrival) fill
+            # the pool between them, and no step would ever free a block (a rejection this step frees pins: look
+            # again next step). The first is rejected; its modules' pins go, and the others (or the encoding
+            # they wait for) may fit.
+            passed.remove(stuck[0])
+            step.rejected.append(stuck[0].request_id)
         self.waiting.extendleft(reversed(passed))
 
     def _wait(self, passed: list[Request]) -> bool:

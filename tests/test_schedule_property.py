@@ -9,10 +9,10 @@ rejected requests, applies the step (``Scheduler.update``), hands finished encod
 token to every sequence that samples. Only the model is left out: a token is a number, and the store's tensor
 reads and writes go to a stand-in that holds nothing.
 
-Left out (known to deadlock, not solved yet): a module prompt pins its modules when it is added, not when it is
-admitted, so module prompts waiting together can pin more of the pool than any one of them can then run beside,
-and a module encoded after a context needs a scratch sequence that such pins can starve. So here at most one module
-prompt is unfinished at a time, and modules are encoded without a context.
+Module prompts pin their modules when they are added, not when they are admitted, so module prompts waiting together
+can pin more of the pool than any one of them can then run beside (or starve the scratch sequence a module encoded
+after a context needs): the scheduler then rejects the first of them. ``test_module_pins_that_fill_the_pool`` below
+is that case written out.
 """
 
 from __future__ import annotations
@@ -84,8 +84,6 @@ class Sim:
         request_id = f"r{next(self.names)}"
         params = SamplingParams(max_tokens=max_tokens, best_of=best_of, n=1, temperature=1.0, ignore_eos=True)
         extra = {}
-        if modules and self.pinned:
-            return  # one module prompt at a time: see "Left out" at the top
         if modules:
             pinned = []
             try:
@@ -191,7 +189,7 @@ OPERATIONS = st.one_of(
     st.tuples(st.just("add"), prompts(), st.integers(1, 6), st.just(1), MODULE_CHOICE),
     st.tuples(st.just("step"), st.integers(1, 6)),
     st.tuples(st.just("cancel"), st.integers(0, 50)),
-    st.tuples(st.just("register"), st.integers(0, 3), st.just(False)),  # with a context: see the note on pins
+    st.tuples(st.just("register"), st.integers(0, 3), st.booleans()),
     st.tuples(st.just("remove"), st.integers(0, 3)),
 )
 
@@ -241,3 +239,34 @@ def test_every_request_ends_and_every_block_is_free_again(
     assert kv.pool.num_free == num_blocks and all(b.ref_count == 0 for b in kv.pool.blocks)
     if kv.host_pool is not None:
         assert kv.host_pool.num_free == num_host_blocks
+
+
+def test_module_pins_that_fill_the_pool_end_in_one_rejection() -> None:
+    """Two module prompts pin 4 of 9 blocks on arrival; each alone fits beside its modules, neither in the 5 left
+    while both wait. Without the scheduler's way out nothing would run again; with it the first is rejected
+    (``finish_reason`` length: the engine reports ``kv_cache_capacity``) and the other runs to its end."""
+    kv = KVCacheManager(9, BLOCK)
+    scheduler = Scheduler(SchedulerConfig(4, 64, "recompute"), kv)
+    store = ModuleStore(kv, NoTensors(), "device", budget_bytes=9 * BLOCK // 2, token_bytes=1)
+    sim = Sim(kv, scheduler, store)
+    sim.register(0, False)  # 4 tokens: 1 block
+    sim.register(2, False)  # 10 tokens: 3 blocks
+    while scheduler.has_unfinished():
+        sim.step()
+    sim.add(list(range(10, 30)), 2, 1, [2])
+    sim.add(list(range(40, 60)), 2, 1, [0])
+    rejected: list[str] = []
+    schedule = scheduler.schedule
+
+    def spied():
+        out = schedule()
+        rejected.extend(out.rejected)
+        return out
+
+    scheduler.schedule = spied
+    for _ in range(MAX_STEPS):
+        if not scheduler.has_unfinished():
+            break
+        assert sim.step(), "no progress"
+    assert not scheduler.has_unfinished()
+    assert len(rejected) == 1 and sim.finished == {"r0", "r1"}
