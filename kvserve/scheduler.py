@@ -9,6 +9,14 @@ arrived running request is preempted, by swapping its blocks to the host tier or
 recompute later. The scheduler only does bookkeeping through the ``KVCacheManager``; the runner
 executes what it emits.
 
+Progress: blocks kept only as a cache (Prompt Cache modules no request pins) are reclaimed
+(``KVCacheManager.reclaim``) before a request waits or is preempted for blocks; a module's encoding
+counts against ``max_num_seqs`` like any running request; while nothing runs, a waiting head that
+cannot start is passed over (what it waits for may be pinned by a later arrival); a module prompt
+that could never fit beside its own modules is rejected rather than left waiting; and if nothing
+runs and no waiting request can start (module prompts pin their modules on arrival, so together
+they can hold the pool), the oldest waiting one is rejected.
+
 Sliding-window KV groups hold only what their window still sees: every step first gives back the
 blocks no query of a running sequence sees any more, and a window group gets blocks chunk by chunk
 (each sequence is grown to the token count its step reaches), so admission counts each group's real
@@ -209,7 +217,9 @@ class Scheduler:
         self._schedule_running(step)
         if not step.preempted:  # under memory pressure, admit nothing new this step
             self._schedule_swapped(step)
-            if not self.swapped:  # FCFS: a swapped-out request arrived before every waiting one
+            # FCFS: a swapped-out request arrived before every waiting one (unless it cannot come back while
+            # nothing runs: see _wait).
+            if not self.swapped or not self.running:
                 self._schedule_waiting(step)
         return SchedulerOutput(
             scheduled=tuple(step.scheduled),
@@ -238,6 +248,8 @@ class Scheduler:
         while queue:
             request = queue.pop(0)
             while not self._reserve(request, step.tokens_left):
+                if self.kv.reclaim():  # cached modules no request pins go before any request is preempted
+                    continue
                 victim = _latest_preemptible(queue) or request  # the latest arrival goes first
                 self._preempt(victim, step)
                 if victim is request:
@@ -254,6 +266,8 @@ class Scheduler:
                 return
             # All sequences at once, with room for their next tokens: _preempt made sure they fit.
             if self._blocks_unshared(request) > self.kv.pool.num_free:
+                if self.kv.reclaim():
+                    continue
                 return
             self.swapped.popleft()
             for seq in request.live_seqs:
@@ -261,33 +275,58 @@ class Scheduler:
             self._start(request, step)
 
     def _schedule_waiting(self, step: _Step) -> None:
+        passed: list[Request] = []  # heads left waiting while nothing runs (see _wait)
         while self.waiting and step.tokens_left > 0:
             request = self.waiting[0]
             seqs = request.live_seqs
             if request.prompt_cache and self.encoding.intersection(request.prompt_cache.module_seq_ids):
-                return  # FCFS: its modules' encodings arrived first and run before it
-            if request.encodes_module and seqs[0].seq_id in self.kv:  # allocated and prefix hits counted by the store
-                self.waiting.popleft()
-                self._start(request, step)
+                if self._wait(passed):  # FCFS: its modules' encodings arrived first and run before it
+                    break
                 continue
-            status = self._admission(request)
+            # A module's encoding has its blocks from the store, prefix hits counted; it still counts as running work.
+            allocated = request.encodes_module and seqs[0].seq_id in self.kv
+            status = AllocationStatus.OK if allocated else self._admission(request)
             if status == AllocationStatus.NEVER:
                 self.waiting.popleft()
                 step.rejected.append(request.request_id)
                 continue
             if self._num_running_seqs() + _num_seqs(request) > self.config.max_num_seqs:
-                return
+                break
             if status != AllocationStatus.OK:
-                return  # FCFS: the head waits for blocks, nobody overtakes it
+                if self.kv.reclaim():  # an unpinned cached module gave its blocks back: look again
+                    continue
+                if self._wait(passed):  # FCFS: the head waits for blocks, nobody overtakes it
+                    break
+                continue
             self.waiting.popleft()
-            for seq in seqs:
-                if self.config.per_layer_groups:  # _reserve gives each group what the policy keeps
-                    seq.num_computed_tokens = self._allocate_groups(request, seq, step)
-                else:
-                    seq.num_computed_tokens = self._allocate(request, seq, step)
-            if request.prefilling:
-                request.num_cached_prompt_tokens = seqs[0].num_computed_tokens
+            if not allocated:
+                for seq in seqs:
+                    if self.config.per_layer_groups:  # _reserve gives each group what the policy keeps
+                        seq.num_computed_tokens = self._allocate_groups(request, seq, step)
+                    else:
+                        seq.num_computed_tokens = self._allocate(request, seq, step)
+                if request.prefilling:
+                    request.num_cached_prompt_tokens = seqs[0].num_computed_tokens
             self._start(request, step)
+        stuck = [r for r in passed if not r.encodes_module]  # the store owns an encoding: never rejected here
+        if stuck and not self.running and not step.rejected:
+            # Nothing runs and no waiting request can start: the modules the waiting ones pinned (on arrival) fill
+            # the pool between them, and no step would ever free a block (a rejection this step frees pins: look
+            # again next step). The first is rejected; its modules' pins go, and the others (or the encoding
+            # they wait for) may fit.
+            passed.remove(stuck[0])
+            step.rejected.append(stuck[0].request_id)
+        self.waiting.extendleft(reversed(passed))
+
+    def _wait(self, passed: list[Request]) -> bool:
+        """The waiting head cannot start now: True, it waits and nobody overtakes it (FCFS), while a request
+        runs, whose end frees blocks. With none running, no step would ever free what it waits for (blocks of
+        modules that later arrivals pinned, an encoding queued after it): it is passed (False), and the next one
+        may start; finishing, that one unpins its modules."""
+        if self.running:
+            return True
+        passed.append(self.waiting.popleft())
+        return False
 
     def _start(self, request: Request, step: _Step) -> None:
         request.status = RequestStatus.RUNNING
@@ -361,6 +400,8 @@ class Scheduler:
             return self.kv.device_status(sum(self.kv.blocks_for(n) for slots in targets for n in slots) - shared)
         module_blocks = request.prompt_cache.shared_blocks if request.prompt_cache else ()
         budget = self.config.max_num_batched_tokens  # the most a step computes: a window group's chunk
+        if request.prompt_cache and self._outgrows_modules(request, budget):
+            return AllocationStatus.NEVER
         if len(seqs) == 1:
             seq = seqs[0]
             return self.kv.can_allocate(seq.num_tokens, seq.token_ids, request.cache_salt, module_blocks, budget)
@@ -374,6 +415,17 @@ class Scheduler:
                 self.kv.blocks_needed(s.num_tokens, budget, len(module_blocks) + (shared if i else 0))
                 for i, s in enumerate(seqs)
             )
+        )
+
+    def _outgrows_modules(self, request: Request, budget: int) -> bool:
+        """Whether a Prompt Cache request can never fit beside its own modules: they keep their blocks while it
+        lives (the full ones it shares, and those holding the tails it copies), so only the rest of the pool is
+        ever free for it, however long it waits."""
+        cached, bs = request.prompt_cache, self.kv.block_size
+        kept = len(cached.shared_blocks) + len({slot // bs for slot in cached.tail_slots})
+        return any(
+            self.kv.blocks_needed(s.num_tokens, budget, len(cached.shared_blocks)) + kept > self.kv.pool.num_blocks
+            for s in request.live_seqs
         )
 
     def _blocks_unshared(self, request: Request) -> int:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvserve.kv.block_pool import Block, BlockPool, KVCacheError, NoFreeBlocksError
@@ -146,6 +146,20 @@ class KVCacheManager:
         self._pending_copies: list[tuple[int, int]] = []
         self._query_tokens = 0
         self._hit_tokens = 0
+        self._reclaimers: list[Callable[[], bool]] = []
+
+    # ----- blocks held only as a cache -----
+
+    def add_reclaimer(self, reclaim: Callable[[], bool]) -> None:
+        """Register ``reclaim()``: it frees device blocks a holder keeps only as a cache (a Prompt Cache module no
+        request pins), returning False when it has none left to free. Without it, such blocks would be given back
+        only to make room for that holder's own next entries, and a request needing them could wait forever."""
+        self._reclaimers.append(reclaim)
+
+    def reclaim(self) -> bool:
+        """Free one cache entry's device blocks (the scheduler calls it before a request waits or is preempted for
+        blocks); False if no holder has any left."""
+        return any(reclaim() for reclaim in self._reclaimers)
 
     # ----- new sequences -----
 

@@ -13,10 +13,11 @@ the worker) is an error within a second or so instead of a rendezvous time-out. 
 join the process group.
 
 Failures: every wait on a peer has a timeout; a worker that raises reports the error on the status
-queue; a dead worker breaks its connections. Each becomes a ``ParallelPrefillError`` in this process,
-after which the group is closed (workers stopped, killed if they do not stop; process group destroyed)
-and unusable; ``supervisor.py`` starts a new one. A group dropped without ``close()`` is released when
-it is collected, so another can start in the same process.
+queue; a dead worker breaks its connections, and the wait for the workers' reports looks at their
+processes every ``START_POLL_S``. Each becomes a ``ParallelPrefillError`` in this process, after which
+the group is closed (workers stopped, killed if they do not stop; process group destroyed) and
+unusable; ``supervisor.py`` starts a new one. A group dropped without ``close()`` is released when it
+is collected, so another can start in the same process.
 """
 
 from __future__ import annotations
@@ -203,16 +204,25 @@ class PrefillGroup:
         self.store = None
 
     def _collect(self, expected: str, timeout_s: float) -> None:
-        """One ``expected`` message per worker, or the first error / a timeout as ParallelPrefillError."""
+        """One ``expected`` message per worker, or the first error / a timeout as ParallelPrefillError. The worker
+        processes are looked at every ``START_POLL_S`` meanwhile: one that died (after its sends, say) is an error
+        within a second, not at the timeout."""
         pending = set(range(self.num_procs - 1))
+        deadline = time.monotonic() + timeout_s
         while pending:
             try:
-                kind, rank, detail = self.status.get(timeout=timeout_s)
+                kind, rank, detail = self.status.get(timeout=max(0.0, min(START_POLL_S, deadline - time.monotonic())))
             except queue.Empty:
-                alive = [r for r in pending if self.workers[r].is_alive()]
+                dead = sorted(r for r in pending if not self.workers[r].is_alive())
+                if dead:
+                    codes = ", ".join(f"{r}: exit code {self.workers[r].exitcode}" for r in dead)
+                    raise ParallelPrefillError(
+                        f"prefill worker(s) exited before reporting '{expected}' ({codes})"
+                    ) from None
+                if time.monotonic() < deadline:
+                    continue
                 raise ParallelPrefillError(
-                    f"prefill workers {sorted(pending)} did not report '{expected}' within {timeout_s:g} s "
-                    f"(alive: {alive})"
+                    f"prefill workers {sorted(pending)} did not report '{expected}' within {timeout_s:g} s (alive)"
                 ) from None
             if kind == "error":
                 raise ParallelPrefillError(f"prefill worker {rank} failed: {detail}")

@@ -136,6 +136,7 @@ class ModuleStore:
         self.stats = StoreStats()
         self._seq_ids = itertools.count(-1, -1)
         self._jobs: list[EncodeJob] = []  # encodings not yet handed to the engine
+        kv.add_reclaimer(self.evict_unpinned)  # a request short of blocks takes them from unpinned modules
 
     def take_encode_jobs(self) -> list[EncodeJob]:
         """The encodings to queue to the scheduler, oldest first (each handed out once)."""
@@ -320,6 +321,17 @@ class ModuleStore:
             module.seq_id = None
 
     # ----- eviction -----
+
+    def evict_unpinned(self) -> bool:
+        """Evict the least recently used module no request pins that holds device blocks (they go back to the
+        pool, still findable by prefix hash); False if none. The KV manager calls it when a request is short of
+        blocks: a stored module is a cache, and is encoded again (or found by hash) when next used."""
+        for key, module in self.modules.items():
+            if module.pins == 0 and not module.encoding and module.seq_id is not None:
+                self.remove(key)
+                self.stats.evictions += 1
+                return True
+        return False
 
     def _enforce_budget(self, keep: CachedModule) -> None:
         while self.memory_bytes() > self.budget_bytes and self._evict_one(keep):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 
 import pytest
 
@@ -57,6 +59,29 @@ def test_dead_worker_falls_back_to_single_process_prefill(tiny, caplog) -> None:
 
 
 @pytest.mark.real_model
+def test_worker_killed_mid_prefill_is_noticed_within_seconds(tiny) -> None:
+    """A worker that dies while a prefill waits on it fails that prefill within seconds (not at the 60 s
+    timeout); the step is recomputed locally and the request completes."""
+    folder, _ = tiny
+    ids = prompt(80)
+    expected = continuation(LLM(model=str(folder), dtype="float32"), ids)
+    llm = LLM(model=str(folder), dtype="float32", prefill_parallel=2, prefill_partition="even")
+    parallel = llm.engine.parallel_prefill
+    parallel.supervisor.first_delay_s = 3600  # no restart in this test
+    group = parallel.group
+    worker = group.workers[0]
+    try:
+        os.kill(worker.pid, signal.SIGSTOP)  # it gets the job but computes nothing: the prefill waits on it
+        threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
+        start = time.monotonic()
+        assert continuation(llm, ids) == expected
+        assert time.monotonic() - start < 10
+        assert "the parallel prefill failed" in parallel.last_route.reason and not parallel.available
+    finally:
+        llm.engine.close()
+    assert not any(w.is_alive() for w in group.workers)
+
+
 def test_real_model_parallel_prefill_same_greedy_continuation(default_model) -> None:
     ids = default_model.tokenizer.encode(AUSTEN.read_text()[:4000])[:600]
     expected = continuation(LLM(dtype="float32"), ids)

@@ -34,3 +34,20 @@ def test_worker_failure_is_a_clear_error_and_leaves_no_process(tiny, failure) ->
     finally:
         g.close()
     assert not any(w.is_alive() for w in g.workers)
+
+
+def test_a_worker_that_dies_before_reporting_is_noticed_within_seconds(tiny) -> None:
+    """A worker gone after its sends (nothing left to break on the wire) fails the wait for its report at once,
+    not at the 60 s timeout."""
+    folder, loaded = tiny
+    g = PrefillGroup(loaded.model, WorkerModel(str(folder), "float32", "dequant"), 2, threads_per_proc=1, timeout_s=60)
+    try:
+        worker = g.workers[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=10)
+        start = time.monotonic()
+        with pytest.raises(ParallelPrefillError, match=r"exited before reporting 'done' \(0: exit code -9\)"):
+            g._collect("done", g.timeout_s)
+        assert time.monotonic() - start < 5
+    finally:
+        g.close()
