@@ -63,7 +63,7 @@ KIND_WEIGHTS = {
     "stream": 5, "chat_stream": 3, "complete": 3, "cancel": 2, "bad": 2, "oversized": 1, "pml": 2, "long": 1,
 }  # fmt: skip
 # --chaos: faults at every tier point (the disk tier's only fire with --kv-offload disk in the server's arguments),
-# a 64 MiB KV memory (about 2,900 SmolLM2 tokens) so that 8 clients' prompts preempt each other to the swap space.
+# a 48 MiB KV memory (about 2,200 SmolLM2 tokens) so that the clients' prompts preempt each other to the swap space.
 CHAOS_FAULTS = "swap=0.05,kv-disk=0.002,module-dir-write=0.3,module-dir-read=0.3"
 CHAOS_SERVER_ARGS = ("--preemption-mode", "swap", "--kv-cache-memory", "48MiB", "--swap-space", "256MiB")
 CHAOS_KIND_WEIGHTS = {"hangup": 1}
