@@ -327,6 +327,9 @@ class Traffic:
         if n > 1:
             body["temperature"] = 0.8
         response = await self.client.post(self.base + "/completions", json=body)
+        if response.status_code == 503 and kind == "pml" and "Retry-After" in response.headers:
+            # The pool was full when its module had to be loaded again: busy, never accepted by the engine.
+            return Outcome(kind, 503, "no room to load module" in response.text, 0, response.text[:200])
         if response.status_code != 200:
             fault = self.opts.chaos and response.status_code >= 500 and faults.FAULT_MARK in response.text
             return Outcome(kind, response.status_code, fault, int(fault), response.text[:200], fault=fault)

@@ -50,6 +50,11 @@ class PromptCacheError(KVServeError, ValueError):
     """The prompt cache cannot serve a module now: no free KV blocks, or the module was removed."""
 
 
+class ModuleRoomError(PromptCacheError):
+    """No free KV blocks to load or encode a module now (running requests hold them): a busy server, not a bad
+    prompt; the server answers 503 with Retry-After."""
+
+
 @dataclass(eq=False)
 class CachedModule:
     """One module's tokens and where its keys and values are."""
@@ -266,7 +271,7 @@ class ModuleStore:
             except NoFreeBlocksError as error:
                 # Only device-tier modules hold blocks while unpinned; evicting host-tier ones frees none.
                 if self.tier == "host" or not self._evict_one(keep=module, pinned_ok=False):
-                    raise PromptCacheError(
+                    raise ModuleRoomError(
                         f"no room to load module {module.key[1]!r} ({module.num_tokens} tokens): {error}; "
                         "give the engine more kv_cache_memory or import fewer modules at once"
                     ) from None

@@ -12,7 +12,7 @@ from starlette.requests import Request
 from kvserve.isolation import GLOBAL_NAMESPACE, check_cache_salt
 from kvserve.outputs import RequestOutput
 from kvserve.prompt_cache.pml import PMLError
-from kvserve.prompt_cache.store import PromptCacheError
+from kvserve.prompt_cache.store import ModuleRoomError, PromptCacheError
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.async_engine import (
     AsyncEngine,
@@ -100,6 +100,8 @@ class ServeContext:
             raise ApiError(503, str(exc), None, "server_busy", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except EngineStoppedError as exc:
             raise ApiError(503, str(exc), None, "server_error", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except ModuleRoomError as exc:  # running requests hold the blocks a module needs: retry later
+            raise ApiError(503, str(exc), None, "server_busy", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except (PMLError, PromptCacheError) as exc:
             raise bad_request(str(exc), prompt_param) from None
         except ValueError as exc:

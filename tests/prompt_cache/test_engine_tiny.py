@@ -20,7 +20,7 @@ from kvserve.engine import LLMEngine
 from kvserve.models import LoadedModel, load_model
 from kvserve.outputs import RequestOutput
 from kvserve.prompt_cache.pml import PMLError
-from kvserve.prompt_cache.store import PromptCacheError
+from kvserve.prompt_cache.store import ModuleRoomError
 from kvserve.sampling_params import SamplingParams
 from tests.prompt_cache.reference import plain_reference, prompt_cache_reference
 from tests.tiny_models import TinySpec, load_hf_model, torch_single_thread, write_tiny_model  # noqa: F401
@@ -255,7 +255,7 @@ def test_context_encodings_wait_for_room_and_give_their_scratch_blocks_back(load
 def test_a_module_larger_than_the_free_pool_is_refused_and_the_schema_not_kept(loaded):
     engine = make_engine(loaded, kv_cache_memory=make_engine(loaded).kv_block_bytes * 8)  # 32 token slots
     long_module = " ".join(["the cat sat on the mat"] * 12)
-    with pytest.raises(PromptCacheError, match="no room to load module 'big'"):
+    with pytest.raises(ModuleRoomError, match="no room to load module 'big'"):
         engine.register_schema(f'<schema name="s"><module name="big">{long_module}</module></schema>')
     assert engine.prompt_cache.names() == [] and engine.kv.pool.num_free == 8
     (out,) = run(engine, ["hello world"])
