@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from kvserve.prompt_cache.store import ModuleRoomError
 from kvserve.sampling_params import SamplingParams
 from tests.server.conftest import TINY_NAME, start_server, tiny_engine
 
@@ -113,5 +114,25 @@ def test_bad_pml_prompts_get_a_400_and_the_server_keeps_serving(server):
     ]:
         with pytest.raises(openai.BadRequestError, match=match):
             client.completions.create(model=TINY_NAME, prompt=prompt, max_tokens=2)
+    ok = client.completions.create(model=TINY_NAME, prompt=PROMPT, max_tokens=2, extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 2
+
+
+def test_a_module_with_no_room_to_load_again_is_a_503_to_retry(server, monkeypatch):
+    """A module evicted for a waiting request must be loaded again; if running requests hold the whole pool at
+    that moment the server is busy, not the prompt bad: 503 with Retry-After (``openai`` retries it itself)."""
+    assert post_schema(server, SCHEMA).status_code == 200
+    store_type = type(server.engine.engine.prompt_cache.store)
+
+    def full_pool(self, module):
+        raise ModuleRoomError(f"no room to load module {module.key[1]!r} (3 tokens): 0 of 8 are free")
+
+    monkeypatch.setattr(store_type, "pin", full_pool)
+    client = server.client()  # no retries
+    with pytest.raises(openai.APIStatusError) as busy:
+        client.completions.create(model=TINY_NAME, prompt=PROMPT, max_tokens=2)
+    assert busy.value.status_code == 503 and busy.value.response.headers["retry-after"] == "1"
+    assert "no room to load module" in busy.value.message
+    monkeypatch.undo()
     ok = client.completions.create(model=TINY_NAME, prompt=PROMPT, max_tokens=2, extra_body={"ignore_eos": True})
     assert ok.usage.completion_tokens == 2
