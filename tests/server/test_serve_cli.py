@@ -32,6 +32,16 @@ def wait_for_health(process: subprocess.Popen, port: int, timeout_s: float = 90.
         time.sleep(0.1)
 
 
+def interrupt(process: subprocess.Popen) -> str:
+    """Ctrl-C ``kvserve serve`` and return its stderr; killed (and the test failed) if it does not stop in 30 s."""
+    process.send_signal(signal.SIGINT)
+    try:
+        return process.communicate(timeout=30)[1]
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+
+
 def test_serve_command_serves_and_stops_cleanly(tiny_folder):
     port = free_port()
     command = [
@@ -59,12 +69,7 @@ def test_serve_command_serves_and_stops_cleanly(tiny_folder):
         except openai.BadRequestError as exc:
             assert exc.body["param"] == "n" and "max-num-seqs" in exc.body["message"]
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            _, stderr = process.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
+        stderr = interrupt(process)
     assert process.returncode == 0, stderr
     assert f"serving tiny-cli at http://127.0.0.1:{port}/v1" in stderr
     assert "KV cache:" in stderr and "blocks x 8 tokens" in stderr
@@ -93,11 +98,6 @@ def test_serve_with_several_keys_gives_each_its_own_copy_of_the_schema_files(tin
         assert httpx.get(url, headers={"Authorization": "Bearer sk-a"}).status_code == 200
         assert httpx.get(url, headers={"Authorization": "Bearer sk-env-ignored"}).status_code == 401
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            _, stderr = process.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
+        stderr = interrupt(process)
     assert process.returncode == 0, stderr
     assert "one of 2 API keys required" in stderr and "sk-a" not in stderr and "sk-b" not in stderr

@@ -3,14 +3,13 @@ with the custom template (the official openai client against a subprocess on loo
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 
 import openai
 
 from kvserve.models.tokenizer_override import load_tokenizer
-from tests.server.test_serve_cli import free_port, wait_for_health
+from tests.server.test_serve_cli import free_port, interrupt, wait_for_health
 
 TEMPLATE = (
     "{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}"
@@ -37,12 +36,7 @@ def test_serve_takes_the_model_positionally_and_chats_with_the_custom_template(t
         ids = load_tokenizer(str(tiny_folder)).encode(rendered, add_special_tokens=False)
         plain = client.completions.create(model=str(tiny_folder), prompt=ids, max_tokens=5, temperature=0)
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            _, stderr = process.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
+        stderr = interrupt(process)
     assert process.returncode == 0, stderr
     assert chat.usage.prompt_tokens == len(ids) == plain.usage.prompt_tokens
     assert chat.choices[0].message.content == plain.choices[0].text
