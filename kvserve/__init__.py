@@ -9,18 +9,18 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvserve.engine import LLMEngine
-    from kvserve.llm import LLM
-    from kvserve.outputs import CompletionOutput, RequestOutput
-    from kvserve.sampling_params import SamplingParams
+    from kvserve.core.engine import LLMEngine
+    from kvserve.core.outputs import CompletionOutput, RequestOutput
+    from kvserve.entrypoints.llm import LLM
+    from kvserve.sampling.sampling_params import SamplingParams
     from kvserve.structured.params import GuidedDecodingParams
 
 _EXPORTS = {
-    "LLM": "kvserve.llm",
-    "LLMEngine": "kvserve.engine",
-    "CompletionOutput": "kvserve.outputs",
-    "RequestOutput": "kvserve.outputs",
-    "SamplingParams": "kvserve.sampling_params",
+    "LLM": "kvserve.entrypoints.llm",
+    "LLMEngine": "kvserve.core.engine",
+    "CompletionOutput": "kvserve.core.outputs",
+    "RequestOutput": "kvserve.core.outputs",
+    "SamplingParams": "kvserve.sampling.sampling_params",
     "GuidedDecodingParams": "kvserve.structured.params",
 }
 

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.devices import check_device
 from kvserve.kv.sizing import parse_memory_size
 from kvserve.kv.tiers import KV_OFFLOAD_MODES
 from kvserve.models.dtype import DTYPE_CHOICES, DTYPES, resolve_dtype
 from kvserve.models.loader import WEIGHT_MODES
+from kvserve.platform.devices import check_device
 from kvserve.policies import KV_POLICY_NAMES, make_policy
 from kvserve.policies.infinigen import POOL_EVICTIONS
 

@@ -18,16 +18,16 @@ from gguf import GGMLQuantizationType
 
 from kvserve.attention import PagedAttentionMetadata, PagedKVCache
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
-from kvserve.engine_args import add_engine_args, engine_config_from_args
-from kvserve.llm import LLM
+from kvserve.core.engine import LLMEngine
+from kvserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from kvserve.entrypoints.llm import LLM
 from kvserve.models.batch_invariant import make_batch_invariant
 from kvserve.models.layers import Linear
 from kvserve.models.loader import load_model
 from kvserve.models.packed_linear import ROW_TILE
 from kvserve.models.quant_linear import Int4Weight, Int8Weight, Q8Linear, QuantLinear, max_rows
-from kvserve.sampler import SampleRow, sample_each
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampler import SampleRow, sample_each
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.test_gguf_loader import checkpoint, write_gguf
 from tests.test_quant_linear import blocks_of
 from tests.tiny_models import TinySpec, torch_single_thread  # noqa: F401 - autouse fixture

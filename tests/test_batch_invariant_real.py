@@ -17,10 +17,10 @@ import torch
 
 from kvserve.attention.flash_prefill import flash_prefill_available
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
-from kvserve.llm import LLM
+from kvserve.core.engine import LLMEngine
+from kvserve.entrypoints.llm import LLM
 from kvserve.models import LoadedModel, load_model
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.server.conftest import start_server
 
 pytestmark = pytest.mark.real_model

@@ -14,7 +14,7 @@ def test_bench_throughput_writes_a_consistent_report(tmp_path):
     out = tmp_path / "report"
     result = subprocess.run(
         [
-            sys.executable, "-m", "kvserve.cli", "bench", "throughput", "--model", str(model), "--threads", "1",
+            sys.executable, "-m", "kvserve", "bench", "throughput", "--model", str(model), "--threads", "1",
             "--num-requests", "6", "--scale", "40", "--batch-sizes", "1,2", "--decode-tokens", "3",
             "--kv-cache-memory", "4MiB", "--no-peer", "--output", str(out),
         ],

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from kvserve.bench import serve
-from kvserve.cli import main
+from kvserve.entrypoints.cli import main
 from tests.tiny_models import write_tokenizer
 
 FIRST_DELAY = 0.08  # seconds before the first text chunk

@@ -179,7 +179,7 @@ def test_bench_speed_runs_kvserve_and_transformers_end_to_end(tmp_path) -> None:
     out = tmp_path / "speed"
     result = subprocess.run(
         [
-            sys.executable, "-m", "kvserve.cli", "bench", "speed", "--peers", "transformers", "--threads", "2",
+            sys.executable, "-m", "kvserve", "bench", "speed", "--peers", "transformers", "--threads", "2",
             "--prefill-lengths", "32,64", "--decode-tokens", "4", "--batch-sizes", "2,3", "--batch-prompt-tokens", "16",
             "--batch-new-tokens", "4", "--long-decode-contexts", "80", "--repeats", "1", "--output", str(out),
         ],
@@ -202,7 +202,7 @@ def test_bench_speed_runs_kvserve_and_transformers_end_to_end(tmp_path) -> None:
 
 
 def test_bench_speed_rejects_unknown_peers_and_non_gguf_models(tmp_path, capsys) -> None:
-    from kvserve.cli import main
+    from kvserve.entrypoints.cli import main
 
     assert main(["bench", "speed", "--peers", "vllm"]) == 2
     assert "unknown peer(s) ['vllm']" in capsys.readouterr().err

@@ -20,7 +20,7 @@ def test_bench_structured_writes_a_consistent_report(tmp_path):
     out = tmp_path / "report"
     result = subprocess.run(
         [
-            sys.executable, "-m", "kvserve.cli", "bench", "structured", "--model", str(model), "--threads", "1",
+            sys.executable, "-m", "kvserve", "bench", "structured", "--model", str(model), "--threads", "1",
             "--num-prompts", "4", "--max-tokens", "24", "--kv-cache-memory", "8MiB", "--output", str(out),
         ],
         capture_output=True, text=True, timeout=300,

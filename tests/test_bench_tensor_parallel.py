@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kvserve.cli import main
+from kvserve.entrypoints.cli import main
 from tests.tiny_models import TinySpec, write_tiny_model
 
 SPEC = TinySpec(num_heads=4, num_kv_heads=2, num_layers=2, seed=3)
@@ -51,7 +51,7 @@ def test_all_reduce_volumes_are_two_per_layer_of_the_step_rows(folder, report) -
 
 def test_the_cli_refuses_a_size_the_model_cannot_split(folder) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "kvserve.cli", "generate", "--model", str(folder), "--dtype", "float32",
+        [sys.executable, "-m", "kvserve", "generate", "--model", str(folder), "--dtype", "float32",
          "--tensor-parallel-size", "3", "--max-tokens", "2", "hello"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip

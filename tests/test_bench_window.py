@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvserve.bench import window
-from kvserve.cli import main
+from kvserve.entrypoints.cli import main
 from kvserve.models import load_model
 from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401
 

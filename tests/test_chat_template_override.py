@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
+from kvserve.entrypoints.llm import LLM
 from kvserve.errors import ModelLoadError
-from kvserve.llm import LLM
 from kvserve.models.catalog import default_model_path
 from kvserve.models.tokenizer_override import load_tokenizer
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.tiny_models import (  # noqa: F401 - torch_single_thread is an autouse fixture
     BOS_ID,
     TinySpec,
@@ -85,7 +85,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(folder):
 
 
 def test_generate_with_a_bad_template_fails_in_one_line(folder):
-    command = [sys.executable, "-m", "kvserve.cli", "generate", "--model", str(folder), "--chat-template",
+    command = [sys.executable, "-m", "kvserve", "generate", "--model", str(folder), "--chat-template",
                "{% if %}", "--chat", "hi"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2

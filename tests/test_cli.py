@@ -9,7 +9,7 @@ import pytest
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvserve.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "kvserve", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.real_model
@@ -21,7 +21,7 @@ def test_generate_streams_a_continuation_of_the_prompt(default_model):
     continuation = result.stdout[len(prompt) :].strip()
     # The same greedy continuation the Python API gives.
     from kvserve import SamplingParams
-    from kvserve.generation import Generator
+    from kvserve.entrypoints.generation import Generator
 
     expected = Generator(default_model).generate(prompt, SamplingParams(max_tokens=12, temperature=0)).text
     assert continuation == expected.strip()

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import kvserve
-from kvserve import cli
+from kvserve.entrypoints import cli
 from tests.tiny_models import TinySpec, write_tiny_model
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvserve.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "kvserve", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_version_names_kvserve_and_torch():
@@ -157,7 +157,7 @@ def test_a_refused_combination_fails_in_seconds_without_loading(argv, tmp_path):
     (tmp_path / "s.xml").write_text(SCHEMA)
     start = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "kvserve.cli", *argv], capture_output=True, text=True, timeout=120, cwd=tmp_path
+        [sys.executable, "-m", "kvserve", *argv], capture_output=True, text=True, timeout=120, cwd=tmp_path
     )
     assert result.returncode == 2
     assert result.stderr.startswith("kvserve: error: ")

@@ -28,12 +28,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.console import print_stream
-from kvserve.generation import Generator
+from kvserve.entrypoints.console import print_stream
+from kvserve.entrypoints.generation import Generator
+from kvserve.entrypoints.progress import DelayedProgress
 from kvserve.log import get_logger
 from kvserve.models.loader import load_model
-from kvserve.progress import DelayedProgress
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.tiny_models import TinySpec, write_tiny_model
 
 KVSERVE = str(Path(sys.executable).with_name("kvserve"))
@@ -181,7 +181,7 @@ def engine_chunk(*args, **kwargs):
 if __name__ == "__mp_main__":  # spawn runs this file again in each worker under this name
     group.run_chunk = worker_chunk
 elif __name__ == "__main__":
-    from kvserve.cli import main
+    from kvserve.entrypoints.cli import main
 
     group.run_chunk = engine_chunk
     sys.exit(main(["generate", *sys.argv[1:]]))
@@ -217,7 +217,7 @@ def test_summary_says_the_prompt_prefilled_over_two_processes(tiny):
 
 def test_parallel_prefill_routes_name_why_a_prompt_ran_here(tiny):
     from kvserve.config import EngineConfig
-    from kvserve.engine import LLMEngine
+    from kvserve.core.engine import LLMEngine
 
     config = EngineConfig(model=tiny, dtype="float32", prefill_parallel=2, prefill_partition="even",
                           enable_prefix_caching=False, kv_cache_memory="64MiB", swap_space="64MiB")  # fmt: skip
@@ -263,7 +263,7 @@ def test_progress_is_silent_for_quick_steps():
 
 def test_progress_draws_nothing_into_a_pipe():
     script = (
-        "import time\nfrom kvserve.progress import DelayedProgress\n"
+        "import time\nfrom kvserve.entrypoints.progress import DelayedProgress\n"
         "with DelayedProgress('Loading', delay=0.0) as p:\n"
         "    for i in range(5):\n        p.update(i, 5)\n        time.sleep(0.1)\n"
     )

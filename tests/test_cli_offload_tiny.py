@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import kvserve.engine
+import kvserve.core.engine
 from kvserve.attention.offloaded import OffloadedKVCache, offload_block_bytes
-from kvserve.cli import main
+from kvserve.entrypoints.cli import main
 from kvserve.policies import make_policy
 from kvserve.policies.skewing import SKEWING_DIR_ENV
 from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
@@ -52,16 +52,16 @@ def skewing_dir(tmp_path, monkeypatch) -> Path:
 
 
 @pytest.fixture
-def engines(monkeypatch) -> list[kvserve.engine.LLMEngine]:
-    """Every ``LLMEngine`` the commands build (they import it from ``kvserve.engine`` when they run)."""
+def engines(monkeypatch) -> list[kvserve.core.engine.LLMEngine]:
+    """Every ``LLMEngine`` the commands build (they import it from ``kvserve.core.engine`` when they run)."""
     built = []
 
-    class Recorded(kvserve.engine.LLMEngine):
+    class Recorded(kvserve.core.engine.LLMEngine):
         def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - LLMEngine's
             super().__init__(*args, **kwargs)
             built.append(self)
 
-    monkeypatch.setattr(kvserve.engine, "LLMEngine", Recorded)
+    monkeypatch.setattr(kvserve.core.engine, "LLMEngine", Recorded)
     return built
 
 

@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from kvserve import cpu_kernels
-from kvserve.cli import main
 from kvserve.config import EngineConfig
-from kvserve.cpu_kernels import build_lock, build_name, cflags
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
+from kvserve.entrypoints.cli import main
 from kvserve.models import load_model
-from kvserve.sampling_params import SamplingParams
+from kvserve.platform import cpu_kernels
+from kvserve.platform.cpu_kernels import build_lock, build_name, cflags
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401 - an autouse fixture
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.kernels_disabled(), reason="KVSERVE_KERNELS=torch")

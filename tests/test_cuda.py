@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
+from kvserve.core.outputs import RequestOutput
 from kvserve.kv.tiers import TransferQueue, scatter_rows
-from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.tiny_models import TinySpec, skewing_in_tmp, write_tiny_model  # noqa: F401 - autouse fixture
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -14,14 +14,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from kvserve import cpu_kernels
 from kvserve.attention import PagedAttentionMetadata, PagedKVCache
-from kvserve.llm import LLM
+from kvserve.entrypoints.llm import LLM
 from kvserve.models.decode_chain import DecodeChain
 from kvserve.models.llama import DecoderLayer
 from kvserve.models.loader import LoadedModel, load_model
 from kvserve.models.quant_linear import QuantLinear
-from kvserve.sampling_params import SamplingParams
+from kvserve.platform import cpu_kernels
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.test_gguf_loader import checkpoint, write_gguf
 from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
 

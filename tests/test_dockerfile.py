@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvserve import __version__
-from kvserve.cli import build_parser
+from kvserve.entrypoints.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"

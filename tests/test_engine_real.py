@@ -18,16 +18,16 @@ import dataclasses
 import pytest
 import torch
 
-import kvserve.llm
+import kvserve.entrypoints.llm
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
+from kvserve.core.outputs import RequestOutput
+from kvserve.core.scheduler import SchedulerOutput
+from kvserve.entrypoints.generation import Generator
 from kvserve.eval.data import AUSTEN
-from kvserve.generation import Generator
 from kvserve.kv.manager import KVUsage
 from kvserve.kv.sizing import kv_block_bytes
-from kvserve.outputs import RequestOutput
-from kvserve.scheduler import SchedulerOutput
 
 pytestmark = pytest.mark.real_model
 
@@ -422,7 +422,7 @@ def test_shared_system_prompt_time_to_first_token(shared_prefix):
 def llm(default_model) -> LLM:
     """``LLM`` with its engine built on the session's loaded model instead of loading it again."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kvserve.llm, "LLMEngine", lambda config: LLMEngine(config, loaded=default_model))
+        mp.setattr(kvserve.entrypoints.llm, "LLMEngine", lambda config: LLMEngine(config, loaded=default_model))
         return LLM(kv_cache_memory="64MiB", swap_space=0)
 
 

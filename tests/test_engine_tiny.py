@@ -12,14 +12,14 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, RepetitionPenaltyLogitsProcessor
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
-from kvserve.generation import Generator
+from kvserve.core.engine import LLMEngine
+from kvserve.core.outputs import RequestOutput
+from kvserve.core.scheduler import SchedulerOutput
+from kvserve.entrypoints.generation import Generator
+from kvserve.entrypoints.llm import LLM
 from kvserve.kv.sizing import kv_block_bytes
-from kvserve.llm import LLM
 from kvserve.models import LoadedModel, load_model
-from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler import SchedulerOutput
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.tiny_models import (  # noqa: F401 - torch_single_thread is an autouse fixture
     TinySpec,
     hf_logits,

@@ -22,7 +22,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.errors import UnsupportedModelError
 from kvserve.models import load_model
 from kvserve.models.config import SLIDING, ModelConfig

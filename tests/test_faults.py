@@ -1,4 +1,4 @@
-"""Fault injection (kvserve/faults.py): the spec parser's errors, the seeded draws and the disarmed fast path."""
+"""Fault injection (kvserve/platform/faults.py): the spec parser's errors, seeded draws, disarmed fast path."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import errno
 
 import pytest
 
-from kvserve.faults import FAULT_MARK, fault_point, faults, parse_faults
+from kvserve.platform.faults import FAULT_MARK, fault_point, faults, parse_faults
 
 
 def test_parse_faults_reads_probabilities_and_errno_names():

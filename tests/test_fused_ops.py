@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve import cpu_kernels
 from kvserve.models import fused
+from kvserve.platform import cpu_kernels
 
 DTYPES = [torch.float32, torch.bfloat16]
 

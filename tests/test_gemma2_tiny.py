@@ -307,7 +307,7 @@ def test_capped_attention_is_sdpa_over_capped_logits():
 
 def test_parallel_prefill_is_refused_naming_the_soft_cap(loaded):
     from kvserve.config import EngineConfig
-    from kvserve.kv_plan import plan_kv
+    from kvserve.core.kv_plan import plan_kv
 
     with pytest.raises(ValueError, match=r"soft-caps.*attn_logit_softcapping=5\).*prefill_parallel=1"):
         plan_kv(EngineConfig(prefill_parallel=2), loaded.config, torch.float32)
@@ -316,7 +316,7 @@ def test_parallel_prefill_is_refused_naming_the_soft_cap(loaded):
 def test_generator_applies_the_cap(folder, hf):
     """The one-request generator (a contiguous cache, its metadata from the model's config) decodes greedily as
     transformers does."""
-    from kvserve.generation import Generator
+    from kvserve.entrypoints.generation import Generator
     from tests.family_checks import hf_greedy
 
     prompt = engine_prompts(VOCAB_SIZE)[1]

@@ -9,7 +9,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.attention.offloaded import OffloadedKVCache
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.eval.data import WIKITEXT2, require
 from kvserve.policies.skewing import SKEWING_DIR_ENV
 

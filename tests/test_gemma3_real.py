@@ -8,8 +8,8 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.attention import ContiguousKVCache
+from kvserve.entrypoints.generation import Generator
 from kvserve.eval.data import AUSTEN, require
-from kvserve.generation import Generator
 
 pytestmark = pytest.mark.real_model
 
@@ -78,7 +78,7 @@ def engines(gemma3_model):
 
 def _engine(loaded, **options):
     from kvserve.config import EngineConfig
-    from kvserve.engine import LLMEngine
+    from kvserve.core.engine import LLMEngine
 
     return LLMEngine(EngineConfig(model="gemma3-270m", **options), loaded)
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
-from kvserve.kv_plan import one_request_config, plan_kv
+from kvserve.core.engine import LLMEngine
+from kvserve.core.kv_plan import one_request_config, plan_kv
 from kvserve.models.loader import load_model
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
 
 PROMPT = "the quick brown fox jumps over the lazy dog, " * 2

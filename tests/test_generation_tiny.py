@@ -1,4 +1,4 @@
-"""Single-request generation (kvserve.generation.Generator) over a tiny random checkpoint."""
+"""Single-request generation (kvserve.entrypoints.generation.Generator) over a tiny random checkpoint."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from kvserve.generation import Generator
+from kvserve.entrypoints.generation import Generator
 from kvserve.models import LoadedModel, load_model
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.tiny_models import (  # noqa: F401 - torch_single_thread is an autouse fixture
     TinySpec,
     hf_logits,

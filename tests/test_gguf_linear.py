@@ -19,12 +19,12 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-from kvserve.cpu_kernels import CSRC, build_directory, cpu_kernels_available
 from kvserve.models import gguf_file
 from kvserve.models.batch_invariant import make_batch_invariant
 from kvserve.models.catalog import gemma3_270m_path
 from kvserve.models.gguf_linear import NATIVE_TYPES, GGUFEmbedding, GGUFLinear, GGUFWeight
 from kvserve.models.loader import load_model
+from kvserve.platform.cpu_kernels import CSRC, build_directory, cpu_kernels_available
 from tests.test_gguf_loader import random_ids
 from tests.test_quant_linear import logits_of, tiny_quantised
 

@@ -21,7 +21,7 @@ from gguf.quants import dequantize, quantize
 from kvserve.attention import AttentionMetadata, ContiguousKVCache
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.models import load_model
-from kvserve.tokenizer import Tokenizer
+from kvserve.text.tokenizer import Tokenizer
 from tests.gguf_convert import add_tiny_tokenizer, permute
 from tests.gguf_convert import llama3_rope_factors as llama3_rope_factors_of
 from tests.tiny_models import (  # noqa: F401 - torch_single_thread is an autouse fixture

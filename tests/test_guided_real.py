@@ -9,8 +9,8 @@ import jsonschema
 import pytest
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.engine import LLMEngine
+from kvserve.sampling.sampling_params import SamplingParams
 from kvserve.structured import GuidedDecodingParams
 
 SCHEMA = {

@@ -12,11 +12,11 @@ import jsonschema
 import pytest
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
+from kvserve.core.outputs import RequestOutput
 from kvserve.kv.sizing import kv_block_bytes
 from kvserve.models import LoadedModel, load_model
-from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from kvserve.structured import GuidedDecodingParams
 from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
 

@@ -9,7 +9,7 @@ import xgrammar
 from kvserve.models.gguf_file import open_gguf
 from kvserve.structured import GuidedDecodingParams
 from kvserve.structured.grammars import GrammarCache
-from kvserve.tokenizer import Tokenizer
+from kvserve.text.tokenizer import Tokenizer
 from tests.test_tokenizer_spm import write_spm_gguf
 from tests.tiny_models import BOS_ID, EOS_ID, build_tiny_tokenizer
 

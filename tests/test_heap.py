@@ -5,7 +5,7 @@ import sys
 import psutil
 import pytest
 
-from kvserve.heap import HeapTrimmer
+from kvserve.platform.heap import HeapTrimmer
 
 
 class FakeClock:

@@ -7,7 +7,7 @@ import torch
 
 from kvserve import SamplingParams
 from kvserve.attention import ContiguousKVCache
-from kvserve.generation import Generator
+from kvserve.entrypoints.generation import Generator
 
 pytestmark = pytest.mark.real_model
 

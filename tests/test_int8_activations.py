@@ -15,15 +15,15 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from kvserve import cpu_kernels
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
+from kvserve.entrypoints.llm import LLM
 from kvserve.eval.data import AUSTEN
-from kvserve.llm import LLM
 from kvserve.models.decode_chain import DecodeChain
 from kvserve.models.loader import load_model
 from kvserve.models.quant_linear import Int4Weight, Int8Weight, Q8Linear, QuantLinear
-from kvserve.sampling_params import SamplingParams
+from kvserve.platform import cpu_kernels
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.test_decode_chain import assert_the_chain_changes_nothing, run_steps
 from tests.test_gguf_loader import checkpoint, write_gguf
 from tests.test_quant_linear import blocks_of, rel_err
@@ -240,8 +240,8 @@ def test_models_and_configurations_it_cannot_run(tiny_gguf, tmp_path) -> None:
 def test_the_command_line_flag_reaches_the_engine_config() -> None:
     import argparse
 
-    from kvserve.cli import add_model_args
-    from kvserve.engine_args import add_engine_args, engine_config_from_args
+    from kvserve.entrypoints.cli import add_model_args
+    from kvserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     add_model_args(parser)

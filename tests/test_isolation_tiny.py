@@ -1,4 +1,4 @@
-"""Cache isolation in the engine (``kvserve/isolation.py``), on a tiny random checkpoint.
+"""Cache isolation in the engine (``kvserve/core/isolation.py``), on a tiny random checkpoint.
 
 A prompt gets prefix-cache hits only from prompts of the same ``cache_salt`` and namespace (the unsalted
 global one sharing as before), and its output does not depend on the salt; schemas of one namespace are
@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
-from kvserve.isolation import MAX_CACHE_SALT_CHARS, namespace_of, qualified_name
-from kvserve.llm import LLM
+from kvserve.core.engine import LLMEngine
+from kvserve.core.isolation import MAX_CACHE_SALT_CHARS, namespace_of, qualified_name
+from kvserve.core.outputs import RequestOutput
+from kvserve.entrypoints.llm import LLM
 from kvserve.models import LoadedModel, load_model
-from kvserve.outputs import RequestOutput
 from kvserve.prompt_cache.pml import PMLError
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
 
 BLOCK = 4

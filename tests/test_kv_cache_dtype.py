@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
+from kvserve.core.outputs import RequestOutput
+from kvserve.entrypoints.llm import LLM
 from kvserve.eval.data import AUSTEN
-from kvserve.llm import LLM
 from kvserve.models.decode_chain import DecodeChain
-from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.test_decode_chain import assert_the_chain_changes_nothing
 from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
 
@@ -134,8 +134,8 @@ def test_what_it_does_not_cover_is_refused_by_name(options, message) -> None:
 def test_the_cli_takes_the_option() -> None:
     import argparse
 
-    from kvserve.cli import add_model_args
-    from kvserve.engine_args import add_engine_args, engine_config_from_args
+    from kvserve.entrypoints.cli import add_model_args
+    from kvserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     add_model_args(parser)

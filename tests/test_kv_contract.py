@@ -11,12 +11,12 @@ from kvserve.attention.backend import StepReport, UnsupportedKVOperation
 from kvserve.attention.compressed import CompressedKVCache
 from kvserve.attention.contiguous import ContiguousKVCache
 from kvserve.attention.offloaded import OffloadedKVCache
+from kvserve.core.request import Request, Sequence
+from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.kv import KVCacheManager
 from kvserve.kv.manager import KVGroupSpec
 from kvserve.policies import HeavyHitters, make_policy
-from kvserve.request import Request, Sequence
-from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvserve.sampling.sampling_params import SamplingParams
 
 BLOCK = 4
 

@@ -20,10 +20,10 @@ import kvserve.kv.tiers as tiers
 from kvserve import SamplingParams
 from kvserve.attention.paged import PagedKVCache
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.errors import KVTierError
-from kvserve.faults import FAULT_MARK, faults
 from kvserve.kv.sizing import kv_block_bytes
+from kvserve.platform.faults import FAULT_MARK, faults
 from kvserve.server.async_engine import AsyncEngine, EngineStepError
 
 pytestmark = pytest.mark.real_model

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
-from kvserve.llm import LLM
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.engine import LLMEngine
+from kvserve.entrypoints.llm import LLM
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
+from kvserve.core.outputs import RequestOutput
 from kvserve.models import LoadedModel, load_model
-from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
 
 PROMPT = "the cat sat on the mat"

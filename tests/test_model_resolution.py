@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from kvserve.entrypoints.llm import LLM
 from kvserve.errors import ModelLoadError
-from kvserve.llm import LLM
 from kvserve.models.catalog import default_model_path, resolve_model_path
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
 
 
@@ -101,7 +101,7 @@ def test_the_default_model_names_fall_back_to_the_shipped_file(hf_cache, lookup)
 
 def _run_generate(cache: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "kvserve.cli", "generate", "--threads", "1", *args]
+    command = [sys.executable, "-m", "kvserve", "generate", "--threads", "1", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
 
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.errors import UnsupportedModelError
 from kvserve.models import LoadedModel, load_model
 from kvserve.models.loader import read_model_config

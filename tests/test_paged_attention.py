@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from kvserve.attention import AttentionMetadata, ContiguousKVCache, PagedAttentionMetadata, PagedKVCache
-from kvserve.generation import Generator
+from kvserve.entrypoints.generation import Generator
 from kvserve.models import load_model
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.tiny_models import (  # noqa: F401 - torch_single_thread is an autouse fixture
     VOCAB_SIZE,
     TinySpec,

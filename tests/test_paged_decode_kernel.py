@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve import cpu_kernels as kernels
 from kvserve.attention import decode as decode_module
 from kvserve.attention.decode import merge_attention, paged_decode, paged_decode_lse, paged_decode_reference
+from kvserve.platform import cpu_kernels as kernels
 
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 

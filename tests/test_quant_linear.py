@@ -18,7 +18,7 @@ from gguf.quants import dequantize, quantize
 
 from kvserve.attention import AttentionMetadata, ContiguousKVCache
 from kvserve.config import EngineConfig
-from kvserve.engine_args import describe_config
+from kvserve.entrypoints.engine_args import describe_config
 from kvserve.models import dtype as dtype_module
 from kvserve.models import gguf_file, loader
 from kvserve.models.catalog import default_model_path
@@ -266,7 +266,7 @@ def test_cpuinfo_flags_are_the_fallback_detection(tmp_path) -> None:
 
 
 def test_cli_resolves_auto_before_anything_reads_it(monkeypatch) -> None:
-    from kvserve.cli import build_parser
+    from kvserve.entrypoints.cli import build_parser
 
     args = build_parser().parse_args(["generate", "hi"])
     assert (args.dtype, args.weights) == ("auto", "native")

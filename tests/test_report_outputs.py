@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.bench.redact import command_line, redact_argv, redact_keys
-from kvserve.cli import build_parser, main
+from kvserve.entrypoints.cli import build_parser, main
 from tests.eval.test_compare import _ppl
 from tests.test_bench_serve import start_fake
 from tests.tiny_models import write_tokenizer

@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from kvserve.sampler import make_generator, sample
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampler import make_generator, sample
+from kvserve.sampling.sampling_params import SamplingParams
 
 # Chi-square critical values at p = 0.001 (df = 1, 2, 3); seeded draws keep these tests deterministic.
 CHI2_CRITICAL = {1: 10.83, 2: 13.82, 3: 16.27}

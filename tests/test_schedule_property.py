@@ -25,12 +25,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve.attention.backend import StepReport
+from kvserve.core.request import Request, Sequence
+from kvserve.core.scheduler import Scheduler, SchedulerConfig
 from kvserve.kv.manager import KVCacheManager
 from kvserve.prompt_cache.cache import _assemble
 from kvserve.prompt_cache.store import CachedModule, EncodeJob, ModuleStore, PromptCacheError
-from kvserve.request import Request, Sequence
-from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler import Scheduler, SchedulerConfig
+from kvserve.sampling.sampling_params import SamplingParams
 
 BLOCK = 4
 PREFIXES = [[7 + (i * 13 + j * 5) % 90 for j in range(24)] for i in range(3)]  # shared prompt heads: prefix hits

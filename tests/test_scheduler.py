@@ -15,10 +15,10 @@ import random
 
 import pytest
 
+from kvserve.core.request import Request, RequestStatus, Sequence
+from kvserve.core.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.kv import KVCacheManager
-from kvserve.request import Request, RequestStatus, Sequence
-from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput
+from kvserve.sampling.sampling_params import SamplingParams
 
 BLOCK = 4
 

@@ -12,8 +12,8 @@ import random
 
 import pytest
 
+from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.kv import KVCacheManager, KVGroupSpec
-from kvserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tests.test_scheduler import BLOCK, Harness, prompt, rows
 
 WINDOW = 8

@@ -9,7 +9,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.attention import ContiguousKVCache
 from kvserve.attention.blend import QUERY_CHUNK
-from kvserve.generation import Generator
+from kvserve.entrypoints.generation import Generator
 from kvserve.models import load_model
 from tests.tiny_models import (  # noqa: F401 - torch_single_thread: autouse fixture
     TinySpec,
@@ -230,8 +230,8 @@ def test_prompt_cache_recompute_selection_probes_only_tokens_whose_layer_one_kv_
     """Layer 0 is a window layer: a candidate whose window holds only its own module's tokens gets layer 1's keys
     and values as encoded (deviation zero), so the selection pass runs only the others, and chooses what a pass
     over every candidate would."""
-    from kvserve import runner
     from kvserve.attention import blend
+    from kvserve.core import runner
 
     folder, loaded, _ = tiny
     # Module two holds ~170 tokens: 3% of them are fewer than the 7 whose window reaches module one.

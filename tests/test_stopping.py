@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvserve.stopping import find_stop, partial_stop_len
+from kvserve.sampling.stopping import find_stop, partial_stop_len
 
 
 def reference_partial(text: str, stops: list[str]) -> int:

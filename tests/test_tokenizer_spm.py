@@ -18,11 +18,11 @@ from pathlib import Path
 import gguf
 import pytest
 
-from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.errors import ModelLoadError, UnsupportedModelError
 from kvserve.models.gguf_file import open_gguf
-from kvserve.sentencepiece import SPACE, score_ranked_merges, sentencepiece_backend
-from kvserve.tokenizer import Tokenizer
+from kvserve.text.detokenizer import IncrementalDetokenizer
+from kvserve.text.sentencepiece import SPACE, score_ranked_merges, sentencepiece_backend
+from kvserve.text.tokenizer import Tokenizer
 
 DATA = Path(__file__).parent / "data"
 REFERENCE = DATA / "gemma3_llamacpp_token_ids.json"

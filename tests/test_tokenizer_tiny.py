@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from jinja2.exceptions import TemplateError
 
-from kvserve.detokenizer import IncrementalDetokenizer
-from kvserve.tokenizer import Tokenizer
+from kvserve.text.detokenizer import IncrementalDetokenizer
+from kvserve.text.tokenizer import Tokenizer
 from tests.tiny_models import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, VOCAB_SIZE, write_tokenizer
 
 TEXTS = [

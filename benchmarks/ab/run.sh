@@ -26,6 +26,6 @@ for bench in "${benches[@]}"; do
     root=$here; [ "$side" = base ] && root=$base
     echo "== $side: kvserve bench $bench" >&2
     (cd "$out" && PYTHONPATH="$root" KVSERVE_DATA="${KVSERVE_DATA:-$here/../shared/data}" \
-      "$py" -m kvserve.cli bench $bench --output "$out/$name-$side") 2>&1 | tail -3 >&2
+      "$py" -m kvserve.entrypoints.cli bench $bench --output "$out/$name-$side") 2>&1 | tail -3 >&2
   done
 done

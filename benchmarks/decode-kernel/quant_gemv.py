@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.bench.speed import fastest_run
-from kvserve.cpu_kernels import cpu_kernels_available
 from kvserve.models.quant_linear import Int4Weight, Int8Weight, Q8Linear, QuantLinear
+from kvserve.platform.cpu_kernels import cpu_kernels_available
 
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30

@@ -38,7 +38,7 @@ import torch
 
 from kvserve.attention.offloaded import OffloadedKVCache
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.eval.data import AUSTEN, WIKITEXT2
 from kvserve.eval.loglikelihood import EngineScorer
 from kvserve.eval.multiple_choice import evaluate_multiple_choice, load_questions
@@ -46,7 +46,7 @@ from kvserve.eval.perplexity import evaluate_perplexity, sliding_windows
 from kvserve.models import load_model
 from kvserve.models.dtype import DTYPE_NAMES, DTYPES, resolve_dtype_name
 from kvserve.policies.infinigen import InfiniGen, parse_alpha
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 
 HERE = Path(__file__).parent
 

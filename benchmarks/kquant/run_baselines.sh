@@ -17,9 +17,9 @@ OUT=benchmarks/kquant
 common=(--peers llamacpp --llamacpp-python "$LLAMACPP_PYTHON" --threads 2 --n-ctx "$N_CTX" --prefill-lengths 512
         --decode-tokens 64 --long-decode-contexts "" --batch-sizes 32 --batch-prompt-tokens 32
         --batch-new-tokens 64)
-"$PYTHON" -m kvserve.cli bench speed --model gemma3-270m "${common[@]}" --repeats 3 \
+"$PYTHON" -m kvserve.entrypoints.cli bench speed --model gemma3-270m "${common[@]}" --repeats 3 \
     --output "$OUT/$PREFIX-gemma3-270m-q4km"
-"$PYTHON" -m kvserve.cli bench speed --model "$MODELS/Llama-3.2-1B-shaped-Q4_K_M.gguf" "${common[@]}" --repeats 3 \
+"$PYTHON" -m kvserve.entrypoints.cli bench speed --model "$MODELS/Llama-3.2-1B-shaped-Q4_K_M.gguf" "${common[@]}" --repeats 3 \
     --output "$OUT/$PREFIX-llama32-1b-q4km"
-"$PYTHON" -m kvserve.cli bench speed --model "$MODELS/Llama-3.2-3B-shaped-Q4_K_M.gguf" "${common[@]}" --repeats 2 \
+"$PYTHON" -m kvserve.entrypoints.cli bench speed --model "$MODELS/Llama-3.2-3B-shaped-Q4_K_M.gguf" "${common[@]}" --repeats 2 \
     --output "$OUT/$PREFIX-llama32-3b-q4km"

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.eval.data import WIKITEXT2
 from kvserve.eval.loglikelihood import EngineScorer
 from kvserve.eval.multiple_choice import evaluate_multiple_choice, load_questions

@@ -29,7 +29,9 @@ import torch
 
 from kvserve.bench.machine import describe_machine
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
+from kvserve.core.outputs import RequestOutput
+from kvserve.entrypoints.llm import LLM
 from kvserve.eval.longqa import (
     DEFAULT_MAX_TOKENS,
     Document,
@@ -39,13 +41,11 @@ from kvserve.eval.longqa import (
     pml_prompts,
     score_answer,
 )
-from kvserve.llm import LLM
 from kvserve.models.dtype import DTYPE_NAMES
 from kvserve.models.loader import LoadedModel, load_model
-from kvserve.outputs import RequestOutput
 from kvserve.prompt_cache.pml import pml_escape
-from kvserve.sampling_params import SamplingParams
-from kvserve.tokenizer import Tokenizer
+from kvserve.sampling.sampling_params import SamplingParams
+from kvserve.text.tokenizer import Tokenizer
 
 HERE = Path(__file__).resolve().parent
 

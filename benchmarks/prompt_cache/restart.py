@@ -32,7 +32,7 @@ def phase(args: argparse.Namespace) -> dict:
 
     from kvserve.bench.prompt_cache import leval_text_and_questions, schema_and_prompts, time_to_first_token
     from kvserve.config import EngineConfig
-    from kvserve.engine import LLMEngine
+    from kvserve.core.engine import LLMEngine
 
     torch.set_num_threads(args.threads)
     config = EngineConfig(dtype=args.dtype, kv_cache_memory="1GiB", swap_space=0, prompt_cache_dir=args.dir)

@@ -16,11 +16,11 @@ import json
 from pathlib import Path
 
 from kvserve import LLM, SamplingParams
-from kvserve.outputs import RequestOutput
+from kvserve.core.outputs import RequestOutput
 from kvserve.prompt_cache.pml import parse_prompt, parse_schema
 from kvserve.prompt_cache.roles import RoleFrames
 from kvserve.prompt_cache.schema import SchemaLayout
-from kvserve.tokenizer import Tokenizer
+from kvserve.text.tokenizer import Tokenizer
 
 HERE = Path(__file__).resolve().parent
 

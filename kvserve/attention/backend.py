@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.errors import KVTierError
-from kvserve.faults import fault_point
+from kvserve.platform.faults import fault_point
 
 if TYPE_CHECKING:  # plain data the scheduler emits; the cache only reads it
-    from kvserve.scheduler import SchedulerOutput
+    from kvserve.core.scheduler import SchedulerOutput
 
 # What a parallel prefill hands over per layer: (layer, keys (T, Hkv, D), values (T, Hkv, D), and the
 # sequence's policy scores (T,) float32 when its policy votes (KVPolicy.votes), else None).

@@ -49,13 +49,13 @@ from kvserve.attention.head_budgets import head_candidates, pack, packed_slots
 from kvserve.attention.paged import PagedKVCache, attend_prefill
 from kvserve.attention.softcap import cap_logits
 from kvserve.attention.step_layout import pad_tables, row_starts, slot_ids
-from kvserve.cpu_kernels import cpu_kernels_available
 from kvserve.kv.tiers import KVTier, RowSpec
+from kvserve.platform.cpu_kernels import cpu_kernels_available
 from kvserve.policies.base import SCORES_NONE, KVPolicy
 from kvserve.policies.scoring import attend_voting_rows, update_scores
 
 if TYPE_CHECKING:
-    from kvserve.scheduler import SchedulerOutput
+    from kvserve.core.scheduler import SchedulerOutput
 
 
 @dataclass

@@ -16,7 +16,7 @@ import math
 import torch
 
 from kvserve.attention.softcap import cap_logits, sdpa
-from kvserve.cpu_kernels import use_cpu_kernel
+from kvserve.platform.cpu_kernels import use_cpu_kernel
 
 
 def paged_decode(

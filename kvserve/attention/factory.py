@@ -14,7 +14,7 @@ from kvserve.policies.skewing import skewing_for
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
-    from kvserve.kv_plan import KVPlan
+    from kvserve.core.kv_plan import KVPlan
     from kvserve.models.loader import LoadedModel
 
 

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from kvserve.cpu_kernels import cpu_kernels_available
+from kvserve.platform.cpu_kernels import cpu_kernels_available
 
 
 @functools.cache

@@ -52,7 +52,7 @@ from kvserve.policies.infinigen import InfiniGen, PagedCandidates, Rehearsal, ch
 from kvserve.policies.quant import Int4KV, dequantize_int4, quantize_int4
 
 if TYPE_CHECKING:
-    from kvserve.scheduler import SchedulerOutput
+    from kvserve.core.scheduler import SchedulerOutput
 
 _SELECT_ROWS = 256  # rows of a chunk speculated at once
 

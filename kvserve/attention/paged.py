@@ -47,7 +47,7 @@ from kvserve.errors import KVTierError
 from kvserve.kv import huge_pages
 
 if TYPE_CHECKING:
-    from kvserve.scheduler import SchedulerOutput
+    from kvserve.core.scheduler import SchedulerOutput
 
 BlockTable = Sequence[int]
 

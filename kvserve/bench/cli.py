@@ -21,13 +21,13 @@ from kvserve.bench.report import new_report, write_report
 from kvserve.bench.results_dir import add_output_arg, output_path
 from kvserve.bench.workload import AUSTEN
 from kvserve.config import PREEMPTION_MODES
-from kvserve.engine_args import add_kv_policy_args, kv_policy_options
+from kvserve.entrypoints.engine_args import add_kv_policy_args, kv_policy_options
 from kvserve.errors import KVServeError
-from kvserve.extras import extra_imports
 from kvserve.models import gguf_file
 from kvserve.models.catalog import default_model_path, resolve_model_path
 from kvserve.models.dtype import resolve_dtype
-from kvserve.tokenizer import Tokenizer
+from kvserve.platform.extras import extra_imports
+from kvserve.text.tokenizer import Tokenizer
 
 
 def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) -> None:
@@ -331,7 +331,7 @@ def _markdown_table(report: dict) -> str:
 def cmd_bench_tensor_parallel(args: argparse.Namespace) -> int:
     from kvserve.bench import tensor_parallel as tp
     from kvserve.bench.plots import plot_tensor_parallel
-    from kvserve.llm import LLM
+    from kvserve.entrypoints.llm import LLM
     from kvserve.models.loader import read_model_config
     from kvserve.models.sharding import check_shardable
 
@@ -428,7 +428,7 @@ def cmd_bench_prefill(args: argparse.Namespace) -> int:
 
     from kvserve.bench import prefill
     from kvserve.bench.plots import plot_prefill_parallel
-    from kvserve.llm import LLM
+    from kvserve.entrypoints.llm import LLM
     from kvserve.parallel.partition import TABLE_PATH_ENV, default_table_path
     from kvserve.parallel.tune import default_lengths, tune_runahead
 
@@ -757,9 +757,9 @@ def cmd_bench_compression(args: argparse.Namespace) -> int:
 
     from kvserve.bench.compression import markdown, run_policy
     from kvserve.bench.plots import plot_compression
-    from kvserve.cli import load_from_args
     from kvserve.config import EngineConfig
-    from kvserve.engine import LLMEngine
+    from kvserve.core.engine import LLMEngine
+    from kvserve.entrypoints.cli import load_from_args
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -813,9 +813,9 @@ def _budgets(text: str) -> tuple[float, ...]:
 def cmd_bench_offload(args: argparse.Namespace) -> int:
     from kvserve.bench import offload
     from kvserve.bench.plots import plot_offload
-    from kvserve.cli import load_from_args
     from kvserve.config import EngineConfig
-    from kvserve.engine import LLMEngine
+    from kvserve.core.engine import LLMEngine
+    from kvserve.entrypoints.cli import load_from_args
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -867,9 +867,9 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from kvserve.bench import throughput
     from kvserve.bench.plots import plot_decode_scaling
     from kvserve.bench.workload import fixed_length_prompts, load_trace_requests
-    from kvserve.cli import load_from_args
     from kvserve.config import EngineConfig
-    from kvserve.engine import LLMEngine
+    from kvserve.core.engine import LLMEngine
+    from kvserve.entrypoints.cli import load_from_args
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -977,9 +977,9 @@ def _throughput_table(report: dict) -> str:
 
 def cmd_bench_prefix(args: argparse.Namespace) -> int:
     from kvserve.bench.prefix import markdown, run_shared_prefix
-    from kvserve.cli import load_from_args
     from kvserve.config import EngineConfig
-    from kvserve.engine import LLMEngine
+    from kvserve.core.engine import LLMEngine
+    from kvserve.entrypoints.cli import load_from_args
 
     loaded = load_from_args(args)
     tok = loaded.tokenizer
@@ -1013,7 +1013,7 @@ def cmd_bench_prefix(args: argparse.Namespace) -> int:
 def cmd_bench_prompt_cache(args: argparse.Namespace) -> int:
     from kvserve.bench.plots import plot_prompt_cache
     from kvserve.bench.prompt_cache import leval_text_and_questions, markdown, run_length, warm_up
-    from kvserve.cli import load_from_args
+    from kvserve.entrypoints.cli import load_from_args
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -1055,7 +1055,7 @@ def cmd_bench_prompt_cache(args: argparse.Namespace) -> int:
 def cmd_bench_window(args: argparse.Namespace) -> int:
     from kvserve.bench import window
     from kvserve.bench.plots import plot_window
-    from kvserve.cli import load_from_args
+    from kvserve.entrypoints.cli import load_from_args
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -1086,8 +1086,8 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
     with extra_imports("bench", "kvserve bench soak"):
         from kvserve.bench import soak
     from kvserve.bench.plots import plot_soak
-    from kvserve.faults import parse_faults
     from kvserve.models.catalog import resolve_model_path
+    from kvserve.platform.faults import parse_faults
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -1259,9 +1259,9 @@ def cmd_bench_structured(args: argparse.Namespace) -> int:
 
     from kvserve.bench.structured import markdown as structured_markdown
     from kvserve.bench.structured import prompts, run_batch
-    from kvserve.cli import load_from_args
     from kvserve.config import EngineConfig
-    from kvserve.engine import LLMEngine
+    from kvserve.core.engine import LLMEngine
+    from kvserve.entrypoints.cli import load_from_args
 
     if args.num_prompts < 2:
         raise KVServeError(f"--num-prompts must be >= 2 (half the batch is constrained), got {args.num_prompts}")

@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from kvserve.bench.machine import machine_line
-from kvserve.engine import LLMEngine
-from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler import ScheduledSequence
+from kvserve.core.engine import LLMEngine
+from kvserve.core.scheduler import ScheduledSequence
+from kvserve.sampling.sampling_params import SamplingParams
 
 
 @dataclass

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from kvserve.extras import extra_imports
-from kvserve.generation import Generator
+from kvserve.entrypoints.generation import Generator
 from kvserve.models.loader import load_model
-from kvserve.sampling_params import SamplingParams
+from kvserve.platform.extras import extra_imports
+from kvserve.sampling.sampling_params import SamplingParams
 
 
 @dataclass

@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.bench.machine import machine_line
-from kvserve.engine import LLMEngine
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.engine import LLMEngine
+from kvserve.sampling.sampling_params import SamplingParams
 
 WARMUP_TOKENS = 2
 

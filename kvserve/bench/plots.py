@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvserve.extras import pyplot
+from kvserve.platform.extras import pyplot
 
 
 def plot_decode_scaling(scaling: dict[str, dict[int, float]], path: Path, title: str) -> None:

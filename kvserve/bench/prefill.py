@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvserve.llm import LLM
-from kvserve.sampling_params import SamplingParams
+from kvserve.entrypoints.llm import LLM
+from kvserve.sampling.sampling_params import SamplingParams
 
 METHODS = ("single", "KVR-E", "KVR-S", "KVR-P", "TSP")
 _PARTITION_OF = {"KVR-E": "even", "KVR-S": "searched", "KVR-P": "predicted", "TSP": "tsp"}

@@ -11,8 +11,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvserve.engine import LLMEngine
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.engine import LLMEngine
+from kvserve.sampling.sampling_params import SamplingParams
 
 
 @dataclass

@@ -28,11 +28,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.eval.data import LEVAL, require
 from kvserve.models.loader import LoadedModel
 from kvserve.prompt_cache.pml import pml_escape
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 
 METHODS = ("no cache", "prefix cache", "prompt cache (device)", "prompt cache (host)", "prompt cache + recompute")
 LAYOUTS = ("prefix", "behind-parameter", "modules")

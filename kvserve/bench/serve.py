@@ -29,7 +29,7 @@ import numpy as np
 
 from kvserve.bench.sse import sse_lines
 from kvserve.bench.workload import TraceRequest
-from kvserve.tokenizer import Tokenizer
+from kvserve.text.tokenizer import Tokenizer
 
 ENDPOINTS = {"completions": "/completions", "chat": "/chat/completions"}
 

@@ -17,7 +17,7 @@ as ``abort``), the queue gauges must be back at 0, and once the server is stoppe
 processes may be left.
 
 ``chaos=True`` (``--chaos``) adds what can go wrong under a server: I/O faults injected at the tiers
-(``KVSERVE_FAULTS``, see ``kvserve/faults.py``: swap copies, the offload disk tier, the Prompt Cache module
+(``KVSERVE_FAULTS``, see ``kvserve/platform/faults.py``: swap copies, the offload disk tier, the Prompt Cache module
 directory), a KV memory small enough that requests are preempted to the swap space, Prompt Cache modules
 persisted to a ``--prompt-cache-dir``, a second prefill worker killed, ``hangup`` clients that drop a
 non-streamed request mid-way, and a restart of the server (traffic paused and drained, the same module
@@ -48,9 +48,9 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvserve import faults
 from kvserve.bench.sse import sse_lines
 from kvserve.eval.data import AUSTEN
+from kvserve.platform import faults
 
 SCHEMA = """<schema name="soak">
   <system>You answer questions about trips.</system>
@@ -156,7 +156,7 @@ class SoakServer:
 
     def args(self) -> list[str]:
         opts = self.opts
-        args = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(self.port), "--log-level", "warning"]
+        args = [sys.executable, "-m", "kvserve", "serve", "--port", str(self.port), "--log-level", "warning"]
         args += ["--prefill-parallel", str(opts.prefill_parallel), "--max-request-bytes", str(opts.max_request_bytes)]
         if opts.model:
             args += ["--model", opts.model]

@@ -26,12 +26,12 @@ from typing import Protocol
 
 import torch
 
-from kvserve.extras import extra_imports
 from kvserve.models.config import ModelConfig
 from kvserve.models.gguf_linear import GGUFLinear
 from kvserve.models.layers import Linear, RMSNorm
 from kvserve.models.moe import BlockExperts, Experts
 from kvserve.models.quant_linear import Q8Linear, QuantLinear
+from kvserve.platform.extras import extra_imports
 
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
 
@@ -75,7 +75,7 @@ class KVServeSpeed:
         kv_cache_dtype: str = "auto", int8_activations: bool = False, kv_cache_memory: str | int | None = None,
         swap_space: str | int | None = None,
     ) -> None:  # fmt: skip
-        from kvserve.llm import LLM
+        from kvserve.entrypoints.llm import LLM
 
         memory = {"kv_cache_memory": kv_cache_memory, "swap_space": swap_space}  # None: the engine's default
         start = time.perf_counter()
@@ -108,7 +108,7 @@ class KVServeSpeed:
         return seconds, max(o.metrics["first_token_time"] for o in outputs) - start
 
     def _run(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> tuple[float, list]:
-        from kvserve.sampling_params import SamplingParams
+        from kvserve.sampling.sampling_params import SamplingParams
 
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
         start = time.perf_counter()
@@ -383,7 +383,7 @@ def kv_memory_for_tokens(model: ModelConfig, tokens: int, dtype: torch.dtype, kv
     """Bytes of kvserve KV memory that hold ``tokens`` tokens of full context (whole blocks, as its log counts
     them): the same context as a llama.cpp ``n_ctx`` of ``tokens``."""
     from kvserve.config import EngineConfig
-    from kvserve.kv_plan import plan_kv
+    from kvserve.core.kv_plan import plan_kv
 
     config = EngineConfig(kv_cache_dtype=kv_cache_dtype, swap_space=0)
     plan = plan_kv(config, model, dtype)

@@ -13,8 +13,8 @@ import re
 import time
 from dataclasses import asdict, dataclass
 
-from kvserve.engine import LLMEngine
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.engine import LLMEngine
+from kvserve.sampling.sampling_params import SamplingParams
 from kvserve.structured import GuidedDecodingParams
 
 _TEXT = {"type": "string"}

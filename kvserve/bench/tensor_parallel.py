@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 
 # (name, bandwidth bytes/s, latency per all-reduce s): stated assumptions, not measurements.
 LINKS = (
@@ -44,7 +44,7 @@ class PhaseCost:
     head_ms: float  # the LM head's part of the step (replicated: rank 0 alone computes logits)
 
 
-def measure_size(llm, prompt: list[int], batch: int, decode_steps: int, repeats: int) -> dict[str, PhaseCost]:  # noqa: ANN001 - kvserve.llm.LLM
+def measure_size(llm, prompt: list[int], batch: int, decode_steps: int, repeats: int) -> dict[str, PhaseCost]:  # noqa: ANN001 - kvserve.entrypoints.llm.LLM
     """``prefill``: the prompt alone, ``decode b=1`` and ``decode b=BATCH``: a short prompt's next tokens."""
     engine = llm.engine
     group = engine.tensor_parallel

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.bench.workload import TraceRequest
-from kvserve.engine import LLMEngine
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.engine import LLMEngine
+from kvserve.sampling.sampling_params import SamplingParams
 
 
 @dataclass

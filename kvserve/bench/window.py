@@ -26,10 +26,10 @@ from tqdm import tqdm
 
 from kvserve.bench.workload import fixed_length_prompts
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.models.config import ModelConfig
 from kvserve.models.loader import LoadedModel
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 
 CONFIGURATIONS = {True: "window groups", False: "every layer full"}
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.eval.data import AUSTEN, AZURE_CONV_TRACE
-from kvserve.tokenizer import Tokenizer
+from kvserve.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

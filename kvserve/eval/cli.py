@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvserve.bench.results_dir import add_output_arg, output_path
-from kvserve.engine_args import (
+from kvserve.entrypoints.engine_args import (
     add_engine_args,
     add_tokenizer_args,
     check_model_fit,
@@ -175,7 +175,7 @@ class _Session:
     """Loads what one eval needs, once: the kvserve model and engine, or the transformers reference."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from kvserve.cli import load_from_args
+        from kvserve.entrypoints.cli import load_from_args
 
         self.args = args
         self.config = engine_config_from_args(args)
@@ -185,7 +185,7 @@ class _Session:
         self._engine = None
 
     def engine(self):  # noqa: ANN201 - LLMEngine
-        from kvserve.engine import LLMEngine
+        from kvserve.core.engine import LLMEngine
 
         if self._engine is None:
             self._engine = LLMEngine(self.config, self.loaded)

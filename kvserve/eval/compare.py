@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.eval.metrics import mean_stderr
-from kvserve.extras import pyplot
+from kvserve.platform.extras import pyplot
 
 FULL_POLICY = "full"
 

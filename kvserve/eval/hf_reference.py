@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from kvserve.eval.loglikelihood import Loglikelihood, LoglikelihoodRequest
-from kvserve.extras import extra_imports
+from kvserve.platform.extras import extra_imports
 
 
 class TransformersScorer:

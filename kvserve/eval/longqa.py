@@ -42,10 +42,10 @@ from kvserve.eval.metrics import contains_answer, exact_match, mean, mean_stderr
 from kvserve.log import get_logger
 
 if TYPE_CHECKING:
-    from kvserve.engine import LLMEngine
-    from kvserve.outputs import RequestOutput
-    from kvserve.sampling_params import SamplingParams
-    from kvserve.tokenizer import Tokenizer
+    from kvserve.core.engine import LLMEngine
+    from kvserve.core.outputs import RequestOutput
+    from kvserve.sampling.sampling_params import SamplingParams
+    from kvserve.text.tokenizer import Tokenizer
 
 LONGQA_TASKS = ("quality", "natural_question", "topic_retrieval", "meeting", "gov_report")
 
@@ -283,8 +283,8 @@ def evaluate_longqa(
     at a time (``pml_prompts``); otherwise the plain chat prompts.
     Returns a JSON-serialisable dict; ``questions`` holds one record per question, in question order.
     """
-    from kvserve.llm import LLM
-    from kvserve.sampling_params import SamplingParams
+    from kvserve.entrypoints.llm import LLM
+    from kvserve.sampling.sampling_params import SamplingParams
 
     _check_task(task)
     max_tokens = DEFAULT_MAX_TOKENS[task] if max_tokens is None else max_tokens
@@ -358,7 +358,7 @@ def _generate_with_prompt_cache(
     params: SamplingParams,
 ) -> list[RequestOutput]:  # fmt: skip
     """Per document: register its schema (encoding the document once), answer its questions, remove it."""
-    from kvserve.llm import LLM
+    from kvserve.entrypoints.llm import LLM
 
     llm, outputs = LLM.from_engine(engine), []
     for number, (document, prompts) in enumerate(zip(documents, built, strict=True)):

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvserve.extras import extra_imports
+from kvserve.platform.extras import extra_imports
 
 
 @dataclass(frozen=True)

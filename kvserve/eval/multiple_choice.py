@@ -15,7 +15,7 @@ from pathlib import Path
 from kvserve.eval.data import MULTIPLE_CHOICE, require
 from kvserve.eval.loglikelihood import LoglikelihoodRequest, Scorer
 from kvserve.eval.metrics import ChoiceScores, choice_accuracy, mean, mean_stderr, perplexity
-from kvserve.tokenizer import Tokenizer
+from kvserve.text.tokenizer import Tokenizer
 
 CHOICE_TASKS = ("piqa", "copa", "winogrande", "arc_easy")
 TASKS = (*CHOICE_TASKS, "lambada")

@@ -48,11 +48,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvserve.eval.data import AUSTEN, require
-from kvserve.extras import pyplot
-from kvserve.tokenizer import Tokenizer
+from kvserve.platform.extras import pyplot
+from kvserve.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from kvserve.engine import LLMEngine
+    from kvserve.core.engine import LLMEngine
 
 NEEDLE_MAX_TOKENS = 32
 NEEDLE_SEED = 0
@@ -199,8 +199,8 @@ def evaluate_needle(
     ``cells`` (one record per prompt), ``mean_score``, ``seconds`` and the fixed design
     (``max_tokens``, ``seed``, ``needle``, ``question``).
     """
-    from kvserve.llm import LLM
-    from kvserve.sampling_params import SamplingParams
+    from kvserve.entrypoints.llm import LLM
+    from kvserve.sampling.sampling_params import SamplingParams
 
     lengths, depths = [int(n) for n in lengths], [float(d) for d in depths]
     if not lengths or not depths:

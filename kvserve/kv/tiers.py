@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from kvserve.errors import KVTierError
-from kvserve.faults import fault_point
+from kvserve.platform.faults import fault_point
 
 KV_OFFLOAD_MODES = ("none", "host", "disk")
 
@@ -199,7 +199,8 @@ class TransferQueue:
         self, device: torch.device | str = "cpu", inline: bool | None = None, fault: str | None = None
     ) -> None:
         """``inline`` (CPU): run each copy at submission instead of on the worker; None: when the compute
-        threads take every core the process may use. ``fault``: the ``kvserve.faults`` point each copy passes."""
+        threads take every core the process may use. ``fault``: the ``kvserve.platform.faults`` point each copy
+        passes."""
         self.device = torch.device(device)
         self.fault = fault
         self.stats = TransferStats()

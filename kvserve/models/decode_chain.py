@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from kvserve.attention.backend import InPlaceDecode
-from kvserve.cpu_kernels import cpu_kernels_available
 from kvserve.models.layers import Linear
 from kvserve.models.packed_linear import EXACT_ROWS
 from kvserve.models.quant_linear import QuantLinear
+from kvserve.platform.cpu_kernels import cpu_kernels_available
 
 _NONE = torch.empty(0)  # an absent bias or consts in the op's weight list
 _ANY_ROWS = 1 << 62  # a dense projection's row limit: none

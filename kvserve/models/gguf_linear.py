@@ -24,8 +24,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import nn
 
-from kvserve.cpu_kernels import cpu_kernels_available
 from kvserve.models.dtype import cpu_has_bf16_acceleration
+from kvserve.platform.cpu_kernels import cpu_kernels_available
 
 NATIVE_TYPES = frozenset(
     {

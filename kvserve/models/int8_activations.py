@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from kvserve.cpu_kernels import cpu_kernels_available
 from kvserve.models.quant_linear import Q8Linear, QuantLinear
+from kvserve.platform.cpu_kernels import cpu_kernels_available
 
 
 def use_int8_activations(model: nn.Module) -> int:

@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kvserve.cpu_kernels import cpu_kernels_available, prepare_cpu_kernels
 from kvserve.errors import ModelLoadError
 from kvserve.log import get_logger
 from kvserve.models import gguf_file
@@ -24,7 +23,8 @@ from kvserve.models.quant_linear import Q8Linear, QuantEmbedding, QuantLinear, m
 from kvserve.models.sharding import TensorShard, check_shardable, shard_config, shard_sources
 from kvserve.models.tokenizer_override import TokenizerOverride
 from kvserve.models.weights import build_model
-from kvserve.tokenizer import Tokenizer
+from kvserve.platform.cpu_kernels import cpu_kernels_available, prepare_cpu_kernels
+from kvserve.text.tokenizer import Tokenizer
 
 Progress = Callable[[int, int], None]
 # native: Q4_0/Q4_1 weights run as int4 for small batches (decode), a dequantised copy for larger ones;

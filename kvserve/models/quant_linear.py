@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from kvserve.cpu_kernels import cpu_kernels_available
 from kvserve.models.packed_linear import dense_linear, prepack
+from kvserve.platform.cpu_kernels import cpu_kernels_available
 
 GROUP_SIZE = 32  # ggml's block size for Q4_0 / Q4_1 / Q8_0, and the kernels' group size
 # ggml block layout: bytes of the float16 constants, then 16 bytes of codes (two per byte).

@@ -8,7 +8,7 @@ from pathlib import Path
 from kvserve.errors import ModelLoadError
 from kvserve.models import gguf_file
 from kvserve.models.catalog import resolve_model_path
-from kvserve.tokenizer import Tokenizer, check_chat_template
+from kvserve.text.tokenizer import Tokenizer, check_chat_template
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

@@ -39,10 +39,10 @@ import torch.multiprocessing as mp
 
 from kvserve.attention.backend import LayerKVSink
 from kvserve.errors import ParallelPrefillError
-from kvserve.heap import HeapTrimmer
 from kvserve.log import get_logger, stdout_to_stderr
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.parallel.chunks import ChunkJob, run_chunk
+from kvserve.platform.heap import HeapTrimmer
 
 START_POLL_S = 0.2  # how often start-up looks at the worker processes
 MAIN_GUARD_ADVICE = (

@@ -37,18 +37,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvserve.errors import TensorParallelError
-from kvserve.heap import HeapTrimmer
 from kvserve.log import get_logger, stdout_to_stderr
 from kvserve.models.sharding import TensorShard
 from kvserve.parallel.group import check_no_world, stop_workers
 from kvserve.parallel.tensor_model import CommStats, RankMean, parallelize
+from kvserve.platform.heap import HeapTrimmer
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from kvserve.attention.backend import AttentionBackend
     from kvserve.config import EngineConfig
-    from kvserve.scheduler import SchedulerOutput
+    from kvserve.core.scheduler import SchedulerOutput
 
 IDLE_TIMEOUT = timedelta(days=7)  # how long a worker waits for the next step
 START_POLL_S = 0.2
@@ -277,11 +277,11 @@ def _worker_main(args: _WorkerArgs, status: mp.Queue) -> None:
             dist.destroy_process_group()
 
 
-def _worker_runner(config: EngineConfig, shard: TensorShard):  # noqa: ANN202 - kvserve.runner.ModelRunner
+def _worker_runner(config: EngineConfig, shard: TensorShard):  # noqa: ANN202 - kvserve.core.runner.ModelRunner
     from kvserve.attention.factory import make_kv_cache
-    from kvserve.kv_plan import plan_kv
+    from kvserve.core.kv_plan import plan_kv
+    from kvserve.core.runner import ModelRunner
     from kvserve.models.loader import load_model
-    from kvserve.runner import ModelRunner
 
     loaded = load_model(
         config.model, config.torch_dtype, config.device, weights=config.weights, tokenizer=config.tokenizer,

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.cpu_kernels import use_cpu_kernel
 from kvserve.models.layers import RotaryEmbedding
 from kvserve.models.packed_linear import dense_linear, prepack
+from kvserve.platform.cpu_kernels import use_cpu_kernel
 from kvserve.policies.base import KVPolicy
 
 # Under tensor parallelism, the mean over the ranks of a per-rank value (``parallel/tensor_model.RankMean``).

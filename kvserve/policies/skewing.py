@@ -153,7 +153,7 @@ def default_skewing_dir() -> Path:
     return Path(override).expanduser() if override else Path.home() / ".cache" / "kvserve" / "infinigen"
 
 
-def sample_tokens(tokenizer, limit: int) -> list[int]:  # noqa: ANN001 - kvserve.tokenizer.Tokenizer
+def sample_tokens(tokenizer, limit: int) -> list[int]:  # noqa: ANN001 - kvserve.text.tokenizer.Tokenizer
     """The first ``limit`` tokens of the sample prose (``SAMPLE_TEXT``)."""
     with open(SAMPLE_TEXT, encoding="utf-8") as f:
         text = f.read(limit * 8)

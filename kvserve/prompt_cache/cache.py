@@ -14,14 +14,14 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
-from kvserve.isolation import GLOBAL_NAMESPACE, qualified_name
+from kvserve.core.isolation import GLOBAL_NAMESPACE, qualified_name
+from kvserve.core.request import CachedPrompt
 from kvserve.prompt_cache.pml import PMLError, parse_prompt, parse_schema
 from kvserve.prompt_cache.recompute import plan_recompute
 from kvserve.prompt_cache.roles import RoleFrames
 from kvserve.prompt_cache.schema import SchemaLayout
 from kvserve.prompt_cache.store import CachedModule, ModuleBlocks, ModuleStore
-from kvserve.request import CachedPrompt
-from kvserve.tokenizer import Tokenizer
+from kvserve.text.tokenizer import Tokenizer
 
 # A schema's name goes in URLs (/v1/schemas/{name}) and log lines: a '/' or a leading '.' could never be
 # read or deleted there, so neither can be registered.
@@ -91,7 +91,7 @@ class PromptCache:
 
     # ----- schemas -----
 
-    # Every method takes the caller's ``namespace`` (``kvserve/isolation.py``): names resolve within it, and a
+    # Every method takes the caller's ``namespace`` (``kvserve/core/isolation.py``): names resolve within it, and a
     # schema of another namespace is as unknown as one never registered. Registry and store keys are qualified.
 
     def register(self, pml_text: str, namespace: str = GLOBAL_NAMESPACE) -> SchemaInfo:

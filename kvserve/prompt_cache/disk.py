@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING
 import safetensors.torch
 import torch
 
-from kvserve.faults import fault_point
 from kvserve.log import get_logger
 from kvserve.models.dtype import DTYPE_NAMES
+from kvserve.platform.faults import fault_point
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.prompt_cache.pml import PMLError
-from kvserve.tokenizer import Tokenizer
+from kvserve.text.tokenizer import Tokenizer
 
 _SENTINELS = {"system": "\x00SYSTEM\x00", "user": "\x00USER\x00", "assistant": "\x00ASSISTANT\x00"}
 

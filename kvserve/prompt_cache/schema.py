@@ -32,7 +32,7 @@ from kvserve.prompt_cache.pml import (
     check_prompt,
 )
 from kvserve.prompt_cache.roles import RoleFrames
-from kvserve.tokenizer import Tokenizer
+from kvserve.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ with ``stream: true``; a prompt starting with ``<prompt schema=...>`` is a Promp
 ``GET /version``, ``GET /health``, ``GET /metrics``. With an ``api_key`` (or several), every ``/v1`` route and
 the two tokenizer routes (they spend CPU on the caller's input) need ``Authorization: Bearer <key>``;
 ``/version``, ``/health`` and ``/metrics`` stay open. With several keys each key is a tenant: its schemas and
-its prefix-cache blocks are its own (``kvserve/isolation.py``).
+its prefix-cache blocks are its own (``kvserve/core/isolation.py``).
 A body over ``max_request_bytes`` gets 413; large bodies and prompts are parsed and tokenised off the
 event loop (``server/blocking.py``).
 Errors use OpenAI's shape with the offending field in ``param``.
@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import kvserve
-from kvserve.isolation import key_namespaces
+from kvserve.core.isolation import key_namespaces
 from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.blocking import BlockingWork
 from kvserve.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
@@ -203,7 +203,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 class ApiKeyMiddleware:
     """Plain ASGI (so streaming responses pass through untouched): ``KEYED_PATHS`` need a bearer key, and the
-    request carries that key's namespace (``kvserve/isolation.py``) in ``scope["state"]``."""
+    request carries that key's namespace (``kvserve/core/isolation.py``) in ``scope["state"]``."""
 
     def __init__(self, app: ASGIApp, api_keys: Sequence[str]) -> None:
         self.app = app

@@ -2,7 +2,7 @@
 
 A keys file holds one key per line; blank lines and lines starting with ``#`` are skipped. Keys are secrets:
 errors name the file and line, never a key. With two keys or more each key is a tenant with its own
-schemas and prefix-cache blocks (``kvserve/isolation.py``).
+schemas and prefix-cache blocks (``kvserve/core/isolation.py``).
 """
 
 from __future__ import annotations

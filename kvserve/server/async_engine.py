@@ -22,13 +22,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvserve import faults
-from kvserve.engine import LLMEngine
-from kvserve.heap import HeapTrimmer
-from kvserve.isolation import GLOBAL_NAMESPACE
+from kvserve.core.engine import LLMEngine
+from kvserve.core.isolation import GLOBAL_NAMESPACE
+from kvserve.core.outputs import RequestOutput
 from kvserve.log import get_logger
-from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.platform import faults
+from kvserve.platform.heap import HeapTrimmer
+from kvserve.sampling.sampling_params import SamplingParams
 from kvserve.server.metrics import EngineSnapshot, ServerMetrics
 
 
@@ -65,7 +65,7 @@ class _Add:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     arrival: float
-    cache_salt: str | None = None  # ``LLMEngine.add_request``'s isolation arguments (``kvserve/isolation.py``)
+    cache_salt: str | None = None  # ``LLMEngine.add_request``'s isolation arguments (``kvserve/core/isolation.py``)
     namespace: str = GLOBAL_NAMESPACE
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.core.outputs import CompletionOutput, RequestOutput
 from kvserve.prompt_cache.pml import is_pml_prompt
 from kvserve.server.errors import bad_request
 from kvserve.server.messages import check_messages, render_chat

@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from kvserve.engine_args import (
+from kvserve.entrypoints.engine_args import (
     add_engine_args,
     add_schema_arg,
     add_tokenizer_args,
@@ -75,9 +75,9 @@ def model_from_args(positional: str | None, option: str | None) -> str | None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn  # the web stack loads only for this command
 
-    from kvserve.cli import load_from_args
-    from kvserve.engine import LLMEngine
-    from kvserve.isolation import GLOBAL_NAMESPACE, key_namespaces
+    from kvserve.core.engine import LLMEngine
+    from kvserve.core.isolation import GLOBAL_NAMESPACE, key_namespaces
+    from kvserve.entrypoints.cli import load_from_args
     from kvserve.server.api import build_app
     from kvserve.server.api_keys import ENV_VAR, read_api_keys
     from kvserve.server.async_engine import AsyncEngine

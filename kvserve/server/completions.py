@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.core.outputs import CompletionOutput, RequestOutput
 from kvserve.prompt_cache.pml import is_pml_prompt
 from kvserve.server.errors import bad_request
 from kvserve.server.params import completion_params

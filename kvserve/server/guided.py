@@ -6,7 +6,7 @@ OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``) and vL
 
 from __future__ import annotations
 
-from kvserve.extras import MissingExtraError
+from kvserve.platform.extras import MissingExtraError
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import _SamplingFields
 from kvserve.structured import GuidedDecodingParams

@@ -5,7 +5,7 @@ The roles are OpenAI's: ``system``, ``developer`` (its newer name for system ins
 null only for an assistant message (OpenAI's assistant turn that holds only tool calls); anything else
 gets a 400 naming the message, rather than reaching the template as an empty or unknown turn.
 
-Tool calls reach the template as Hugging Face passes them (``kvserve/tool_prompt.py``): an assistant's
+Tool calls reach the template as Hugging Face passes them (``kvserve/text/tool_prompt.py``): an assistant's
 ``tool_calls`` with their arguments as objects, a tool message's ``tool_call_id``.
 """
 
@@ -18,8 +18,8 @@ from jinja2.exceptions import TemplateError
 
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import ChatMessage
-from kvserve.tokenizer import Tokenizer
-from kvserve.tool_prompt import chat_prompt
+from kvserve.text.tokenizer import Tokenizer
+from kvserve.text.tool_prompt import chat_prompt
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TEMPLATE_ROLE = {"developer": "system"}

@@ -47,7 +47,7 @@ class EngineSnapshot:
     kv_offload_bytes_stored: int = 0  # cumulative: new KV moved to the slower tier
     kv_request_sequences: int = 0  # sequences of requests holding KV blocks (0 once nothing runs or waits)
     kv_leaked_blocks: int | None = None  # audited only while idle (None: not audited this time)
-    faults_injected: int = 0  # cumulative: faults raised at kvserve.faults points (KVSERVE_FAULTS)
+    faults_injected: int = 0  # cumulative: faults raised at kvserve.platform.faults points (KVSERVE_FAULTS)
 
 
 class ServerMetrics:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from kvserve.server.errors import ApiError, bad_request
 from kvserve.server.guided import guided_params
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields

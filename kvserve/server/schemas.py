@@ -6,7 +6,7 @@ scheduler runs each encoding as a prefill in chunks, between the steps of reques
 response comes once they are done. Requests in flight keep their modules until they finish even if their
 schema is deleted. A schema is a list entry with its module layout (positions, tokens, parameters).
 
-Names resolve in the caller's namespace (one per API key on a server with several, ``kvserve/isolation.py``):
+Names resolve in the caller's namespace (one per API key on a server with several, ``kvserve/core/isolation.py``):
 another key's schema is a 404 exactly like a missing one, so its existence does not leak.
 """
 
@@ -17,7 +17,7 @@ import json
 
 from starlette.responses import Response
 
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.prompt_cache.pml import PMLError
 from kvserve.prompt_cache.store import PromptCacheError
 from kvserve.server.errors import ApiError, bad_request

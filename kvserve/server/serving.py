@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from kvserve.isolation import GLOBAL_NAMESPACE, check_cache_salt
-from kvserve.outputs import RequestOutput
+from kvserve.core.isolation import GLOBAL_NAMESPACE, check_cache_salt
+from kvserve.core.outputs import RequestOutput
 from kvserve.prompt_cache.pml import PMLError
 from kvserve.prompt_cache.store import ModuleRoomError, PromptCacheError
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from kvserve.server.async_engine import (
     AsyncEngine,
     EngineStepError,
@@ -43,7 +43,7 @@ class ServeContext:
     tool_parser: str = "hermes"  # the syntax of the model's tool calls (``server/tool_parsers.py``)
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - kvserve.tokenizer.Tokenizer
+    def tokenizer(self):  # noqa: ANN201 - kvserve.text.tokenizer.Tokenizer
         return self.engine.engine.tokenizer
 
     @property
@@ -78,7 +78,7 @@ class ServeContext:
     ) -> list[RequestStream]:
         """One engine request per prompt (token ids, or PML prompt text), all admitted or none; errors become
         400 / 503. A PML prompt's errors name ``prompt_param``, the field that held it. ``cache_salt`` and
-        ``namespace`` (the caller's API key's) isolate the request's cache use (``kvserve/isolation.py``)."""
+        ``namespace`` (the caller's API key's) isolate the request's cache use (``kvserve/core/isolation.py``)."""
         try:
             check_cache_salt(cache_salt, any(isinstance(p, str) for p in prompts))  # a str prompt: a PML one
         except ValueError as exc:
@@ -109,7 +109,7 @@ class ServeContext:
 
 
 def request_namespace(raw: Request) -> str:
-    """The caller's namespace, as ``ApiKeyMiddleware`` found it from the API key (``kvserve/isolation.py``)."""
+    """The caller's namespace, as ``ApiKeyMiddleware`` found it from the API key (``kvserve/core/isolation.py``)."""
     return raw.scope.get("state", {}).get(NAMESPACE_STATE, GLOBAL_NAMESPACE)
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvserve.outputs import RequestOutput
+from kvserve.core.outputs import RequestOutput
 from kvserve.server.protocol import ChatLogprobToken, CompletionLogprobs, PromptLogprob, PromptLogprobs, TopLogprob
-from kvserve.tokenizer import Tokenizer, bytes_to_unicode
+from kvserve.text.tokenizer import Tokenizer, bytes_to_unicode
 
 Logprobs = Sequence[dict[int, float] | None]  # per position: token id -> logprob (top k plus the chosen one)
 MIN_LOGPROB = -9999.0  # what vLLM writes for -inf, which JSON cannot hold

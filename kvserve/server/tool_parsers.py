@@ -24,7 +24,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from kvserve.tool_prompt import SYNTAXES, prompt_syntax, renders_tools
+from kvserve.text.tool_prompt import SYNTAXES, prompt_syntax, renders_tools
 
 PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "json")
 CHOICES = PARSERS[:-1]  # what --tool-call-parser takes: ``json`` is ``required``'s own

@@ -18,7 +18,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from kvserve.extras import MissingExtraError
+from kvserve.platform.extras import MissingExtraError
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import ChatCompletionRequest, ChatTool
 from kvserve.server.tool_parsers import ParsedCall, ParsedOutput, parse

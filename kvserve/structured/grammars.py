@@ -12,7 +12,7 @@ import xgrammar
 
 from kvserve.structured import matching
 from kvserve.structured.params import GuidedDecodingParams
-from kvserve.tokenizer import Tokenizer
+from kvserve.text.tokenizer import Tokenizer
 
 CACHE_SIZE = 64
 

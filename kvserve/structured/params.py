@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvserve.extras import extra_imports
+from kvserve.platform.extras import extra_imports
 
 if TYPE_CHECKING:
     import xgrammar

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
+from kvserve.core.outputs import RequestOutput
 from kvserve.models import LoadedModel, load_model
-from kvserve.outputs import RequestOutput
 from kvserve.policies.skewing import SKEWING_DIR_ENV
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.tiny_models import TinySpec, write_tiny_model
 
 SPEC = TinySpec(num_heads=4, num_kv_heads=2, num_layers=4, head_dim=64, max_position_embeddings=512, seed=23)

@@ -17,7 +17,7 @@ import torch
 
 from kvserve import LLM
 from kvserve.config import EngineConfig
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.composition.conftest import BLOCK, GREEDY, PML, SCHEMA, make_engine, prompt_ids, run, tokens
 from tests.tiny_models import torch_single_thread  # noqa: F401 - autouse fixture
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from kvserve.cli import main
+from kvserve.entrypoints.cli import main
 from kvserve.eval.cli import parse_depths, parse_lengths
 from tests.tiny_models import TinySpec, write_tiny_model
 

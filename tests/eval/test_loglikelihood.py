@@ -8,7 +8,7 @@ import random
 import pytest
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.eval.hf_reference import TransformersScorer
 from kvserve.eval.loglikelihood import EngineScorer, LoglikelihoodRequest
 from kvserve.models import load_model
@@ -53,7 +53,7 @@ def test_greedy_continuation_is_flagged(folder):
     loaded = load_model(folder)
     engine = LLMEngine(EngineConfig(block_size=4), loaded)
     context = (5, 17, 42, 99)
-    from kvserve.sampling_params import SamplingParams
+    from kvserve.sampling.sampling_params import SamplingParams
 
     out = engine.add_request(list(context), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished_requests():

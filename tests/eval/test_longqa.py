@@ -195,7 +195,7 @@ def test_headline_names_metric_spread_and_truncation():
 @pytest.mark.real_model
 def test_quality_on_the_default_model_runs_every_question_within_the_context(default_model):
     from kvserve.config import EngineConfig
-    from kvserve.engine import LLMEngine
+    from kvserve.core.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(max_model_len=1024, kv_cache_memory="64MiB", swap_space=0), default_model)
     results = evaluate_longqa(engine, "quality", context=768, max_tokens=8, limit=1)
@@ -243,7 +243,7 @@ def test_pml_prompts_spell_out_the_plain_chat_prompt(tokenizer):
 @pytest.mark.real_model
 def test_quality_with_prompt_cache_encodes_each_document_once(default_model):
     from kvserve.config import EngineConfig
-    from kvserve.engine import LLMEngine
+    from kvserve.core.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(max_model_len=1024, kv_cache_memory="64MiB", swap_space=0), default_model)
     results = evaluate_longqa(engine, "quality", context=768, max_tokens=8, limit=1, prompt_cache=True)

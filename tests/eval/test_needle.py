@@ -182,7 +182,7 @@ def test_evaluate_needle_grid_records_and_scores(tmp_path: Path, monkeypatch: py
             outputs.append(_Output([_Completion(f"It is '{value}'." if found else "I do not know.")]))
         return outputs
 
-    monkeypatch.setattr("kvserve.llm.LLM.generate", fake_generate)
+    monkeypatch.setattr("kvserve.entrypoints.llm.LLM.generate", fake_generate)
     lengths, depths = [300, 600], [0.0, 0.5, 1.0]
     results = evaluate_needle(engine, lengths, depths, text=_text(tmp_path / "text.txt"))
 
@@ -225,7 +225,7 @@ def test_headline_with_one_length() -> None:
 @pytest.mark.real_model
 def test_needle_real_model_short_run(default_model, tmp_path: Path) -> None:
     from kvserve.config import EngineConfig
-    from kvserve.engine import LLMEngine
+    from kvserve.core.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(), default_model)
     results = evaluate_needle(engine, [256, 512], [0.0, 0.5, 1.0])

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.errors import KVTierError
 from kvserve.kv import tiers
 from kvserve.kv.tiers import KVTier, RowSpec, StagingBuffers, TransferQueue, gather_rows, scatter_rows
 from kvserve.models import LoadedModel, load_model
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
 
 LAYERS, SLOTS = 3, 16

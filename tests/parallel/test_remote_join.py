@@ -29,7 +29,7 @@ def test_engine_joins_a_prefill_worker_from_the_environment(tiny, monkeypatch) -
     expected = LLM(model=str(folder), dtype="float32").generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
     worker = subprocess.Popen(
-        [sys.executable, "-m", "kvserve.cli", "prefill-worker", "--model", str(folder), "--dtype", "float32",
+        [sys.executable, "-m", "kvserve", "prefill-worker", "--model", str(folder), "--dtype", "float32",
          "--threads", "1"],
         env={**os.environ, **env, "RANK": "0"}, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

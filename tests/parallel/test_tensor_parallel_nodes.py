@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.engine import LLMEngine
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.composition.conftest import run, tokens
 from tests.tiny_models import TinySpec, write_tiny_model
 
@@ -39,7 +39,7 @@ def test_two_nodes_on_loopback_generate_what_one_process_does(tmp_path, size) ->
     flags = ["--tensor-parallel-size", str(size), "--nnodes", "2", "--master-addr", "127.0.0.1",
              "--master-port", str(port)]  # fmt: skip
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(folder), "--dtype", "float32",
+        [sys.executable, "-m", "kvserve", "serve", "--model", str(folder), "--dtype", "float32",
          "--kv-cache-memory", "2MiB", "--block-size", "4", *flags, "--node-rank", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve import LLM
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.server.conftest import start_server
 
 PROMPTS = [

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.errors import TensorParallelError, UnsupportedModelError
 from kvserve.models import load_model
 from kvserve.models.sharding import TensorShard
 from kvserve.policies.skewing import SKEWING_DIR_ENV
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.composition.conftest import PML, SCHEMA, run
 from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
 

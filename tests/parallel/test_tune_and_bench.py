@@ -75,7 +75,7 @@ def test_bench_prefill_reports_every_method(tiny, tmp_path) -> None:
     folder, _ = tiny
     out = tmp_path / "prefill"
     result = subprocess.run(
-        [sys.executable, "-m", "kvserve.cli", "bench", "prefill", "--model", str(folder), "--dtype", "float32",
+        [sys.executable, "-m", "kvserve", "bench", "prefill", "--model", str(folder), "--dtype", "float32",
          "--lengths", "64,96", "--repeats", "1", "--table", str(tmp_path / "table.json"), "--output", str(out)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -94,7 +94,7 @@ def test_generate_with_parallel_prefill_prints_the_same_text(tiny) -> None:
 
     def generate(*extra: str) -> str:
         result = subprocess.run(
-            [sys.executable, "-m", "kvserve.cli", "generate", "--model", str(folder), "--dtype", "float32",
+            [sys.executable, "-m", "kvserve", "generate", "--model", str(folder), "--dtype", "float32",
              "--max-tokens", "8", *extra, text],
             capture_output=True, text=True, timeout=300,
         )  # fmt: skip

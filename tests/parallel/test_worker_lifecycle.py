@@ -19,7 +19,7 @@ import pytest
 import kvserve
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.errors import ParallelPrefillError
 from kvserve.parallel import supervisor as supervisor_module
 from kvserve.parallel.supervisor import GroupSupervisor

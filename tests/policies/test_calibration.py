@@ -15,8 +15,8 @@ import torch
 
 from kvserve.attention.offloaded import OffloadedKVCache
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
-from kvserve.engine_args import add_kv_policy_args
+from kvserve.core.engine import LLMEngine
+from kvserve.entrypoints.engine_args import add_kv_policy_args
 from kvserve.models import LoadedModel, load_model
 from kvserve.policies.calibration import (
     ThresholdCalibration,
@@ -37,7 +37,7 @@ from kvserve.policies.skewing import (
     sample_tokens,
     skewing_for,
 )
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.test_sliding_window_tiny import SPECS
 from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
 

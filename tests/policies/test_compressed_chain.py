@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve import cpu_kernels
 from kvserve.attention.compressed import CompressedKVCache
-from kvserve.llm import LLM
+from kvserve.entrypoints.llm import LLM
 from kvserve.models.decode_chain import DecodeChain
-from kvserve.sampling_params import SamplingParams
+from kvserve.platform import cpu_kernels
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.policies.test_compressed_engine_tiny import folder, loaded, make_engine, prompt_ids  # noqa: F401
 from tests.test_decode_chain import assert_the_chain_changes_nothing
 from tests.tiny_models import torch_single_thread  # noqa: F401 - autouse fixture

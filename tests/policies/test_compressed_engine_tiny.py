@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.kv.sizing import kv_block_bytes
 from kvserve.models import LoadedModel, load_model
 from kvserve.models.layers import RotaryEmbedding
 from kvserve.policies import KVPolicy, make_policy
 from kvserve.policies.base import SCORES_ACCUMULATED, SCORES_RECENT
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
 
 SPEC = TinySpec(num_heads=4, num_kv_heads=2, num_layers=6, max_position_embeddings=512, seed=11)

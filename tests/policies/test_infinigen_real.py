@@ -10,11 +10,11 @@ import torch
 
 from kvserve.attention.backend import AttentionMetadata
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.eval.data import AUSTEN
 from kvserve.models import LoadedModel
 from kvserve.policies.skewing import SKEWING_DIR_ENV, Skewing, _Recorder, skewing_for
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.tiny_models import torch_single_thread  # noqa: F401 - autouse: one thread copes with a busy CPU
 
 pytestmark = pytest.mark.real_model

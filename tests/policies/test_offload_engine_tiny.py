@@ -21,13 +21,13 @@ from kvserve.attention.backend import AttentionMetadata
 from kvserve.attention.contiguous import ContiguousKVCache
 from kvserve.attention.offloaded import OffloadedKVCache, offload_block_bytes
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.models import LoadedModel, load_model
 from kvserve.models.layers import RotaryEmbedding
 from kvserve.policies import make_policy
 from kvserve.policies.infinigen import Rehearsal, partial_logits, speculate
 from kvserve.policies.quant import dequantize_int4, quantize_int4
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.tiny_models import (  # noqa: F401 - autouse fixtures
     TinySpec,
     skewing_in_tmp,

@@ -8,11 +8,11 @@ import math
 import pytest
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.eval.data import WIKITEXT2
 from kvserve.eval.loglikelihood import EngineScorer
 from kvserve.eval.perplexity import evaluate_perplexity
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.server.conftest import start_server
 
 pytestmark = pytest.mark.real_model

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.cpu_kernels import cpu_kernels_available
+from kvserve.platform.cpu_kernels import cpu_kernels_available
 from kvserve.policies import make_policy
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="kvserve's CPU kernels did not build here")

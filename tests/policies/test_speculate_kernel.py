@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from kvserve import cpu_kernels
+from kvserve.platform import cpu_kernels
 from kvserve.policies.infinigen import InfiniGen, PagedCandidates, speculate_paged
 
 

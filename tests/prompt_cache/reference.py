@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 
 
 def prompt_cache_reference(engine: LLMEngine, hf, pml: str) -> torch.Tensor:

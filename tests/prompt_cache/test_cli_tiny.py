@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvserve.cli import main
+from kvserve.entrypoints.cli import main
 from tests.tiny_models import TinySpec, write_tiny_model
 
 SPEC = TinySpec(num_heads=4, num_kv_heads=2, num_layers=2, max_position_embeddings=1024, seed=5)

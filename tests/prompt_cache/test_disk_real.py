@@ -8,7 +8,7 @@ import pytest
 
 from kvserve import SamplingParams
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.eval.data import AUSTEN
 
 pytestmark = pytest.mark.real_model

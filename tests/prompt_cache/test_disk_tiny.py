@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
-from kvserve.faults import faults
+from kvserve.core.engine import LLMEngine
 from kvserve.models import LoadedModel, load_model
+from kvserve.platform.faults import faults
 from kvserve.prompt_cache import disk
 from kvserve.prompt_cache.disk import ModuleFiles
 from tests.prompt_cache.test_engine_tiny import GREEDY, MULTI, SCHEMA, SPEC, make_engine, run

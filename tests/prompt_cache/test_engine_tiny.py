@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
+from kvserve.core.outputs import RequestOutput
 from kvserve.models import LoadedModel, load_model
-from kvserve.outputs import RequestOutput
 from kvserve.prompt_cache.pml import PMLError
 from kvserve.prompt_cache.store import ModuleRoomError
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.prompt_cache.reference import plain_reference, prompt_cache_reference
 from tests.tiny_models import TinySpec, load_hf_model, torch_single_thread, write_tiny_model  # noqa: F401
 

@@ -10,8 +10,8 @@ import pytest
 
 from kvserve import SamplingParams
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
-from kvserve.llm import LLM
+from kvserve.core.engine import LLMEngine
+from kvserve.entrypoints.llm import LLM
 from kvserve.prompt_cache.pml import check_prompt, parse_prompt, parse_schema
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "prompt_cache"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.models import LoadedModel, load_model
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.tiny_models import TinySpec, write_tiny_model
 
 SPEC = TinySpec(num_heads=4, num_kv_heads=2, seed=7)

@@ -13,11 +13,11 @@ import math
 
 import pytest
 
-import kvserve.llm
+import kvserve.entrypoints.llm
 from kvserve import LLM, SamplingParams
 from kvserve.attention.flash_prefill import flash_prefill_available
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.eval.data import AUSTEN
 from tests.prompt_cache.reference import plain_reference, prompt_cache_reference
 
@@ -74,7 +74,7 @@ def test_system_document_and_parameter_match_transformers(default_model, hf_defa
 
 
 def test_offline_api_registers_a_schema_and_reuses_its_modules(default_model, passage, monkeypatch):
-    monkeypatch.setattr(kvserve.llm, "LLMEngine", lambda config: LLMEngine(config, default_model))
+    monkeypatch.setattr(kvserve.entrypoints.llm, "LLMEngine", lambda config: LLMEngine(config, default_model))
     llm = LLM(dtype="float32", kv_cache_memory="64MiB", swap_space=0)
     info = llm.register_schema(
         f'<schema name="book"><system>Be brief.</system><module name="doc">{passage}</module></schema>'
@@ -110,7 +110,7 @@ def recompute_distances(hf_default_model, passage, dtype: str) -> dict[float, fl
 def test_selective_recompute_moves_a_multi_module_prompt_towards_the_plain_prompt(
     default_model, hf_default_model, passage, monkeypatch
 ):
-    monkeypatch.setattr(kvserve.llm, "LLMEngine", lambda config: LLMEngine(config, default_model))
+    monkeypatch.setattr(kvserve.entrypoints.llm, "LLMEngine", lambda config: LLMEngine(config, default_model))
     distances = recompute_distances(hf_default_model, passage, "float32")
     assert distances[0.3] < distances[0.0]
 

@@ -15,10 +15,10 @@ import torch
 from kvserve.attention import blend
 from kvserve.attention.blend import kv_deviation, select_deviating
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.models import LoadedModel, load_model
 from kvserve.prompt_cache.recompute import plan_recompute
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.prompt_cache.reference import plain_reference, prompt_cache_reference
 from tests.tiny_models import TinySpec, load_hf_model, torch_single_thread, write_tiny_model  # noqa: F401
 

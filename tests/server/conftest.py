@@ -20,7 +20,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.models import LoadedModel, load_model
 from kvserve.server.api import build_app
 from kvserve.server.async_engine import AsyncEngine

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-import kvserve.llm
+import kvserve.entrypoints.llm
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from tests.server.conftest import start_server
 
 pytestmark = pytest.mark.real_model
@@ -27,7 +27,7 @@ def server(default_model):
 @pytest.fixture(scope="module")
 def llm(default_model) -> LLM:
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kvserve.llm, "LLMEngine", lambda config: LLMEngine(config, loaded=default_model))
+        mp.setattr(kvserve.entrypoints.llm, "LLMEngine", lambda config: LLMEngine(config, loaded=default_model))
         return LLM(**OPTIONS)
 
 

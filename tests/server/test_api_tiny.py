@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.outputs import RequestOutput
+from kvserve.core.outputs import RequestOutput
 from kvserve.server.tokens import TokenTexts
 from tests.server.conftest import TINY_NAME, TINY_OPTIONS
 
@@ -23,10 +23,10 @@ MESSAGES = [{"role": "user", "content": "hello there, how are you?"}]
 @pytest.fixture(scope="module")
 def llm(tiny_folder, tiny_loaded, monkeypatch_module) -> LLM:
     """The offline API on the same weights (sharing the loaded model)."""
-    import kvserve.llm
+    import kvserve.entrypoints.llm
 
-    engine_cls = kvserve.llm.LLMEngine
-    monkeypatch_module.setattr(kvserve.llm, "LLMEngine", lambda config: engine_cls(config, tiny_loaded))
+    engine_cls = kvserve.entrypoints.llm.LLMEngine
+    monkeypatch_module.setattr(kvserve.entrypoints.llm, "LLMEngine", lambda config: engine_cls(config, tiny_loaded))
     return LLM(str(tiny_folder), **TINY_OPTIONS)
 
 

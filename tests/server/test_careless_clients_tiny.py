@@ -117,7 +117,7 @@ def test_serve_refuses_a_schema_file_with_an_unsafe_name(tiny_folder, tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     command = [
-        sys.executable, "-m", "kvserve.cli", "serve", "--model", str(tiny_folder), "--port", str(port),
+        sys.executable, "-m", "kvserve", "serve", "--model", str(tiny_folder), "--port", str(port),
         "--schema", str(path), "--kv-cache-memory", "8MiB", "--max-num-seqs", "4", "--threads", "1",
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from kvserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from kvserve.sampling.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from kvserve.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from tests.server.conftest import TINY_NAME, start_server, tiny_engine
 from tests.tiny_models import VOCAB_SIZE

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from kvserve.isolation import MAX_CACHE_SALT_CHARS
+from kvserve.core.isolation import MAX_CACHE_SALT_CHARS
 from kvserve.server.api_keys import read_api_keys
 from tests.server.conftest import TINY_NAME, TINY_OPTIONS, start_server, tiny_engine
 

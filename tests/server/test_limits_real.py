@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
 from tests.server.conftest import start_server
 

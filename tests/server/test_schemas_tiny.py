@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from kvserve.prompt_cache.store import ModuleRoomError
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 from tests.server.conftest import TINY_NAME, start_server, tiny_engine
 
 SCHEMA = """<schema name="trip">

@@ -45,7 +45,7 @@ def interrupt(process: subprocess.Popen) -> str:
 def test_serve_command_serves_and_stops_cleanly(tiny_folder):
     port = free_port()
     command = [
-        sys.executable, "-m", "kvserve.cli", "serve", "--model", str(tiny_folder), "--port", str(port),
+        sys.executable, "-m", "kvserve", "serve", "--model", str(tiny_folder), "--port", str(port),
         "--threads", "1", "--api-key", "sk-cli", "--max-queue", "8", "--served-model-name", "tiny-cli",
         "--kv-cache-memory", "8MiB", "--block-size", "8", "--max-num-seqs", "4", "--log-level", "warning",
     ]  # fmt: skip
@@ -85,7 +85,7 @@ def test_serve_with_several_keys_gives_each_its_own_copy_of_the_schema_files(tin
     monkeypatch.setenv("KVSERVE_API_KEY", "sk-env-ignored")  # the options give keys: the environment's is not one
     port = free_port()
     command = [
-        sys.executable, "-m", "kvserve.cli", "serve", "--model", str(tiny_folder), "--port", str(port),
+        sys.executable, "-m", "kvserve", "serve", "--model", str(tiny_folder), "--port", str(port),
         "--threads", "1", "--api-key", "sk-a", "--api-key-file", str(keys), "--schema", str(schema),
         "--kv-cache-memory", "8MiB", "--block-size", "8", "--max-num-seqs", "4", "--log-level", "warning",
     ]  # fmt: skip

@@ -22,7 +22,7 @@ def test_serve_takes_the_model_positionally_and_chats_with_the_custom_template(t
     template.write_text(TEMPLATE)
     port = free_port()
     command = [
-        sys.executable, "-m", "kvserve.cli", "serve", str(tiny_folder), "--chat-template", str(template),
+        sys.executable, "-m", "kvserve", "serve", str(tiny_folder), "--chat-template", str(template),
         "--port", str(port), "--threads", "1", "--kv-cache-memory", "8MiB", "--log-level", "warning",
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

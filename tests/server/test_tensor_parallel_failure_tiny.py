@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from tests.server.conftest import TINY_NAME, TINY_OPTIONS, start_server, wait_until
 
 

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from kvserve.server.tool_parsers import check_parser, detect_parser, parse
-from kvserve.tokenizer import Tokenizer
-from kvserve.tool_prompt import chat_prompt, hermes_messages, renders_tools
+from kvserve.text.tokenizer import Tokenizer
+from kvserve.text.tool_prompt import chat_prompt, hermes_messages, renders_tools
 from tests.tiny_models import build_tiny_tokenizer
 
 CASES = {

@@ -15,7 +15,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from kvserve.structured import GuidedDecodingParams
 from tests.server.conftest import start_server
 

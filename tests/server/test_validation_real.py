@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
+from kvserve.core.engine import LLMEngine
 from tests.server.conftest import start_server
 
 pytestmark = pytest.mark.real_model

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvserve.attention import ContiguousKVCache
-from kvserve.generation import Generator
+from kvserve.entrypoints.generation import Generator
 from kvserve.server.fields import UNSUPPORTED_FIELDS
 from kvserve.server.tokens import TokenTexts
 from tests.server.conftest import TINY_NAME

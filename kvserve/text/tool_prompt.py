@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from kvserve.tokenizer import Tokenizer
+from kvserve.text.tokenizer import Tokenizer
 
 SYNTAXES = ("hermes", "pythonic")  # what kvserve can write for a template that renders no tools
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.policies import FullCache, KVPolicy
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
+from kvserve.text.detokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.Enum):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 
 
 @dataclass

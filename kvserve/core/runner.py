@@ -16,8 +16,8 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata, StepReport
 from kvserve.attention.blend import recompute_modules
+from kvserve.core.scheduler import ScheduledSequence, SchedulerOutput
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.scheduler import ScheduledSequence, SchedulerOutput
 
 if TYPE_CHECKING:  # parallel/ (torch.distributed) is imported only when an engine uses it
     from kvserve.parallel.prefill import ParallelPrefill

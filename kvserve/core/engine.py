@@ -16,31 +16,31 @@ from typing import Any
 
 import torch
 
-from kvserve import beam_search
 from kvserve.attention.factory import make_kv_cache
 from kvserve.config import HEAD_BUDGETS_AND_MODULES, EngineConfig
-from kvserve.cpu_kernels import prepare_cpu_kernels
-from kvserve.detokenizer import IncrementalDetokenizer
+from kvserve.core.isolation import GLOBAL_NAMESPACE, check_cache_salt, prefix_salt
+from kvserve.core.kv_plan import plan_kv, request_policy
+from kvserve.core.outputs import CompletionOutput, RequestOutput
+from kvserve.core.request import Request, RequestStatus, Sequence
+from kvserve.core.runner import ModelRunner
+from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.errors import KVTierError
-from kvserve.extras import extra_imports
-from kvserve.isolation import GLOBAL_NAMESPACE, check_cache_salt, prefix_salt
 from kvserve.kv.manager import KVCacheManager, KVUsage
-from kvserve.kv_plan import plan_kv, request_policy
 from kvserve.log import get_logger
 from kvserve.models.loader import LoadedModel, load_model
-from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.platform.cpu_kernels import prepare_cpu_kernels
+from kvserve.platform.extras import extra_imports
 from kvserve.policies import KVPolicy
 from kvserve.prompt_cache.cache import PreparedPrompt, PromptCache
 from kvserve.prompt_cache.disk import ModuleFiles, model_fingerprint
 from kvserve.prompt_cache.pml import is_pml_prompt
 from kvserve.prompt_cache.store import CachedModule, EncodeJob, ModuleStore
-from kvserve.request import Request, RequestStatus, Sequence
-from kvserve.runner import ModelRunner
-from kvserve.sampler import SampledToken, SampleRow, make_generator, sample_batch, sample_each
-from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvserve.stopping import find_stop, partial_stop_len
+from kvserve.sampling import beam_search
+from kvserve.sampling.sampler import SampledToken, SampleRow, make_generator, sample_batch, sample_each
+from kvserve.sampling.sampling_params import SamplingParams
+from kvserve.sampling.stopping import find_stop, partial_stop_len
 from kvserve.structured.params import GuidedDecodingParams
+from kvserve.text.detokenizer import IncrementalDetokenizer
 
 
 class LLMEngine:
@@ -200,7 +200,7 @@ class LLMEngine:
     # ----- Prompt Cache schemas -----
 
     def register_schema(self, pml_text: str, namespace: str = GLOBAL_NAMESPACE) -> dict:
-        """Register a PML schema (in ``namespace``: ``kvserve/isolation.py``); its modules are encoded now
+        """Register a PML schema (in ``namespace``: ``kvserve/core/isolation.py``); its modules are encoded now
         (``prompt_cache_encode="eager"``) or on first use."""
         self._check_prompt_cache()
         try:
@@ -253,7 +253,7 @@ class LLMEngine:
         (how the eval tools score a continuation under compression).
         ``cache_salt`` (vLLM's): prompts share prefix-cache blocks only with prompts of the same salt.
         ``namespace``: whose schemas a PML prompt names, and whose prefix blocks a plain prompt may share
-        (``kvserve/isolation.py``; the caller's API key's, on a server with several)."""
+        (``kvserve/core/isolation.py``; the caller's API key's, on a server with several)."""
         if self.closed:
             raise RuntimeError("the engine is closed (close() was called): build a new one")
         if self.tensor_parallel is not None:

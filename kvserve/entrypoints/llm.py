@@ -6,11 +6,11 @@ import sys
 from collections.abc import Sequence
 
 from kvserve.config import EngineConfig
-from kvserve.engine import LLMEngine
-from kvserve.outputs import RequestOutput
-from kvserve.prompts import Prompt, parse_prompts
-from kvserve.sampling_params import SamplingParams
-from kvserve.tool_prompt import chat_prompt
+from kvserve.core.engine import LLMEngine
+from kvserve.core.outputs import RequestOutput
+from kvserve.sampling.sampling_params import SamplingParams
+from kvserve.text.prompts import Prompt, parse_prompts
+from kvserve.text.tool_prompt import chat_prompt
 
 Message = dict  # {"role", "content"}, and "tool_calls" / "tool_call_id" for tool turns
 
@@ -52,7 +52,7 @@ class LLM:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def get_tokenizer(self):  # noqa: ANN201 - kvserve.tokenizer.Tokenizer
+    def get_tokenizer(self):  # noqa: ANN201 - kvserve.text.tokenizer.Tokenizer
         return self.engine.tokenizer
 
     def register_schema(self, pml_text: str) -> dict:
@@ -88,7 +88,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of messages) or several. ``tools``
         (OpenAI's function tools) reach the template as Hugging Face passes them, or as Hermes-style text for a
-        template that renders none (``kvserve/tool_prompt.py``); the output is the model's text, calls included."""
+        template that renders none (``kvserve/text/tool_prompt.py``); the output is the model's text, calls included."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
         prompts = [

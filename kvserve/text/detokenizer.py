@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from tokenizers.decoders import DecodeStream
 
-from kvserve.tokenizer import Tokenizer
+from kvserve.text.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

@@ -17,7 +17,7 @@ from kvserve.kv.manager import KVGroupSpec
 from kvserve.kv.sizing import kv_block_bytes
 from kvserve.models.config import ModelConfig
 from kvserve.policies import KVPolicy, make_policy
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

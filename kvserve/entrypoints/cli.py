@@ -11,11 +11,10 @@ from pathlib import Path
 import torch
 
 from kvserve import __version__
-from kvserve.cli_parser import Parser
 from kvserve.config import PREFILL_PARTITIONS, WEIGHT_MODES, EngineConfig
-from kvserve.console import EngineStream, GenerationSummary, print_stream
-from kvserve.devices import check_device
-from kvserve.engine_args import (
+from kvserve.entrypoints.cli_parser import Parser
+from kvserve.entrypoints.console import EngineStream, GenerationSummary, print_stream
+from kvserve.entrypoints.engine_args import (
     add_batch_invariant_arg,
     add_kv_policy_args,
     add_prompt_cache_args,
@@ -26,16 +25,17 @@ from kvserve.engine_args import (
     check_schemas,
     run_worker_node,
 )
+from kvserve.entrypoints.generation import Generator
+from kvserve.entrypoints.progress import DelayedProgress
 from kvserve.errors import KVServeError
-from kvserve.generation import Generator
 from kvserve.log import get_logger
 from kvserve.models.dtype import DTYPE_CHOICES, DTYPES, resolve_dtype_name
 from kvserve.models.loader import LoadedModel, load_model
 from kvserve.models.sharding import TensorShard
+from kvserve.platform.devices import check_device
 from kvserve.policies.calibration import ThresholdCalibration
 from kvserve.policies.infinigen import InfiniGen, speculated_layers
-from kvserve.progress import DelayedProgress
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -119,7 +119,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _sized_for(config: EngineConfig, loaded: LoadedModel, prompt: str | list[int], max_tokens: int) -> EngineConfig:
     """The engine's KV pool sized for this one request (its prompt and ``max_tokens``), not the server's 1 GiB."""
-    from kvserve.kv_plan import one_request_config
+    from kvserve.core.kv_plan import one_request_config
 
     num_tokens = len(prompt) if isinstance(prompt, list) else len(loaded.tokenizer.encode(prompt))
     num_tokens = min(num_tokens + max_tokens, loaded.config.max_position_embeddings)
@@ -145,7 +145,7 @@ def _generate_request(args: argparse.Namespace) -> tuple[SamplingParams, str]:
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine options of ``generate`` (validated on construction)."""
-    from kvserve.engine_args import kv_policy_options, prompt_cache_options, tensor_parallel_options
+    from kvserve.entrypoints.engine_args import kv_policy_options, prompt_cache_options, tensor_parallel_options
 
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, weights=args.weights,
@@ -269,8 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.set_defaults(func=cmd_prefill_worker)
 
     from kvserve.bench.cli import add_bench_parser
+    from kvserve.entrypoints.kernels_cli import add_kernels_parser
     from kvserve.eval.cli import add_eval_parser
-    from kvserve.kernels_cli import add_kernels_parser
     from kvserve.server.cli import add_serve_parser
 
     add_serve_parser(sub, add_model_args)

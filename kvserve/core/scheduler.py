@@ -30,10 +30,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvserve.attention.backend import StepReport
+from kvserve.core.request import Request, RequestStatus, Sequence
 from kvserve.kv.block_pool import KVCacheError
 from kvserve.kv.manager import AllocationStatus, KVCacheManager
 from kvserve.policies import KVPolicy
-from kvserve.request import Request, RequestStatus, Sequence
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.attention import AttentionMetadata, ContiguousKVCache
-from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.models.loader import LoadedModel
-from kvserve.sampler import make_generator, sample
-from kvserve.sampling_params import SamplingParams
-from kvserve.stopping import find_stop, partial_stop_len
+from kvserve.sampling.sampler import make_generator, sample
+from kvserve.sampling.sampling_params import SamplingParams
+from kvserve.sampling.stopping import find_stop, partial_stop_len
+from kvserve.text.detokenizer import IncrementalDetokenizer
 
 
 @dataclass

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from kvserve import cpu_kernels
+from kvserve.platform import cpu_kernels
 
 OFF = "KVSERVE_KERNELS=torch: the CPU kernels are off (kvserve runs the torch implementations)"
 

@@ -176,7 +176,7 @@ def prompt_cache_options(args: argparse.Namespace) -> dict[str, object]:
 def check_model_fit(config: EngineConfig) -> None:
     """Before the weights load: the rules that need the model's facts (a KV block within --kv-cache-memory,
     sliding-window layers), checked on its metadata with the plan the engine will make."""
-    from kvserve.kv_plan import plan_kv
+    from kvserve.core.kv_plan import plan_kv
     from kvserve.models.loader import read_model_config
 
     plan_kv(config, read_model_config(config.model), config.torch_dtype)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvserve.isolation import check_cache_salt
+from kvserve.core.isolation import check_cache_salt
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")  # {"prompt": text} (TextPrompt), {"prompt_token_ids": [...]}
 OPTION_KEYS = ("cache_salt",)  # beside either: prefix-cache blocks are shared only among prompts of one salt

@@ -18,7 +18,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from kvserve.errors import ModelLoadError, UnsupportedModelError
-from kvserve.sentencepiece import sentencepiece_backend
+from kvserve.text.sentencepiece import sentencepiece_backend
 
 if TYPE_CHECKING:
     from kvserve.models.gguf_reader import GGUFFile

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from kvserve.config import EngineConfig
-from kvserve.generation import GenerationOutput
+from kvserve.core.outputs import RequestOutput
+from kvserve.entrypoints.generation import GenerationOutput
 from kvserve.log import logs_held
 from kvserve.models.loader import LoadedModel
-from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,8 @@ class EngineStream:
         self, loaded: LoadedModel, config: EngineConfig, schemas: list[str], prompt: str | list[int],
         params: SamplingParams,
     ) -> None:  # fmt: skip
-        from kvserve.engine import LLMEngine
-        from kvserve.engine_args import register_schemas
+        from kvserve.core.engine import LLMEngine
+        from kvserve.entrypoints.engine_args import register_schemas
 
         self.engine = LLMEngine(config, loaded)
         self.output: RequestOutput | None = None

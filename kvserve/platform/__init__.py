@@ -1,0 +1,1 @@
+"""What depends on the machine: compiled CPU kernels, devices, optional imports, fault points."""

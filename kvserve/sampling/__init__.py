@@ -1,0 +1,1 @@
+"""From logits to tokens: sampling parameters, the sampler, beam search, stop strings."""

@@ -1,0 +1,1 @@
+"""Text in and out: tokenizers, prompts, chat tool prompts, incremental detokenisation."""
