@@ -23,7 +23,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.core.engine import LLMEngine
 from kvserve.core.outputs import RequestOutput
-from kvserve.core.scheduler import SchedulerOutput
+from kvserve.core.step import SchedulerOutput
 from kvserve.entrypoints.generation import Generator
 from kvserve.eval.data import AUSTEN
 from kvserve.kv.manager import KVUsage

@@ -14,7 +14,7 @@ from transformers import GenerationConfig, PreTrainedModel, RepetitionPenaltyLog
 from kvserve.config import EngineConfig
 from kvserve.core.engine import LLMEngine
 from kvserve.core.outputs import RequestOutput
-from kvserve.core.scheduler import SchedulerOutput
+from kvserve.core.step import SchedulerOutput
 from kvserve.entrypoints.generation import Generator
 from kvserve.entrypoints.llm import LLM
 from kvserve.kv.sizing import kv_block_bytes

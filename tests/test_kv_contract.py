@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.attention.backend import StepReport, UnsupportedKVOperation
+from kvserve.attention.backend import UnsupportedKVOperation
 from kvserve.attention.compressed import CompressedKVCache
 from kvserve.attention.contiguous import ContiguousKVCache
 from kvserve.attention.offloaded import OffloadedKVCache
 from kvserve.core.request import Request, Sequence
-from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvserve.core.scheduler import Scheduler, SchedulerConfig
+from kvserve.core.step import SchedulerOutput, StepReport
 from kvserve.kv import KVCacheManager
 from kvserve.kv.manager import KVGroupSpec
 from kvserve.policies import HeavyHitters, make_policy

@@ -24,9 +24,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvserve.attention.backend import StepReport
 from kvserve.core.request import Request, Sequence
 from kvserve.core.scheduler import Scheduler, SchedulerConfig
+from kvserve.core.step import StepReport
 from kvserve.kv.manager import KVCacheManager
 from kvserve.prompt_cache.cache import _assemble
 from kvserve.prompt_cache.store import CachedModule, EncodeJob, ModuleStore, PromptCacheError

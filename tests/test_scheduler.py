@@ -16,7 +16,8 @@ import random
 import pytest
 
 from kvserve.core.request import Request, RequestStatus, Sequence
-from kvserve.core.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput
+from kvserve.core.scheduler import Scheduler, SchedulerConfig
+from kvserve.core.step import ScheduledSequence, SchedulerOutput
 from kvserve.kv import KVCacheManager
 from kvserve.sampling.sampling_params import SamplingParams
 

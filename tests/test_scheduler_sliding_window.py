@@ -12,7 +12,8 @@ import random
 
 import pytest
 
-from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvserve.core.scheduler import Scheduler, SchedulerConfig
+from kvserve.core.step import SchedulerOutput
 from kvserve.kv import KVCacheManager, KVGroupSpec
 from tests.test_scheduler import BLOCK, Harness, prompt, rows
 

@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvserve.core.step import StepReport
 from kvserve.errors import KVTierError
 from kvserve.platform.faults import fault_point
 
-if TYPE_CHECKING:  # plain data the scheduler emits; the cache only reads it
-    from kvserve.core.scheduler import SchedulerOutput
+if TYPE_CHECKING:
+    from kvserve.core.step import SchedulerOutput
 
 # What a parallel prefill hands over per layer: (layer, keys (T, Hkv, D), values (T, Hkv, D), and the
 # sequence's policy scores (T,) float32 when its policy votes (KVPolicy.votes), else None).
@@ -67,22 +68,6 @@ class AttentionMetadata:
                 f"metadata lists differ in length: {len(self.seq_ids)} seq_ids, "
                 f"{len(self.query_lens)} query_lens, {len(self.context_lens)} context_lens"
             )
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """What a step learned that the scheduler applies (``Scheduler.update``), as plain data.
-
-    ``group_slots``: per sequence whose KV groups a policy compacted, the slots each group holds after the
-    step (the blocks past them go back to the pool); ``group_heads``: per sequence whose policy gives KV heads
-    their own budgets, the tokens each head of each group holds packed (``attention/head_budgets.py``).
-    ``output_rows``: per sequence, its rows in the model's output (fewer than its tokens where a policy dropped
-    rows during prefill).
-    """
-
-    group_slots: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
-    group_heads: Mapping[int, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
-    output_rows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

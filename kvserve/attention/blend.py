@@ -28,7 +28,7 @@ from kvserve.attention.backend import AttentionBackend, AttentionMetadata, Unsup
 from kvserve.attention.flash_prefill import flash_prefill, use_flash_prefill
 from kvserve.attention.paged import PagedKVCache, slot_rows
 from kvserve.attention.softcap import sdpa
-from kvserve.core.scheduler import ModuleRecompute
+from kvserve.core.step import ModuleRecompute
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,6 @@ from kvserve.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
     InPlaceDecode,
-    StepReport,
     UnsupportedKVOperation,
 )
 from kvserve.attention.decode import merge_attention, paged_decode, paged_decode_lse
@@ -49,13 +48,14 @@ from kvserve.attention.head_budgets import head_candidates, pack, packed_slots
 from kvserve.attention.paged import PagedKVCache, attend_prefill
 from kvserve.attention.softcap import cap_logits
 from kvserve.attention.step_layout import pad_tables, row_starts, slot_ids
+from kvserve.core.step import StepReport
 from kvserve.kv.tiers import KVTier, RowSpec
 from kvserve.platform.cpu_kernels import cpu_kernels_available
 from kvserve.policies.base import SCORES_NONE, KVPolicy
 from kvserve.policies.scoring import attend_voting_rows, update_scores
 
 if TYPE_CHECKING:
-    from kvserve.core.scheduler import SchedulerOutput
+    from kvserve.core.step import SchedulerOutput
 
 
 @dataclass

@@ -41,18 +41,19 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention.backend import AttentionBackend, AttentionMetadata, StepReport, UnsupportedKVOperation
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata, UnsupportedKVOperation
 from kvserve.attention.decode import paged_decode
 from kvserve.attention.paged import attend_prefill
 from kvserve.attention.softcap import sdpa
 from kvserve.attention.step_layout import pad_tables, row_starts, slot_ids
+from kvserve.core.step import StepReport
 from kvserve.kv.tiers import KVTier, RowSpec, StagingBuffers, Transfer, TransferQueue, gather_rows, scatter_rows
 from kvserve.policies.base import KVPolicy
 from kvserve.policies.infinigen import InfiniGen, PagedCandidates, Rehearsal, choose_victims
 from kvserve.policies.quant import Int4KV, dequantize_int4, quantize_int4
 
 if TYPE_CHECKING:
-    from kvserve.core.scheduler import SchedulerOutput
+    from kvserve.core.step import SchedulerOutput
 
 _SELECT_ROWS = 256  # rows of a chunk speculated at once
 

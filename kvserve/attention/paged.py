@@ -47,7 +47,7 @@ from kvserve.errors import KVTierError
 from kvserve.kv import huge_pages
 
 if TYPE_CHECKING:
-    from kvserve.core.scheduler import SchedulerOutput
+    from kvserve.core.step import SchedulerOutput
 
 BlockTable = Sequence[int]
 

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 from kvserve.bench.machine import machine_line
 from kvserve.core.engine import LLMEngine
-from kvserve.core.scheduler import ScheduledSequence
+from kvserve.core.step import ScheduledSequence
 from kvserve.sampling.sampling_params import SamplingParams
 
 

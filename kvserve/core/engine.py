@@ -23,7 +23,8 @@ from kvserve.core.kv_plan import plan_kv, request_policy
 from kvserve.core.outputs import CompletionOutput, RequestOutput
 from kvserve.core.request import Request, RequestStatus, Sequence
 from kvserve.core.runner import ModelRunner
-from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvserve.core.scheduler import Scheduler, SchedulerConfig
+from kvserve.core.step import SchedulerOutput
 from kvserve.errors import KVTierError
 from kvserve.kv.manager import KVCacheManager, KVUsage
 from kvserve.log import get_logger

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.attention.backend import AttentionBackend, AttentionMetadata, StepReport
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.attention.blend import recompute_modules
-from kvserve.core.scheduler import ScheduledSequence, SchedulerOutput
+from kvserve.core.step import ScheduledSequence, SchedulerOutput, StepReport
 from kvserve.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:  # parallel/ (torch.distributed) is imported only when an engine uses it

@@ -29,8 +29,8 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvserve.attention.backend import StepReport
 from kvserve.core.request import Request, RequestStatus, Sequence
+from kvserve.core.step import ModuleRecompute, ScheduledSequence, SchedulerOutput, StepReport
 from kvserve.kv.block_pool import KVCacheError
 from kvserve.kv.manager import AllocationStatus, KVCacheManager
 from kvserve.policies import KVPolicy
@@ -53,67 +53,6 @@ class SchedulerConfig:
     # The model has sliding-window layers and every layer in one KV group: a sequence whose positions are not its
     # slot indices (Prompt Cache) carries every slot's position, as a window counts positions, not slots.
     positioned_windows: bool = False
-
-
-@dataclass(frozen=True)
-class ScheduledSequence:
-    request_id: str
-    seq_id: int
-    token_ids: tuple[int, ...]  # the tokens computed this step
-    num_computed_tokens: int  # tokens already in the cache before this step
-    block_tables: tuple[tuple[int, ...], ...]  # one per KV group
-    samples: bool  # this chunk reaches the sequence's last token, so its logits are sampled
-    ends_prompt: bool = False  # this chunk reaches the prompt's last token (a module's encoding too)
-    # Per-layer groups only: the policy, the slots each group holds before the step and keeps after it.
-    kv_policy: KVPolicy | None = None
-    group_slots: tuple[int, ...] = ()
-    group_targets: tuple[int, ...] = ()
-    group_frozen: tuple[int, ...] = ()  # [layer] leading slots in shared module blocks (Prompt Cache): kept as is
-    group_heads: tuple[tuple[int, ...], ...] = ()  # [layer] tokens per KV head packed (Ada-KV), () per layer if none
-    positions: tuple[int, ...] = ()  # position ids of token_ids; empty: num_computed_tokens onwards
-    full_length: int = 0  # prompt + max_tokens: the KV the sequence may reach (an offloaded pool's limit scales it)
-    score_from: int = 0  # the request's first scored token (Request.score_from; the eval tools set it)
-    # With ``SchedulerConfig.positioned_windows``: the position of every slot up to the step's last token, for a
-    # sequence whose positions are not its slot indices (Prompt Cache); empty otherwise.
-    key_positions: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class ModuleRecompute:
-    """Selective recompute of a Prompt Cache prompt's imported tokens (``attention/blend.py``), run after the
-    step's moves and before its forward: ``count`` of the ``candidates`` whose KV deviates most once the modules
-    attend to each other are recomputed, into slots of the sequence's own blocks."""
-
-    seq_id: int
-    token_ids: tuple[int, ...]  # the imported module tokens, in sequence order
-    positions: tuple[int, ...]  # their position ids (schema positions, gaps allowed)
-    slots: tuple[int, ...]  # their cache slots
-    candidates: tuple[int, ...]  # indices into the above that may be recomputed (their slots are the sequence's own)
-    count: int  # how many candidates to recompute (all of them: no selection pass)
-    # The candidates whose layer-1 KV can deviate: the selection pass runs only them when they are at least
-    # ``count`` (the others' deviation is zero). () : every candidate.
-    probe: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    scheduled: tuple[ScheduledSequence, ...] = ()
-    blocks_to_swap_out: tuple[tuple[int, int], ...] = ()  # (device block, host block)
-    blocks_to_swap_in: tuple[tuple[int, int], ...] = ()  # (host block, device block)
-    blocks_to_copy: tuple[tuple[int, int], ...] = ()  # copy-on-write (src, dst) device blocks
-    slots_to_copy: tuple[tuple[int, int], ...] = ()  # Prompt Cache module tails: (src, dst) device slots
-    recomputes: tuple[ModuleRecompute, ...] = ()  # Prompt Cache selective recompute, after the moves
-    preempted: tuple[str, ...] = ()  # request ids preempted this step
-    rejected: tuple[str, ...] = ()  # request ids that can never fit in the KV cache
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
-
-    @property
-    def empty(self) -> bool:
-        moves = self.blocks_to_swap_out or self.blocks_to_swap_in or self.slots_to_copy
-        return not (self.scheduled or moves or self.recomputes)
 
 
 @dataclass

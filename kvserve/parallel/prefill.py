@@ -37,7 +37,7 @@ from kvserve.parallel.supervisor import GroupState, GroupSupervisor
 from kvserve.policies.base import KVPolicy
 
 if TYPE_CHECKING:
-    from kvserve.core.scheduler import SchedulerOutput
+    from kvserve.core.step import SchedulerOutput
 
 MIN_TOKENS_PER_PROC = 16
 

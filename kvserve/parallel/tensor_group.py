@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
     from kvserve.attention.backend import AttentionBackend
     from kvserve.config import EngineConfig
-    from kvserve.core.scheduler import SchedulerOutput
+    from kvserve.core.step import SchedulerOutput
 
 IDLE_TIMEOUT = timedelta(days=7)  # how long a worker waits for the next step
 START_POLL_S = 0.2
