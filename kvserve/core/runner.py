@@ -2,26 +2,32 @@
 
 The runner makes no decisions and knows no kind of cache: the cache moves the blocks it is told to
 move and builds its own attention metadata (``attention/backend.py``); the runner builds input ids and
-explicit positions, runs the model (or hands a whole prompt to parallel prefill when that takes it),
-computes logits only for the rows that need them, and returns what the cache learned as a ``StepReport``.
+explicit positions, runs the model, computes logits only for the rows that need them, and returns what the
+cache learned as a ``StepReport``. It runs a step on one rank and knows nothing of parallelism: it dispatches
+on the step's content (block moves, ``recomputes``, a step tagged ``parallel_prefill`` whose whole prompt the
+executor's prefill function computes in other processes); the executor (``core/executor.py``) decides where
+steps run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata, LayerKVSink
 from kvserve.attention.blend import recompute_modules
 from kvserve.core.step import ScheduledSequence, SchedulerOutput, StepReport
 from kvserve.models.llama import LlamaForCausalLM
 
-if TYPE_CHECKING:  # parallel/ (torch.distributed) is imported only when an engine uses it
-    from kvserve.parallel.prefill import ParallelPrefill
-    from kvserve.parallel.tensor_group import TensorParallelGroup
+if TYPE_CHECKING:
+    from kvserve.policies import KVPolicy
+
+# Prefills a whole prompt in other processes (``ParallelPrefill.run``): (token ids, a sink that stores each layer's
+# KV, positions, the sequence's policy) -> the last chunk's hidden states, or None to run the prompt here instead.
+WholePromptPrefill = Callable[[list[int], LayerKVSink, tuple[int, ...], "KVPolicy | None"], "torch.Tensor | None"]
 
 
 @dataclass
@@ -37,31 +43,24 @@ class ModelRunner:
         model: LlamaForCausalLM,
         cache: AttentionBackend,
         device: torch.device | str = "cpu",
-        parallel_prefill: ParallelPrefill | None = None,
-        tensor_parallel: TensorParallelGroup | None = None,
         computes_logits: bool = True,
     ) -> None:
         self.model = model
         self.cache = cache
         self.device = torch.device(device)
-        self.parallel_prefill = parallel_prefill
-        self.tensor_parallel = tensor_parallel  # rank 0's group: each step goes to the workers first
         self.computes_logits = computes_logits  # False on a tensor-parallel worker: rank 0 samples
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, rows_from: Mapping[int, int] | None = None) -> RunnerOutput:
+    def execute(
+        self,
+        out: SchedulerOutput,
+        rows_from: Mapping[int, int] | None = None,
+        prefill_elsewhere: WholePromptPrefill | None = None,
+    ) -> RunnerOutput:
         """Run one step. A sequence in ``rows_from`` gets logits for every row of its chunk from that index
-        on (prompt logprobs); the others only for their last token, and only when they sample."""
+        on (prompt logprobs); the others only for their last token, and only when they sample. The one whole
+        prompt of a step tagged ``parallel_prefill`` goes to ``prefill_elsewhere`` (and runs here if that fails)."""
         rows_from = rows_from or {}
-        if self.tensor_parallel is None:
-            return self._execute(out, rows_from)
-        self.tensor_parallel.run_step(out, rows_from)
-        try:
-            return self._execute(out, rows_from)
-        except Exception as exc:  # the workers ran (or wait in) this step: they are out of step with us now
-            raise self.tensor_parallel.lose(f"a step failed on rank 0: {exc!r}") from exc
-
-    def _execute(self, out: SchedulerOutput, rows_from: Mapping[int, int]) -> RunnerOutput:
         self.cache.apply_moves(out)
         for job in out.recomputes:  # Prompt Cache selective recompute: the modules' KV before any query reads it
             recompute_modules(self.model, self.cache, job)
@@ -69,9 +68,9 @@ class ModelRunner:
             return RunnerOutput()
         scheduled = out.scheduled
         metadata = self.cache.build_metadata(out, rows_from)
-        if self.parallel_prefill is not None and self.parallel_prefill.takes(out, rows_from):
+        if out.parallel_prefill:
             seq = scheduled[0]
-            hidden = self._prefill_in_parallel(seq, metadata)
+            hidden = self._prefill_elsewhere(prefill_elsewhere, seq, metadata)
             if hidden is not None and not seq.samples:  # a module's encoding: its KV is all it leaves
                 return RunnerOutput(rows={seq.seq_id: slice(0, 0)}, report=self.cache.report(metadata))
             if hidden is not None:  # the last chunk's rows: its last one is the prompt's last token
@@ -83,13 +82,15 @@ class ModelRunner:
         report = self.cache.report(metadata)
         return self._logits(hidden, report, scheduled, rows_from)
 
-    def _prefill_in_parallel(self, seq: ScheduledSequence, metadata: AttentionMetadata) -> torch.Tensor | None:
-        """The whole prompt over the prefill group, each layer's KV stored by the cache; None after a failure."""
+    def _prefill_elsewhere(
+        self, prefill: WholePromptPrefill, seq: ScheduledSequence, metadata: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """The whole prompt prefilled elsewhere, each layer's KV stored by the cache; None after a failure."""
 
         def sink(layer: int, k: torch.Tensor, v: torch.Tensor, scores: torch.Tensor | None) -> None:
             self.cache.store_layer(layer, k, v, metadata, scores)
 
-        return self.parallel_prefill.run(list(seq.token_ids), sink, seq.positions, seq.kv_policy)
+        return prefill(list(seq.token_ids), sink, seq.positions, seq.kv_policy)
 
     def _logits(
         self, hidden: torch.Tensor, report: StepReport, scheduled: tuple, rows_from: Mapping[int, int]

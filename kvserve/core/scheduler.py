@@ -90,8 +90,11 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """``child`` (best_of sample, beam) starts from ``parent``'s KV: it shares every block (copy-on-write)."""
+        """``child`` (best_of sample, beam) starts from ``parent``'s KV: it shares every block (copy-on-write) and
+        holds what each of parent's KV groups holds."""
         self.kv.fork(parent.seq_id, child.seq_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.group_slots, child.group_heads = list(parent.group_slots), list(parent.group_heads)
 
     def free_sequence(self, seq: Sequence) -> None:
         """Release a finished or pruned sequence's blocks."""

@@ -71,6 +71,8 @@ class SchedulerOutput:
     recomputes: tuple[ModuleRecompute, ...] = ()  # Prompt Cache selective recompute, after the moves
     preempted: tuple[str, ...] = ()  # request ids preempted this step
     rejected: tuple[str, ...] = ()  # request ids that can never fit in the KV cache
+    # The executor routed the step's one whole prompt to the parallel prefill group (KV-Runahead).
+    parallel_prefill: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
