@@ -15,20 +15,20 @@ import time
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from kvserve.config import HEAD_BUDGETS_AND_MODULES, EngineConfig
+from kvserve.config import EngineConfig
 from kvserve.core.engine_builder import build_engine
 from kvserve.core.isolation import GLOBAL_NAMESPACE, check_cache_salt, prefix_salt
 from kvserve.core.kv_plan import request_policy
 from kvserve.core.output_processor import OutputProcessor
 from kvserve.core.outputs import RequestOutput
-from kvserve.core.request import Request, RequestStatus, Sequence
-from kvserve.core.step import SchedulerOutput
+from kvserve.core.request import Request, Sequence
+from kvserve.core.tier_faults import TierFaultRecovery
 from kvserve.errors import KVTierError
 from kvserve.kv.manager import KVUsage
 from kvserve.log import get_logger
 from kvserve.models.loader import LoadedModel
 from kvserve.policies import KVPolicy
-from kvserve.prompt_cache.cache import PreparedPrompt
+from kvserve.prompt_cache.cache import PreparedPrompt, check_module_prompt
 from kvserve.prompt_cache.pml import is_pml_prompt
 from kvserve.prompt_cache.store import CachedModule, EncodeJob
 from kvserve.sampling.sampling_params import SamplingParams
@@ -59,7 +59,7 @@ class LLMEngine:
         )  # fmt: skip
         self._pinned_modules: dict[str, list[CachedModule]] = {}  # request id -> Prompt Cache modules it pins
         self._encodings: dict[int, EncodeJob] = {}  # module sequence -> its encoding, while the scheduler runs it
-        self._tier_faulted: set[str] = set()  # requests recomputed once after a KV tier fault (a second one ends them)
+        self.tier_faults = TierFaultRecovery(self.scheduler, self.runner.cache, self.kv)
         self._request_ids = itertools.count()
         self.kv_summary = self.plan.summary(
             config.block_size, self.loaded.config.num_layers, config.kv_dtype(self.loaded.dtype)
@@ -180,11 +180,7 @@ class LLMEngine:
         """A Prompt Cache prompt: its modules' KV pinned for the request's lifetime, the rest computed."""
         arrival = time.monotonic()  # pinning (and a lazy encoding) is part of the time to first token
         self._check_prompt_cache()
-        if (policy := self.policy_for(params)).head_budgets:
-            raise ValueError(HEAD_BUDGETS_AND_MODULES.format(name=policy.name))
-        if params.prompt_logprobs is not None or score_from:
-            raise ValueError("prompt_logprobs need every prompt position's logits; a PML prompt computes only its "
-                             "uncached tokens (send the prompt as plain text to score it)")  # fmt: skip
+        check_module_prompt(self.policy_for(params), params, score_from)
         try:
             prepared = self.prompt_cache.prepare(pml_text, namespace)
         finally:
@@ -295,43 +291,19 @@ class LLMEngine:
         try:
             result = self.executor.execute_step(out, rows_from)
         except KVTierError as error:
-            return [self._finish_or_report(request) for request in touched.values()] + self._tier_fault(out, error)
+            recovered = self.tier_faults.recover(out, error, self._seqs, self.requests, self._fail)
+            return [self._finish_or_report(request) for request in touched.values()] + recovered
         for seq_id in self.scheduler.update(out, result.report):
             self.prompt_cache.store.finish_encoding(self._encodings.pop(seq_id))
         touched.update(self.outputs.process(out, result, rows_from))
         return [self._finish_or_report(request) for request in touched.values()]
 
-    def _tier_fault(self, out: SchedulerOutput, error: KVTierError) -> list[RequestOutput]:
-        """A KV tier failed a transfer in step ``out``, which is given up. Only the requests it touched (run,
-        swapped out or in) are affected: each computes again from its tokens (exact, as preemption by recompute
-        is); one that faults a second time ends with finish_reason "error". The others are served as before."""
-        if any(s.seq_id not in self._seqs for s in out.scheduled):
-            raise error  # a Prompt Cache module's encoding ran in the step: no request owns it to recompute
-        self.runner.cache.recover()
-        affected = {self._seqs[s.seq_id][0].request_id: self._seqs[s.seq_id][0] for s in out.scheduled}
-        for request_id in out.preempted:  # swapped out in the step: the host copy may be incomplete
-            request = self.requests.get(request_id)
-            if request is not None and request.status == RequestStatus.SWAPPED:
-                affected[request_id] = request
-        error.request_ids = tuple(request_id for request_id in affected if request_id in self._tier_faulted)
-        get_logger().warning(
-            "%s; recomputing %d requests, failing %d",
-            error,
-            len(affected) - len(error.request_ids),
-            len(error.request_ids),
-        )
-        outputs = []
-        for request in affected.values():
-            if request.request_id in error.request_ids:
-                for seq in request.live_seqs:
-                    seq.finish_reason = "error"
-                self._release(request)
-                outputs.append(dataclasses.replace(self.outputs.output(request), error=str(error)))
-            else:
-                self._tier_faulted.add(request.request_id)
-                self.scheduler.recompute(request)
-        self.kv.pool.forget_free()  # a block the step wrote (or swapped in) may hold a failed copy: no prefix hits
-        return outputs
+    def _fail(self, request: Request, error: Exception) -> RequestOutput:
+        """End ``request`` with finish_reason "error" and ``error``'s message."""
+        for seq in request.live_seqs:
+            seq.finish_reason = "error"
+        self._release(request)
+        return dataclasses.replace(self.outputs.output(request), error=str(error))
 
     def _finish_or_report(self, request: Request) -> RequestOutput:
         for seq in request.seqs:
@@ -347,7 +319,7 @@ class LLMEngine:
         for seq in request.seqs:
             self._seqs.pop(seq.seq_id, None)
         self.outputs.forget(request)
-        self._tier_faulted.discard(request.request_id)
+        self.tier_faults.forget(request.request_id)
         self.prompt_cache.release(self._pinned_modules.pop(request.request_id, []))
         request.finish_time = time.monotonic()
 

@@ -13,7 +13,9 @@ import hashlib
 import re
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
+from kvserve.config import HEAD_BUDGETS_AND_MODULES
 from kvserve.core.isolation import GLOBAL_NAMESPACE, qualified_name
 from kvserve.core.request import CachedPrompt
 from kvserve.prompt_cache.pml import PMLError, parse_prompt, parse_schema
@@ -22,6 +24,10 @@ from kvserve.prompt_cache.roles import RoleFrames
 from kvserve.prompt_cache.schema import SchemaLayout
 from kvserve.prompt_cache.store import CachedModule, ModuleBlocks, ModuleStore
 from kvserve.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kvserve.policies import KVPolicy
+    from kvserve.sampling.sampling_params import SamplingParams
 
 # A schema's name goes in URLs (/v1/schemas/{name}) and log lines: a '/' or a leading '.' could never be
 # read or deleted there, so neither can be registered.
@@ -34,6 +40,15 @@ def check_schema_name(name: str, line: int | None = None) -> None:
     if SCHEMA_NAME.fullmatch(name) is None:
         shown = repr(name) if len(name) <= 80 else repr(name[:77]) + "..."
         raise PMLError(f"schema name {shown} is not allowed: a schema name is {SCHEMA_NAME_RULE}", line)
+
+
+def check_module_prompt(policy: KVPolicy, params: SamplingParams, score_from: int) -> None:
+    """Raise ValueError for a PML prompt the request's options cannot serve."""
+    if policy.head_budgets:
+        raise ValueError(HEAD_BUDGETS_AND_MODULES.format(name=policy.name))
+    if params.prompt_logprobs is not None or score_from:
+        raise ValueError("prompt_logprobs need every prompt position's logits; a PML prompt computes only its "
+                         "uncached tokens (send the prompt as plain text to score it)")  # fmt: skip
 
 
 @dataclass(frozen=True)
