@@ -24,8 +24,10 @@ for bench in "${benches[@]}"; do
   name=${bench%% *}
   for side in base head; do
     root=$here; [ "$side" = base ] && root=$base
+    # `python -m kvserve` runs the command; a commit before kvserve/__main__.py had it in kvserve/cli.py.
+    module=kvserve; [ -f "$root/kvserve/__main__.py" ] || module=kvserve.cli
     echo "== $side: kvserve bench $bench" >&2
     (cd "$out" && PYTHONPATH="$root" KVSERVE_DATA="${KVSERVE_DATA:-$here/../shared/data}" \
-      "$py" -m kvserve.entrypoints.cli bench $bench --output "$out/$name-$side") 2>&1 | tail -3 >&2
+      "$py" -m $module bench $bench --output "$out/$name-$side") 2>&1 | tail -3 >&2
   done
 done
