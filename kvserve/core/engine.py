@@ -39,16 +39,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.closed = False
-        self.parts = build_engine(config, loaded)
-        self.loaded, self.plan, self.kv = self.parts.loaded, self.parts.plan, self.parts.kv
-        self.executor, self.scheduler, self.prompt_cache = (
-            self.parts.executor,
-            self.parts.scheduler,
-            self.parts.prompt_cache,
-        )
-        self.runner = self.executor.runner
+        parts = self.parts = build_engine(config, loaded)  # closed by close()
+        self.loaded, self.plan, self.kv, self.prompt_cache = parts.loaded, parts.plan, parts.kv, parts.prompt_cache
+        self.executor, self.scheduler, self.runner = parts.executor, parts.scheduler, parts.executor.runner
         self.tokenizer = self.loaded.tokenizer
-        self.max_model_len = self.parts.max_model_len
+        self.max_model_len = parts.max_model_len
         self.kv_policy = self.plan.policy
         self.kv_block_bytes = self.plan.block_bytes  # one block of the pool (of one layer, with per-layer groups)
         self.requests: dict[str, Request] = {}
