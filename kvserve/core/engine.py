@@ -33,9 +33,10 @@ from kvserve.platform.cpu_kernels import prepare_cpu_kernels
 from kvserve.platform.extras import extra_imports
 from kvserve.policies import KVPolicy
 from kvserve.prompt_cache.cache import PreparedPrompt, PromptCache
+from kvserve.prompt_cache.cached_module import CachedModule
 from kvserve.prompt_cache.disk import ModuleFiles, model_fingerprint
 from kvserve.prompt_cache.pml import is_pml_prompt
-from kvserve.prompt_cache.store import CachedModule, EncodeJob, ModuleStore
+from kvserve.prompt_cache.store import EncodeJob, ModuleStore
 from kvserve.sampling import beam_search
 from kvserve.sampling.sampler import SampledToken, SampleRow, make_generator, sample_batch, sample_each
 from kvserve.sampling.sampling_params import SamplingParams
