@@ -382,7 +382,7 @@ def cmd_bench_tensor_parallel(args: argparse.Namespace) -> int:
 
 
 def _tensor_parallel_table(report: dict) -> str:
-    from kvserve.bench.machine import machine_line
+    from kvserve.platform.machine import machine_line
 
     lines = [
         f"# Tensor parallelism: step time and all-reduce cost ({report['dtype']}, weights {report['weights']})",

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from kvserve.attention.factory import make_kv_cache
 from kvserve.config import HEAD_BUDGETS_AND_MODULES, EngineConfig
 from kvserve.core.isolation import GLOBAL_NAMESPACE, check_cache_salt, prefix_salt
+from kvserve.core.kv_cache import make_kv_cache
 from kvserve.core.kv_plan import plan_kv, request_policy
 from kvserve.core.outputs import CompletionOutput, RequestOutput
 from kvserve.core.request import Request, RequestStatus, Sequence

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from kvserve.core.isolation import GLOBAL_NAMESPACE, qualified_name
-from kvserve.core.request import CachedPrompt
 from kvserve.prompt_cache.cached_module import CachedModule
+from kvserve.prompt_cache.cached_prompt import CachedPrompt
 from kvserve.prompt_cache.pml import PMLError, parse_prompt, parse_schema
 from kvserve.prompt_cache.recompute import plan_recompute
 from kvserve.prompt_cache.roles import RoleFrames
