@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from kvserve.attention import AttentionMetadata, ContiguousKVCache, PagedAttentionMetadata, PagedKVCache
-from kvserve.bench.machine import describe_machine
+from kvserve.platform.machine import describe_machine
 
 
 def parse_args() -> argparse.Namespace:

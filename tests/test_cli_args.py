@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvserve
-from kvserve.entrypoints import cli
+from kvserve.entrypoints import cli, cli_common
 from tests.tiny_models import TinySpec, write_tiny_model
 
 
@@ -61,7 +61,7 @@ def _refuse_loading(monkeypatch) -> None:
     def load_model(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded before the options were checked")
 
-    monkeypatch.setattr(cli, "load_model", load_model)
+    monkeypatch.setattr(cli_common, "load_model", load_model)
 
 
 SCHEMA = "<schema name='s'><module name='m'>text</module></schema>"

@@ -240,7 +240,7 @@ def test_models_and_configurations_it_cannot_run(tiny_gguf, tmp_path) -> None:
 def test_the_command_line_flag_reaches_the_engine_config() -> None:
     import argparse
 
-    from kvserve.entrypoints.cli import add_model_args
+    from kvserve.entrypoints.cli_common import add_model_args
     from kvserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 
     parser = argparse.ArgumentParser()

@@ -134,7 +134,7 @@ def test_what_it_does_not_cover_is_refused_by_name(options, message) -> None:
 def test_the_cli_takes_the_option() -> None:
     import argparse
 
-    from kvserve.entrypoints.cli import add_model_args
+    from kvserve.entrypoints.cli_common import add_model_args
     from kvserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 
     parser = argparse.ArgumentParser()

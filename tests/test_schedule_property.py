@@ -29,7 +29,8 @@ from kvserve.core.scheduler import Scheduler, SchedulerConfig
 from kvserve.core.step import StepReport
 from kvserve.kv.manager import KVCacheManager
 from kvserve.prompt_cache.cache import _assemble
-from kvserve.prompt_cache.store import CachedModule, EncodeJob, ModuleStore, PromptCacheError
+from kvserve.prompt_cache.cached_module import CachedModule
+from kvserve.prompt_cache.store import EncodeJob, ModuleStore, PromptCacheError
 from kvserve.sampling.sampling_params import SamplingParams
 
 BLOCK = 4

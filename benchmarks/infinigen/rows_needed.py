@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
-from kvserve.bench.machine import describe_machine, machine_line
-from kvserve.entrypoints.cli import build_parser, load_from_args
+from kvserve.entrypoints.cli import build_parser
+from kvserve.entrypoints.cli_common import load_from_args
+from kvserve.platform.machine import describe_machine, machine_line
 from kvserve.policies.calibration import SampleRows, ThresholdCalibration, candidates, layer_logits
 from kvserve.policies.infinigen import InfiniGen, Rehearsal, speculate
 from kvserve.policies.skewing import (

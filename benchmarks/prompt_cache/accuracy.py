@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-from kvserve.bench.machine import describe_machine
 from kvserve.config import EngineConfig
 from kvserve.core.engine import LLMEngine
 from kvserve.core.outputs import RequestOutput
@@ -43,6 +42,7 @@ from kvserve.eval.longqa import (
 )
 from kvserve.models.dtype import DTYPE_NAMES
 from kvserve.models.loader import LoadedModel, load_model
+from kvserve.platform.machine import describe_machine
 from kvserve.prompt_cache.pml import pml_escape
 from kvserve.sampling.sampling_params import SamplingParams
 from kvserve.text.tokenizer import Tokenizer

@@ -84,7 +84,7 @@ def main() -> int:
         a = run_phase("A", folder, args)
         b = run_phase("B", folder, args)
         file_bytes = sum(p.stat().st_size for p in Path(folder).iterdir())
-    from kvserve.bench.machine import describe_machine
+    from kvserve.platform.machine import describe_machine
 
     report = {"command": " ".join(["python", "benchmarks/prompt_cache/restart.py", *sys.argv[1:]]),
               "date": time.strftime("%Y-%m-%d"), "machine": describe_machine(), "threads": args.threads,

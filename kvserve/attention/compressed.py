@@ -51,8 +51,8 @@ from kvserve.attention.step_layout import pad_tables, row_starts, slot_ids
 from kvserve.core.step import StepReport
 from kvserve.kv.tiers import KVTier, RowSpec
 from kvserve.platform.cpu_kernels import cpu_kernels_available
-from kvserve.policies.base import SCORES_NONE, KVPolicy
-from kvserve.policies.scoring import attend_voting_rows, update_scores
+from kvserve.policies.base import SCORES_NONE, KVPolicy, update_scores
+from kvserve.policies.scoring import attend_voting_rows
 
 if TYPE_CHECKING:
     from kvserve.core.step import SchedulerOutput

@@ -382,7 +382,7 @@ def cmd_bench_tensor_parallel(args: argparse.Namespace) -> int:
 
 
 def _tensor_parallel_table(report: dict) -> str:
-    from kvserve.bench.machine import machine_line
+    from kvserve.platform.machine import machine_line
 
     lines = [
         f"# Tensor parallelism: step time and all-reduce cost ({report['dtype']}, weights {report['weights']})",
@@ -759,7 +759,7 @@ def cmd_bench_compression(args: argparse.Namespace) -> int:
     from kvserve.bench.plots import plot_compression
     from kvserve.config import EngineConfig
     from kvserve.core.engine import LLMEngine
-    from kvserve.entrypoints.cli import load_from_args
+    from kvserve.entrypoints.cli_common import load_from_args
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -815,7 +815,7 @@ def cmd_bench_offload(args: argparse.Namespace) -> int:
     from kvserve.bench.plots import plot_offload
     from kvserve.config import EngineConfig
     from kvserve.core.engine import LLMEngine
-    from kvserve.entrypoints.cli import load_from_args
+    from kvserve.entrypoints.cli_common import load_from_args
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -869,7 +869,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from kvserve.bench.workload import fixed_length_prompts, load_trace_requests
     from kvserve.config import EngineConfig
     from kvserve.core.engine import LLMEngine
-    from kvserve.entrypoints.cli import load_from_args
+    from kvserve.entrypoints.cli_common import load_from_args
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -979,7 +979,7 @@ def cmd_bench_prefix(args: argparse.Namespace) -> int:
     from kvserve.bench.prefix import markdown, run_shared_prefix
     from kvserve.config import EngineConfig
     from kvserve.core.engine import LLMEngine
-    from kvserve.entrypoints.cli import load_from_args
+    from kvserve.entrypoints.cli_common import load_from_args
 
     loaded = load_from_args(args)
     tok = loaded.tokenizer
@@ -1013,7 +1013,7 @@ def cmd_bench_prefix(args: argparse.Namespace) -> int:
 def cmd_bench_prompt_cache(args: argparse.Namespace) -> int:
     from kvserve.bench.plots import plot_prompt_cache
     from kvserve.bench.prompt_cache import leval_text_and_questions, markdown, run_length, warm_up
-    from kvserve.entrypoints.cli import load_from_args
+    from kvserve.entrypoints.cli_common import load_from_args
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -1055,7 +1055,7 @@ def cmd_bench_prompt_cache(args: argparse.Namespace) -> int:
 def cmd_bench_window(args: argparse.Namespace) -> int:
     from kvserve.bench import window
     from kvserve.bench.plots import plot_window
-    from kvserve.entrypoints.cli import load_from_args
+    from kvserve.entrypoints.cli_common import load_from_args
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -1261,7 +1261,7 @@ def cmd_bench_structured(args: argparse.Namespace) -> int:
     from kvserve.bench.structured import prompts, run_batch
     from kvserve.config import EngineConfig
     from kvserve.core.engine import LLMEngine
-    from kvserve.entrypoints.cli import load_from_args
+    from kvserve.entrypoints.cli_common import load_from_args
 
     if args.num_prompts < 2:
         raise KVServeError(f"--num-prompts must be >= 2 (half the batch is constrained), got {args.num_prompts}")

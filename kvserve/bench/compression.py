@@ -20,9 +20,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from kvserve.bench.machine import machine_line
 from kvserve.core.engine import LLMEngine
 from kvserve.core.step import ScheduledSequence
+from kvserve.platform.machine import machine_line
 from kvserve.sampling.sampling_params import SamplingParams
 
 

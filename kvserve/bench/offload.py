@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from kvserve.attention.backend import AttentionBackend
-from kvserve.bench.machine import machine_line
 from kvserve.core.engine import LLMEngine
+from kvserve.platform.machine import machine_line
 from kvserve.sampling.sampling_params import SamplingParams
 
 WARMUP_TOKENS = 2

@@ -6,8 +6,8 @@ import json
 from datetime import date
 from pathlib import Path
 
-from kvserve.bench.machine import describe_machine
 from kvserve.bench.redact import command_line, redact_keys
+from kvserve.platform.machine import describe_machine
 
 
 def new_report(benchmark: str, **fields: object) -> dict:

@@ -29,8 +29,9 @@ from kvserve.log import get_logger
 from kvserve.models.loader import LoadedModel
 from kvserve.policies import KVPolicy
 from kvserve.prompt_cache.cache import PreparedPrompt, check_module_prompt
+from kvserve.prompt_cache.cached_module import CachedModule
 from kvserve.prompt_cache.pml import is_pml_prompt
-from kvserve.prompt_cache.store import CachedModule, EncodeJob
+from kvserve.prompt_cache.store import EncodeJob
 from kvserve.sampling.sampling_params import SamplingParams
 from kvserve.structured.params import GuidedDecodingParams
 

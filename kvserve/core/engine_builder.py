@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.attention.factory import make_kv_cache
 from kvserve.config import EngineConfig
 from kvserve.core.executor import Executor, LocalExecutor, TensorParallelExecutor
+from kvserve.core.kv_cache import make_kv_cache
 from kvserve.core.kv_plan import KVPlan, plan_kv
 from kvserve.core.runner import ModelRunner
 from kvserve.core.scheduler import Scheduler, SchedulerConfig

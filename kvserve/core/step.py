@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvserve.policies import KVPolicy
+    from kvserve.policies.base import KVPolicy
 
 
 @dataclass(frozen=True)

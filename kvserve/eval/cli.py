@@ -175,7 +175,7 @@ class _Session:
     """Loads what one eval needs, once: the kvserve model and engine, or the transformers reference."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from kvserve.entrypoints.cli import load_from_args
+        from kvserve.entrypoints.cli_common import load_from_args
 
         self.args = args
         self.config = engine_config_from_args(args)

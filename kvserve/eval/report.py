@@ -7,8 +7,8 @@ import math
 from datetime import datetime
 from pathlib import Path
 
-from kvserve.bench.machine import describe_machine
 from kvserve.bench.redact import command_line, redact_keys
+from kvserve.platform.machine import describe_machine
 
 
 def eval_report(

@@ -3,7 +3,8 @@
 The only package that imports ``torch.distributed``.
 """
 
-from kvserve.parallel.chunks import SCHEMES, ChunkJob, run_chunk
+from kvserve.parallel.chunk_forward import run_chunk
+from kvserve.parallel.chunks import SCHEMES, ChunkJob
 from kvserve.parallel.group import PrefillGroup, WorkerModel
 
 __all__ = ["SCHEMES", "ChunkJob", "PrefillGroup", "WorkerModel", "run_chunk"]

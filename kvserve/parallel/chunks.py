@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import torch
 
-from kvserve.attention.backend import AttentionBackend, AttentionMetadata, LayerKVSink
+from kvserve.attention.backend import AttentionBackend, LayerKVSink
 from kvserve.errors import ParallelPrefillError
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.parallel.votes import PromptVotes
@@ -99,29 +99,6 @@ class ChunkBackend(AttentionBackend):
         for layer, keys, values, own in self.delivered:
             self.sink(layer, keys, values, self.votes.total(layer, own))
         self.delivered.clear()
-
-
-def run_chunk(
-    model: LlamaForCausalLM, job: ChunkJob, rank: int, timeout_s: float, sink: LayerKVSink | None = None
-) -> torch.Tensor:
-    """This rank's final hidden states (chunk length, hidden), computed in cooperation with the other ranks."""
-    from kvserve.parallel.runahead import RunaheadBackend
-    from kvserve.parallel.tsp import TSPBackend
-
-    backend_type = RunaheadBackend if job.scheme == "runahead" else TSPBackend
-    backend = backend_type(job, rank, model, timeout_s, sink)
-    start, end = backend.start, backend.end
-    device = model.norm.weight.device
-    ids = torch.tensor(job.token_ids[start:end], dtype=torch.long, device=device)
-    if job.positions:
-        positions = torch.tensor(job.positions[start:end], dtype=torch.long, device=device)
-    else:
-        positions = torch.arange(start, end, device=device)
-    metadata = AttentionMetadata(seq_ids=(0,), query_lens=(end - start,), context_lens=(start,))
-    with torch.inference_mode():
-        hidden = model(ids, positions, backend, metadata)
-        backend.finish()
-    return hidden
 
 
 def stacked(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,8 @@ from kvserve.attention.backend import LayerKVSink
 from kvserve.errors import ParallelPrefillError
 from kvserve.log import get_logger, stdout_to_stderr
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.parallel.chunks import ChunkJob, run_chunk
+from kvserve.parallel.chunk_forward import run_chunk
+from kvserve.parallel.chunks import ChunkJob
 from kvserve.platform.heap import HeapTrimmer
 
 START_POLL_S = 0.2  # how often start-up looks at the worker processes

@@ -21,7 +21,8 @@ from kvserve.attention.backend import LayerKVSink
 from kvserve.errors import ParallelPrefillError
 from kvserve.log import get_logger
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.parallel.chunks import ChunkJob, run_chunk
+from kvserve.parallel.chunk_forward import run_chunk
+from kvserve.parallel.chunks import ChunkJob
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 IDLE_TIMEOUT = timedelta(days=7)  # how long a worker waits for the next prompt

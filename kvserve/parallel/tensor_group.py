@@ -278,7 +278,7 @@ def _worker_main(args: _WorkerArgs, status: mp.Queue) -> None:
 
 
 def _worker_runner(config: EngineConfig, shard: TensorShard):  # noqa: ANN202 - kvserve.core.runner.ModelRunner
-    from kvserve.attention.factory import make_kv_cache
+    from kvserve.core.kv_cache import make_kv_cache
     from kvserve.core.kv_plan import plan_kv
     from kvserve.core.runner import ModelRunner
     from kvserve.models.loader import load_model

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from kvserve.bench.machine import describe_machine
 from kvserve.models.dtype import DTYPE_NAMES
 from kvserve.models.loader import LoadedModel
 from kvserve.parallel.group import WorkerModel
 from kvserve.parallel.partition import PartitionTable
 from kvserve.parallel.prefill import ParallelPrefill
+from kvserve.platform.machine import describe_machine
 
 
 def default_lengths(max_context: int, smallest: int = 512) -> list[int]:

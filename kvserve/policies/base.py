@@ -11,6 +11,7 @@ Slots of a layer are kept in position order (compaction preserves order and new 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -150,3 +151,14 @@ def recent_and_top(scores: torch.Tensor, num_candidates: int, keep: int, recent:
     older = num_candidates - recent
     top = torch.topk(scores[:older], keep - recent).indices if keep > recent else scores.new_empty(0, dtype=torch.long)
     return torch.cat((top.sort().values, torch.arange(older, num_candidates, device=scores.device)))
+
+
+def update_scores(policies: Sequence[KVPolicy], scores: torch.Tensor, step_weights: torch.Tensor) -> torch.Tensor:
+    """Each sequence's running scores (B, T) folded with its step's weights (B, T), batched per policy."""
+    if all(p == policies[0] for p in policies):
+        return policies[0].update(scores, step_weights)
+    out = scores.clone()
+    for policy in set(policies):
+        rows = torch.tensor([b for b, p in enumerate(policies) if p == policy], device=scores.device)
+        out[rows] = policy.update(scores[rows], step_weights[rows])
+    return out

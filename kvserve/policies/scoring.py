@@ -7,15 +7,11 @@ so each is tested alone on hand-made tensors; the compressed cache calls them wi
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
 
 import torch
 
 from kvserve.attention.softcap import cap_logits
-
-if TYPE_CHECKING:
-    from kvserve.policies.base import KVPolicy
 
 SCORE_CHUNK = 256  # query rows per chunk when scoring a prefill (bounds the (H, rows, keys) weights)
 
@@ -97,14 +93,3 @@ def _add_column_sums(total: torch.Tensor, weights: torch.Tensor, row_weights: to
     num_kv_heads, group, rows, width = weights.shape
     per_row = row_weights.to(weights.device).repeat(group) / group  # (G * c,), g-major like the weights
     total[:, :width] += torch.matmul(per_row, weights.view(num_kv_heads, group * rows, width))
-
-
-def update_scores(policies: Sequence[KVPolicy], scores: torch.Tensor, step_weights: torch.Tensor) -> torch.Tensor:
-    """Each sequence's running scores (B, T) folded with its step's weights (B, T), batched per policy."""
-    if all(p == policies[0] for p in policies):
-        return policies[0].update(scores, step_weights)
-    out = scores.clone()
-    for policy in set(policies):
-        rows = torch.tensor([b for b, p in enumerate(policies) if p == policy], device=scores.device)
-        out[rows] = policy.update(scores[rows], step_weights[rows])
-    return out

@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING
 
 from kvserve.config import HEAD_BUDGETS_AND_MODULES
 from kvserve.core.isolation import GLOBAL_NAMESPACE, qualified_name
-from kvserve.core.request import CachedPrompt
+from kvserve.prompt_cache.cached_module import CachedModule
+from kvserve.prompt_cache.cached_prompt import CachedPrompt
 from kvserve.prompt_cache.pml import PMLError, parse_prompt, parse_schema
 from kvserve.prompt_cache.recompute import plan_recompute
 from kvserve.prompt_cache.roles import RoleFrames
 from kvserve.prompt_cache.schema import SchemaLayout
-from kvserve.prompt_cache.store import CachedModule, ModuleBlocks, ModuleStore
+from kvserve.prompt_cache.store import ModuleBlocks, ModuleStore
 from kvserve.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:

@@ -39,7 +39,7 @@ from kvserve.platform.faults import fault_point
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
     from kvserve.models.loader import LoadedModel
-    from kvserve.prompt_cache.store import CachedModule
+    from kvserve.prompt_cache.cached_module import CachedModule
 
 FORMAT = "kvserve-prompt-cache-module/1"
 SUFFIX = ".module.safetensors"

@@ -77,7 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from kvserve.core.engine import LLMEngine
     from kvserve.core.isolation import GLOBAL_NAMESPACE, key_namespaces
-    from kvserve.entrypoints.cli import load_from_args
+    from kvserve.entrypoints.cli_common import load_from_args
     from kvserve.server.api import build_app
     from kvserve.server.api_keys import ENV_VAR, read_api_keys
     from kvserve.server.async_engine import AsyncEngine

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvserve.server.metrics import PREFIX
+from kvserve.server.metric_prefix import PREFIX
 
 
 class PrefillGroupCollector:

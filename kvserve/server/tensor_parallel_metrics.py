@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from kvserve.server.metrics import PREFIX
+from kvserve.server.metric_prefix import PREFIX
 
 
 class TensorParallelCollector:

@@ -12,7 +12,8 @@ import torch
 from kvserve.attention.decode import paged_decode, paged_decode_reference
 from kvserve.attention.paged import attend_prefill
 from kvserve.policies import HeavyHitters, InfiniGen, LocalWindow, PyramidInfer
-from kvserve.policies.scoring import SCORE_CHUNK, attend_voting_rows, column_sums, head_column_sums, update_scores
+from kvserve.policies.base import update_scores
+from kvserve.policies.scoring import SCORE_CHUNK, attend_voting_rows, column_sums, head_column_sums
 
 H, HKV, D = 4, 2, 8  # GQA: query heads 0, 1 read KV head 0; 2, 3 read KV head 1
 
