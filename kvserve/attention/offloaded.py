@@ -253,9 +253,9 @@ class OffloadedKVCache(AttentionBackend):
             return
         step = self._step_of(metadata)
         nxt = layer + 1
-        rehearsed = self.speculates(nxt) and nxt not in self.speculation.own_query_layers
+        rehearsed = self.speculation is not None and nxt in self.speculation.rehearsed_layers
         if rehearsed:
-            step.partial_queries[nxt] = self.rehearsal.partial_query(nxt, x, rope)  # (N, Hkv, G, r)
+            step.partial_queries[nxt] = self.speculation.partial_query(nxt, x, rope)  # (N, Hkv, G, r)
         if not step.decodes:
             return
         if layer == 0 and not self.speculates(0):
@@ -276,7 +276,7 @@ class OffloadedKVCache(AttentionBackend):
         step = self._step_of(metadata)
         starts = row_starts(metadata.query_lens)
         if self.speculates(layer) and layer in self.speculation.own_query_layers:  # selects from its own query
-            step.partial_queries[layer] = self.rehearsal.partial_from_query(layer, q)
+            step.partial_queries[layer] = self.speculation.partial_from_query(layer, q)
             if step.decodes:
                 step.pending[layer] = self._fetch_selected(layer, step)
         if len(step.decodes) == len(metadata.query_lens):

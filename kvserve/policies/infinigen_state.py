@@ -42,7 +42,10 @@ class InfiniGenState:
         self.block_size, self.num_kv_heads, self.head_dim, self.device = block_size, num_kv_heads, head_dim, device
         self.rank_mean: RankMean | None = None  # tensor parallelism: the count is a mean over every rank's heads
         self.speculated_layers = rehearsal.speculated_layers
+        # Layers whose partial query comes from their own query, once projected; the others' from the input of
+        # the layer before (rehearsed, so their fetch overlaps that layer).
         self.own_query_layers = rehearsal.own_query_layers
+        self.rehearsed_layers = self.speculated_layers - self.own_query_layers
         # Per KV head, each block's (r, block_size) transposed: speculation's dot products run across a block's
         # keys, contiguous (``csrc/speculate.cpp``). ``partial_rows`` views it by slot.
         shape = (num_layers, num_kv_heads, num_blocks, rehearsal.partial_dims, block_size)
@@ -66,6 +69,16 @@ class InfiniGenState:
         """The partial keys by slot: (Hkv, blocks, block_size, r) of ``layer``, or (L, ...) of every layer (a view)."""
         keys = self.partial_keys if layer is None else self.partial_keys[layer]
         return keys.transpose(-1, -2)
+
+    # ----- partial queries -----
+
+    def partial_query(self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x (N, hidden), the attention input of layer - 1 -> (N, Hkv, G, r) partial queries of ``layer``."""
+        return self.rehearsal.partial_query(layer, x, rope)
+
+    def partial_from_query(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q (N, H, D), ``layer``'s own queries -> (N, Hkv, G, r) partial queries."""
+        return self.rehearsal.partial_from_query(layer, q)
 
     # ----- selection -----
 
