@@ -357,10 +357,11 @@ class PagedKVCache(AttentionBackend):
 
     def in_place_decode(self, metadata: AttentionMetadata) -> InPlaceDecode | None:
         metadata = self._check_metadata(metadata)
-        plain = self._plan_of(metadata).decode_only and len(metadata.block_tables) == 1
+        plan = self._plan_of(metadata)
+        plain = plan.decode_only and len(metadata.block_tables) == 1
         if not plain or self.batch_invariant or self.layer_windows or metadata.softcap:
             return None
-        view = self._decode_view(metadata, 0, None)
+        view = self._decode_view(metadata, plan, 0, None)
         slots = metadata.slot_mappings[0]
         return InPlaceDecode(self.k, self.v, self.layer_rows, slots, view.tables, view.starts, view.ends)
 
@@ -382,9 +383,9 @@ class PagedKVCache(AttentionBackend):
         k_cache, v_cache = self.k[row], self.v[row]  # (num_blocks, block_size, Hkv, D)
         plan, window, softcap = self._plan_of(metadata), metadata.window_of(layer), metadata.softcap
         if self.batch_invariant:
-            out = attend_row_calls(q, k_cache, v_cache, self._row_plan(metadata, group, window), softcap)
+            out = attend_row_calls(q, k_cache, v_cache, self._row_plan(metadata, plan, group, window), softcap)
             return attend_positioned(out, q, k_cache, v_cache, metadata, plan, group, window)
-        view = self._decode_view(metadata, group, window) if plan.decodes else None
+        view = self._decode_view(metadata, plan, group, window) if plan.decodes else None
         if plan.decode_only:
             out = self._decode(q, k_cache, v_cache, view, softcap)
             return attend_positioned(out, q, k_cache, v_cache, metadata, plan, group, window)
@@ -412,15 +413,16 @@ class PagedKVCache(AttentionBackend):
             self._plan, self._plan_metadata = make_plan(metadata), metadata
         return self._plan
 
-    def _decode_view(self, metadata: PagedAttentionMetadata, group: int, window: int | None) -> DecodeView:
-        plan = self._plan_of(metadata)
+    @staticmethod
+    def _decode_view(metadata: PagedAttentionMetadata, plan: StepPlan, group: int, window: int | None) -> DecodeView:
         views, key = plan.decode_views, (group, window)
         if key not in views:
             views[key] = decode_view(metadata, plan.decodes, group, window)
         return views[key]
 
-    def _row_plan(self, metadata: PagedAttentionMetadata, group: int, window: int | None) -> RowPlan:
-        plans, key = self._plan_of(metadata).row_plans, (group, window)
+    @staticmethod
+    def _row_plan(metadata: PagedAttentionMetadata, plan: StepPlan, group: int, window: int | None) -> RowPlan:
+        plans, key = plan.row_plans, (group, window)
         if key not in plans:
             table = metadata.block_tables[group]
             plans[key] = plan_row_calls(metadata.query_lens, metadata.context_lens, table, metadata.block_size, window)
