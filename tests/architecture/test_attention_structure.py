@@ -4,6 +4,8 @@ policy's class what it is (backends dispatch on what a policy declares, ``KVPoli
 from __future__ import annotations
 
 import ast
+import dataclasses
+import functools
 from pathlib import Path
 
 import kvserve
@@ -56,3 +58,15 @@ def test_attention_asks_no_policy_class_what_it_is() -> None:
                 if _mentions(node.args[1], names):
                     found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     assert not found, f"isinstance/issubclass on kvserve.policies classes: {found}"
+
+
+def test_step_metadata_carries_no_step_state() -> None:
+    """Metadata is the step's immutable description; what the layers fill in is an object the cache makes beside it."""
+    from kvserve.attention.compressed import CompressedAttentionMetadata
+    from kvserve.attention.offloaded import OffloadAttentionMetadata
+    from kvserve.attention.paged import PagedAttentionMetadata
+
+    for cls in (CompressedAttentionMetadata, OffloadAttentionMetadata, PagedAttentionMetadata):
+        assert cls.__dataclass_params__.frozen, cls.__name__
+        assert "state" not in {f.name for f in dataclasses.fields(cls)}, cls.__name__
+        assert not any(isinstance(v, functools.cached_property) for v in vars(cls).values()), cls.__name__
