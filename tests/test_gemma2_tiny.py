@@ -192,7 +192,7 @@ def _first_logprobs(llm: LLM, prompt: object) -> dict[int, float]:
 )
 def test_prompt_cache_prompt_is_the_plain_prompt(folder, modules, recompute):
     """A Prompt Cache prompt whose slots are not its positions (window layers attend by position,
-    ``paged._attend_positioned``), and two modules with every imported token recomputed (``blend.py``), give the
+    ``paged_plan.attend_positioned``), and two modules with every imported token recomputed (``blend.py``), give the
     plain prompt's next-token distribution: both carry the cap."""
     llm = LLM(
         str(folder), dtype="float32", block_size=4, kv_window_groups=False, prompt_cache_recompute=recompute,

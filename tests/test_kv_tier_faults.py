@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-import kvserve.attention.offloaded as offloaded
+import kvserve.attention.offload_fetch as offloaded  # where the offloaded cache runs its tier copies
 import kvserve.kv.tiers as tiers
 from kvserve import SamplingParams
 from kvserve.attention.paged import PagedKVCache

@@ -26,7 +26,8 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata, UnsupportedKVOperation
 from kvserve.attention.flash_prefill import flash_prefill, use_flash_prefill
-from kvserve.attention.paged import PagedKVCache, slot_rows
+from kvserve.attention.paged import PagedKVCache
+from kvserve.attention.paged_plan import slot_rows
 from kvserve.attention.softcap import sdpa
 from kvserve.core.step import ModuleRecompute
 

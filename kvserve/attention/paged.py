@@ -28,21 +28,21 @@ is zero-initialised so that no slot ever holds NaN (0 * NaN would leak through a
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata, InPlaceDecode
+from kvserve.attention.block_moves import check_pairs, transfer
 from kvserve.attention.decode import paged_decode
 from kvserve.attention.flash_prefill import flash_prefill, use_flash_prefill
 from kvserve.attention.masks import causal_mask, window_binds
+from kvserve.attention.paged_plan import DecodeView, StepPlan, attend_positioned, decode_view, make_plan
 from kvserve.attention.row_invariant import RowPlan, attend_row_calls, plan_row_calls
 from kvserve.attention.softcap import sdpa
-from kvserve.attention.step_layout import padded_table, row_starts, token_positions
+from kvserve.attention.step_layout import padded_table, token_positions
 from kvserve.errors import KVTierError
 from kvserve.kv import huge_pages
 
@@ -50,64 +50,6 @@ if TYPE_CHECKING:
     from kvserve.core.step import SchedulerOutput
 
 BlockTable = Sequence[int]
-
-
-@dataclass(frozen=True)
-class _Prefill:
-    """A sequence of the step with more than one new token, or with new tokens after a context."""
-
-    index: int  # position of the sequence in the metadata's lists
-    start: int  # first of its rows in the step's flattened tokens
-    query_len: int
-    context_len: int
-
-
-@dataclass(frozen=True)
-class _DecodeView:
-    """Where the step's decode rows read their keys in one KV group, for one window size (``paged_decode``)."""
-
-    tables: torch.Tensor  # (Bd, W) int32: each decode row's block table
-    starts: torch.Tensor  # (Bd,) int32: its first visible position (after the window's start)
-    ends: torch.Tensor  # (Bd,) int32: its sequence length
-
-
-@dataclass(frozen=True)
-class _PositionedRead:
-    """What one sequence whose positions are not its slot indices reads in a sliding-window layer: the slots within
-    the window of its earliest query, and which of them each query sees (``_attend_positioned``)."""
-
-    rows: slice  # its queries' rows in the step
-    slots: torch.Tensor  # (K,) long cache slots
-    mask: torch.Tensor  # (T, K) bool
-
-
-@dataclass(frozen=True)
-class _PositionedDecodes:
-    """The positioned sequences decoding one token, in a sliding-window layer: each row reads the slots whose
-    position is within the window of its own, every slot taken as a block of one token (``paged_decode``)."""
-
-    rows: torch.Tensor  # (Bp,) long: their queries' rows in the step
-    tables: torch.Tensor  # (Bp, K) int32: the slots each reads, ascending, padded
-    ends: torch.Tensor  # (Bp,) int32: how many of them
-
-
-@dataclass(frozen=True)
-class _StepPlan:
-    """How a step splits into batched decodes and per-sequence prefills; built once, used by every layer."""
-
-    decode_only: bool  # every sequence decodes one token: rows are already in sequence order
-    decode_rows: torch.Tensor  # (Bd,) long rows of the decode tokens in the step (empty if none)
-    decodes: tuple[int, ...]  # indices of the decode sequences in the metadata's lists
-    prefills: tuple[_Prefill, ...]
-    prefill_tables: tuple[tuple[torch.Tensor, ...], ...]  # per group, per prefill: (blocks,) long
-    # (group, window) -> the decode view, made on first use (a step may hold several windows per group)
-    decode_views: dict[tuple[int, int | None], _DecodeView] = field(default_factory=dict)
-    # (group, window) -> the batch-invariant mode's attention calls (row_invariant.py), made on first use
-    row_plans: dict[tuple[int, int | None], RowPlan] = field(default_factory=dict)
-    # (group, window) -> the positioned sequences' reads (``_attend_positioned``), made on first use
-    positioned: dict[tuple[int, int], tuple[tuple[_PositionedRead, ...], _PositionedDecodes | None]] = field(
-        default_factory=dict
-    )
 
 
 @dataclass(frozen=True)
@@ -125,7 +67,7 @@ class PagedAttentionMetadata(AttentionMetadata):
     block_size: int
     layer_to_group: tuple[int, ...] = ()
     # Per sequence, the position of every slot up to its last query (CPU long), or None where positions are slot
-    # indices: sliding windows then count positions (Prompt Cache prompts; see ``_attend_positioned``).
+    # indices: sliding windows then count positions (Prompt Cache prompts; see ``paged_plan.attend_positioned``).
     key_positions: tuple[torch.Tensor | None, ...] = ()
 
     def __post_init__(self) -> None:
@@ -220,44 +162,10 @@ class PagedAttentionMetadata(AttentionMetadata):
             raise ValueError(f"layer {layer} has no KV group; layer_to_group covers {len(self.layer_to_group)} layers")
         return self.layer_to_group[layer]
 
-    @cached_property
-    def plan(self) -> _StepPlan:
-        """Split of the step into batched decodes and per-sequence prefills (computed on first use)."""
-        return _make_plan(self)
-
-
-def _make_plan(meta: PagedAttentionMetadata) -> _StepPlan:
-    device = meta.slot_mappings[0].device
-    starts = row_starts(meta.query_lens)
-    decodes = tuple(i for i, (q, c) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)) if q == 1)
-    prefills = tuple(
-        _Prefill(i, starts[i], q, c)
-        for i, (q, c) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True))
-        if q > 1
-    )
-    prefill_tables = tuple(
-        tuple(t[p.index, : math.ceil(meta.seq_lens[p.index] / meta.block_size)].long() for p in prefills)
-        for t in meta.block_tables
-    )
-    return _StepPlan(
-        decode_only=not prefills,
-        decode_rows=torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device),
-        decodes=decodes,
-        prefills=prefills,
-        prefill_tables=prefill_tables,
-    )
-
-
-def _decode_view(meta: PagedAttentionMetadata, decodes: tuple[int, ...], group: int, window: int | None) -> _DecodeView:
-    """Each decode row's block table and visible range in ``group``: positions from its window's start (0
-    without a window) to its length."""
-    table = meta.block_tables[group]
-    if len(decodes) != table.shape[0]:
-        table = table.index_select(0, torch.tensor(decodes, dtype=torch.long, device=table.device))
-    lens = [meta.seq_lens[i] for i in decodes]
-    starts = [max(0, n - window) if window else 0 for n in lens]
-    as_int = {"dtype": torch.int32, "device": table.device}
-    return _DecodeView(table.contiguous(), torch.tensor(starts, **as_int), torch.tensor(lens, **as_int))
+    @property
+    def plan(self) -> StepPlan:
+        """A fresh split of the step into batched decodes and per-sequence prefills (the cache keeps its own)."""
+        return make_plan(self)
 
 
 class PagedKVCache(AttentionBackend):
@@ -310,6 +218,8 @@ class PagedKVCache(AttentionBackend):
         self.layer_windows = tuple(layer_windows) if any(w is not None for w in layer_windows) else ()
         self.softcap = softcap
         self.host_cache = self._make_swap_space(num_host_blocks) if num_host_blocks else None
+        self._plan: StepPlan | None = None  # the plan of ``_plan_metadata``, the step attended last
+        self._plan_metadata: PagedAttentionMetadata | None = None
 
     def _make_swap_space(self, num_blocks: int) -> PagedKVCache:
         try:
@@ -341,7 +251,7 @@ class PagedKVCache(AttentionBackend):
         """Copy-on-write: copy each (src, dst) block's contents in every layer (all reads before writes)."""
         if not pairs:
             return
-        src, dst = _check_pairs(pairs, self.num_blocks, self.num_blocks)
+        src, dst = check_pairs(pairs, self.num_blocks, self.num_blocks)
         src_t = torch.tensor(src, dtype=torch.long, device=self.k.device)
         dst_t = torch.tensor(dst, dtype=torch.long, device=self.k.device)
         for cache in (self.k, self.v):
@@ -353,7 +263,7 @@ class PagedKVCache(AttentionBackend):
         Prompt Cache modules' partial last blocks into the sequences that import them."""
         if not pairs:
             return
-        src, dst = _check_pairs(pairs, self.num_slots, self.num_slots)
+        src, dst = check_pairs(pairs, self.num_slots, self.num_slots)
         src_t = torch.tensor(src, dtype=torch.long, device=self.k.device)
         dst_t = torch.tensor(dst, dtype=torch.long, device=self.k.device)
         for cache in (self.k, self.v):
@@ -390,12 +300,12 @@ class PagedKVCache(AttentionBackend):
         event recorded after this call) before reading the host blocks.
         """
         host = self._host(host_cache)
-        _transfer(self, host, pairs)
+        transfer(self, host, pairs)
 
     def swap_in(self, pairs: Sequence[tuple[int, int]], host_cache: PagedKVCache | None = None) -> None:
         """Copy (host block, this cache's block) pairs from ``host_cache`` (asynchronous on CUDA)."""
         host = self._host(host_cache)
-        _transfer(host, self, pairs)
+        transfer(host, self, pairs)
 
     def _host(self, host_cache: PagedKVCache | None) -> PagedKVCache:
         host = host_cache or self.host_cache
@@ -447,10 +357,11 @@ class PagedKVCache(AttentionBackend):
 
     def in_place_decode(self, metadata: AttentionMetadata) -> InPlaceDecode | None:
         metadata = self._check_metadata(metadata)
-        plain = metadata.plan.decode_only and len(metadata.block_tables) == 1
+        plan = self._plan_of(metadata)
+        plain = plan.decode_only and len(metadata.block_tables) == 1
         if not plain or self.batch_invariant or self.layer_windows or metadata.softcap:
             return None
-        view = self._decode_view(metadata, 0, None)
+        view = self._decode_view(metadata, plan, 0, None)
         slots = metadata.slot_mappings[0]
         return InPlaceDecode(self.k, self.v, self.layer_rows, slots, view.tables, view.starts, view.ends)
 
@@ -470,14 +381,14 @@ class PagedKVCache(AttentionBackend):
         self._write(row, metadata.slot_mappings[group], k, v)
         k, v = k.to(q.dtype), v.to(q.dtype)  # every query sees the keys as the cache holds them
         k_cache, v_cache = self.k[row], self.v[row]  # (num_blocks, block_size, Hkv, D)
-        plan, window, softcap = metadata.plan, metadata.window_of(layer), metadata.softcap
+        plan, window, softcap = self._plan_of(metadata), metadata.window_of(layer), metadata.softcap
         if self.batch_invariant:
-            out = attend_row_calls(q, k_cache, v_cache, self._row_plan(metadata, group, window), softcap)
-            return _attend_positioned(out, q, k_cache, v_cache, metadata, group, window)
-        view = self._decode_view(metadata, group, window) if plan.decodes else None
+            out = attend_row_calls(q, k_cache, v_cache, self._row_plan(metadata, plan, group, window), softcap)
+            return attend_positioned(out, q, k_cache, v_cache, metadata, plan, group, window)
+        view = self._decode_view(metadata, plan, group, window) if plan.decodes else None
         if plan.decode_only:
             out = self._decode(q, k_cache, v_cache, view, softcap)
-            return _attend_positioned(out, q, k_cache, v_cache, metadata, group, window)
+            return attend_positioned(out, q, k_cache, v_cache, metadata, plan, group, window)
         out = torch.empty_like(q)  # (N, H, D)
         if view is not None:
             rows = plan.decode_rows
@@ -494,18 +405,24 @@ class PagedKVCache(AttentionBackend):
             keys = k_cache.index_select(0, table[first:]).flatten(0, 1)[:seq_len].to(q.dtype)  # (seq_len, Hkv, D)
             values = v_cache.index_select(0, table[first:]).flatten(0, 1)[:seq_len].to(q.dtype)
             out[rows] = attend_prefill(q[rows], keys, values, p.context_len - offset, window, softcap)
-        return _attend_positioned(out, q, k_cache, v_cache, metadata, group, window)
+        return attend_positioned(out, q, k_cache, v_cache, metadata, plan, group, window)
+
+    def _plan_of(self, metadata: PagedAttentionMetadata) -> StepPlan:
+        """The step's plan, made once for ``metadata`` (the step's, immutable) and kept until the next step's."""
+        if metadata is not self._plan_metadata:
+            self._plan, self._plan_metadata = make_plan(metadata), metadata
+        return self._plan
 
     @staticmethod
-    def _decode_view(metadata: PagedAttentionMetadata, group: int, window: int | None) -> _DecodeView:
-        views, key = metadata.plan.decode_views, (group, window)
+    def _decode_view(metadata: PagedAttentionMetadata, plan: StepPlan, group: int, window: int | None) -> DecodeView:
+        views, key = plan.decode_views, (group, window)
         if key not in views:
-            views[key] = _decode_view(metadata, metadata.plan.decodes, group, window)
+            views[key] = decode_view(metadata, plan.decodes, group, window)
         return views[key]
 
     @staticmethod
-    def _row_plan(metadata: PagedAttentionMetadata, group: int, window: int | None) -> RowPlan:
-        plans, key = metadata.plan.row_plans, (group, window)
+    def _row_plan(metadata: PagedAttentionMetadata, plan: StepPlan, group: int, window: int | None) -> RowPlan:
+        plans, key = plan.row_plans, (group, window)
         if key not in plans:
             table = metadata.block_tables[group]
             plans[key] = plan_row_calls(metadata.query_lens, metadata.context_lens, table, metadata.block_size, window)
@@ -513,86 +430,10 @@ class PagedKVCache(AttentionBackend):
 
     @staticmethod
     def _decode(
-        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, view: _DecodeView, softcap: float = 0.0
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, view: DecodeView, softcap: float = 0.0
     ) -> torch.Tensor:
         """q (B, H, D), one query per decode sequence, over its blocks read in place -> (B, H, D)."""
         return paged_decode(q, k_cache, v_cache, view.tables, view.starts, view.ends, softcap=softcap)[0]
-
-
-def _attend_positioned(
-    out: torch.Tensor,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    metadata: PagedAttentionMetadata,
-    group: int,
-    window: int | None,
-) -> torch.Tensor:
-    """In a sliding-window layer, attention of the sequences whose positions are not their slot indices, into their
-    rows of ``out``: a Prompt Cache prompt's slots hold module blocks in import order and skip the positions of
-    modules it does not import, so a window counted in slots would show a query the wrong keys (the schema's BOS
-    at slot ~n, far behind it by position). Each query sees the slots before it (the slot order, as everywhere)
-    whose position is within ``window`` of its own. Decode rows go through the decode kernel, over those slots read
-    in place; several rows of a sequence (a prompt chunk) are eager and masked: only such prompts pay it."""
-    if window is None or not metadata.key_positions:
-        return out
-    plans, key = metadata.plan.positioned, (group, window)
-    if key not in plans:  # the same for every window layer of the group in this step
-        plans[key] = _positioned_reads(metadata, group, window, q.device)
-    reads, decodes = plans[key]
-    if decodes is not None:
-        by_slot = (-1, 1, *k_cache.shape[2:])  # every slot a block of one token
-        starts = torch.zeros_like(decodes.ends)
-        attended = paged_decode(
-            q.index_select(0, decodes.rows), k_cache.view(by_slot), v_cache.view(by_slot), decodes.tables, starts,
-            decodes.ends, softcap=metadata.softcap,
-        )[0]  # fmt: skip
-        out.index_copy_(0, decodes.rows, attended.to(out.dtype))
-    for read in reads:
-        keys = slot_rows(k_cache.flatten(0, 1), read.slots).to(q.dtype)  # (K, Hkv, D)
-        values = slot_rows(v_cache.flatten(0, 1), read.slots).to(q.dtype)
-        qh, kh, vh = q[read.rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
-        attended = sdpa(qh, kh, vh, attn_mask=read.mask, softcap=metadata.softcap, enable_gqa=True)
-        out[read.rows] = attended[0].transpose(0, 1).to(out.dtype)
-    return out
-
-
-def slot_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``cache[slots]`` of a (slots, Hkv, D) cache view, gathered as rows of Hkv * D: index_select is ~3x slower over
-    a (.., 1, D) shape (one KV head)."""
-    return cache.flatten(1).index_select(0, slots).view(-1, *cache.shape[1:])
-
-
-def _positioned_reads(
-    metadata: PagedAttentionMetadata, group: int, window: int, device: torch.device
-) -> tuple[tuple[_PositionedRead, ...], _PositionedDecodes | None]:
-    reads, start, block_size = [], 0, metadata.block_size
-    decode_rows, decode_slots = [], []
-    for i, positions in enumerate(metadata.key_positions):
-        q_len, ctx_len = metadata.query_lens[i], metadata.context_lens[i]
-        rows = slice(start, start + q_len)
-        start += q_len
-        if positions is None:
-            continue
-        positions = positions.to(device)
-        query_positions = positions[ctx_len:]  # (T,)
-        # Only slots within the window of the step's earliest query: about a window's worth, not the context.
-        seen = torch.nonzero(positions > query_positions.min() - window).squeeze(1)  # (K,) slot indices, ascending
-        table = metadata.block_tables[group][i].to(device).long()
-        slots = table[seen // block_size] * block_size + seen % block_size
-        if q_len == 1:  # a decode row sees every slot before it: exactly those within its window
-            decode_rows.append(rows.start)
-            decode_slots.append(slots)
-            continue
-        rows_at = torch.arange(ctx_len, ctx_len + q_len, device=device)
-        mask = (seen[None, :] <= rows_at[:, None]) & (query_positions[:, None] - positions[seen][None, :] < window)
-        reads.append(_PositionedRead(rows, slots, mask))
-    decodes = None
-    if decode_rows:
-        ends = torch.tensor([len(s) for s in decode_slots], dtype=torch.int32, device=device)
-        tables = torch.nn.utils.rnn.pad_sequence(decode_slots, batch_first=True).to(torch.int32)
-        decodes = _PositionedDecodes(torch.tensor(decode_rows, dtype=torch.long, device=device), tables, ends)
-    return tuple(reads), decodes
 
 
 def attend_prefill(
@@ -650,47 +491,3 @@ def _attend_context_then_chunk(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Ten
     lse = torch.logaddexp(past_lse, own_lse)
     past_weight, own_weight = torch.exp(past_lse - lse).unsqueeze(-1), torch.exp(own_lse - lse).unsqueeze(-1)
     return (past.float() * past_weight + own.float() * own_weight).to(qh.dtype)
-
-
-def _check_pairs(pairs: Sequence[tuple[int, int]], num_src: int, num_dst: int) -> tuple[list[int], list[int]]:
-    src = [int(s) for s, _ in pairs]
-    dst = [int(d) for _, d in pairs]
-    out_of_range = [(s, d) for s, d in zip(src, dst, strict=True) if not (0 <= s < num_src and 0 <= d < num_dst)]
-    if out_of_range:
-        raise ValueError(f"block pairs {out_of_range} are out of range ({num_src} source, {num_dst} target blocks)")
-    if len(set(dst)) != len(dst):
-        raise ValueError(f"a target block appears twice in {list(pairs)}")
-    return src, dst
-
-
-def _transfer(src: PagedKVCache, dst: PagedKVCache, pairs: Sequence[tuple[int, int]]) -> None:
-    """Copy whole blocks (src block, dst block) in every layer, K and V, between two caches."""
-    if not pairs:
-        return
-    src_ids, dst_ids = _check_pairs(pairs, src.num_blocks, dst.num_blocks)
-    src_dev, dst_dev = src.k.device, dst.k.device
-    src_t = torch.tensor(src_ids, dtype=torch.long, device=src_dev)
-    dst_t = torch.tensor(dst_ids, dtype=torch.long, device=dst_dev)
-    for s, d in ((src.k, dst.k), (src.v, dst.v)):
-        if src_dev == dst_dev:
-            d.index_copy_(1, dst_t, s.index_select(1, src_t))
-        elif dst_dev.type != "cpu":  # host -> device: gather into pinned memory, one async upload
-            staged = torch.empty((s.shape[0], len(src_ids), *s.shape[2:]), dtype=s.dtype, pin_memory=True)
-            torch.index_select(s, 1, src_t, out=staged)  # (L, n, block_size, Hkv, D)
-            d.index_copy_(1, dst_t, staged.to(dst_dev, non_blocking=True))
-        else:  # device -> host: gather on the device, then contiguous async copies per layer and run
-            staged = s.index_select(1, src_t)  # (L, n, block_size, Hkv, D) on the device
-            for first, start, count in _runs(dst_ids):
-                for layer in range(s.shape[0]):
-                    d[layer, start : start + count].copy_(staged[layer, first : first + count], non_blocking=True)
-
-
-def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
-    """Consecutive runs in ``ids`` as (index of its first entry, first id, length)."""
-    runs: list[tuple[int, int, int]] = []
-    for i, block in enumerate(ids):
-        if runs and block == runs[-1][1] + runs[-1][2]:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((i, block, 1))
-    return runs

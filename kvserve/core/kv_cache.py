@@ -37,7 +37,7 @@ def make_kv_cache(config: EngineConfig, plan: KVPlan, loaded: LoadedModel) -> At
             layer_windows=cfg.layer_windows, softcap=cfg.attention_softcap,
         )  # fmt: skip
     policy, rehearsal = plan.policy, None
-    if isinstance(policy, InfiniGen):
+    if policy.rehearsed:  # InfiniGen selects rows by a rehearsal of the model's next layer
         policy, rehearsal = infinigen_rehearsal(policy, loaded)
     return OffloadedKVCache(
         policy, plan.offload, *shape, path=config.kv_offload_path, rehearsal=rehearsal, layer_windows=cfg.layer_windows,

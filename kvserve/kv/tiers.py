@@ -114,6 +114,56 @@ class KVTier:
             array.index_copy_(1, dst, array.index_select(1, src))
 
 
+class TierStore(KVTier):
+    """A tier of blocks, ``num_blocks`` of ``block_size`` slots in every layer, as every cache that offloads holds
+    its KV (``OffloadedKVCache``; ``CompressedKVCache`` with ``kv_offload``): its arrays seen by slot, by (slot,
+    KV head) or by block, the copies of forked blocks and imported slots, and the bytes a cache reads and writes
+    in it directly (transfers through a ``TransferQueue`` count theirs there)."""
+
+    def __init__(
+        self,
+        kind: str,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        rows: dict[str, RowSpec],
+        pin_memory: bool = False,
+        path: str | os.PathLike | None = None,
+    ) -> None:
+        super().__init__(kind, num_layers, num_blocks * block_size, rows, pin_memory, path)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.moved = {"fetched": 0, "stored": 0}
+
+    def block_bytes(self) -> int:
+        """Bytes of one block in every layer (every array)."""
+        return self.slot_bytes(self.num_layers) * self.block_size
+
+    def copy_blocks(self, pairs: list[tuple[int, int]], block_size: int | None = None) -> None:
+        super().copy_blocks(list(pairs), block_size or self.block_size)
+
+    def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
+        super().copy_slots(list(pairs))
+
+    def blocks(self, name: str) -> torch.Tensor:
+        """Array ``name`` as (layers, blocks, block_size, *row)."""
+        array = self.arrays[name]
+        return array.view(self.num_layers, self.num_blocks, self.block_size, *array.shape[2:])
+
+    def by_slot(self, name: str, layer: int) -> torch.Tensor:
+        """``layer``'s rows of array ``name``, one per slot: (slots, row values)."""
+        return self.arrays[name][layer].view(self.num_slots, -1)
+
+    def by_head(self, name: str, layer: int) -> torch.Tensor:
+        """``layer``'s rows of array ``name``, one per (slot, KV head), slot-major: (slots * Hkv, head values)."""
+        array = self.arrays[name][layer]
+        return array.view(self.num_slots * array.shape[1], -1)
+
+    def by_block(self, name: str, layer: int) -> torch.Tensor:
+        """``layer``'s rows of array ``name``, one per block: (blocks, block_size * row values)."""
+        array = self.arrays[name][layer]
+        return array.view(self.num_blocks, self.block_size * math.prod(array.shape[1:]))
+
+
 def _mapped_file(path: str | os.PathLike | None, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled tensor backed by a new file in ``path`` (the system's temp dir if None), its space reserved."""
     folder = Path(path) if path is not None else Path(tempfile.gettempdir())

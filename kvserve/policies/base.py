@@ -13,10 +13,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvserve.kv.row_codec import PlainRows
 from kvserve.policies.scoring import head_column_sums
+
+if TYPE_CHECKING:
+    from kvserve.policies.infinigen_state import InfiniGenState
 
 # What attention weights a policy scores slots by (see ``KVPolicy.scores``).
 SCORES_NONE = "none"  # positional policies (full cache, local window)
@@ -43,6 +48,7 @@ class KVPolicy:
     offload_only = False  # changes what an offloading engine fetches, not what a layer keeps (kv_offload)
     per_head = False  # scores and keeps tokens per KV head while prefilling (SnapKV); else the same in every head
     head_budgets = False  # heads of a layer keep different numbers of tokens (Ada-KV: ``select_heads``)
+    rehearsed = False  # an offloading cache selects rows by rehearsing the next layer (InfiniGen: ``offload_state``)
 
     def __post_init__(self) -> None:
         if not 0 < self.budget <= 1:
@@ -58,6 +64,15 @@ class KVPolicy:
     def per_layer_groups(self) -> bool:
         """Whether layers keep different slots (one KV group per layer)."""
         return not self.lossless and not self.offload_only
+
+    def row_codec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> PlainRows:
+        """How an offloading cache holds a row in its slower tier (``kv/row_codec.py``): as it is."""
+        return PlainRows(num_kv_heads, head_dim, dtype)
+
+    def offload_state(self, rehearsal: Any, **shape: Any) -> InfiniGenState | None:
+        """What an offloading cache keeps beside its tier to choose the rows it fetches (InfiniGen: partial keys,
+        speculation, the pool's counters), made for a cache of ``shape``; None: it fetches every row."""
+        return None
 
     def retention(self, num_layers: int) -> tuple[float, ...]:
         """Fraction of the sequence each layer keeps; uniform unless a policy says otherwise."""

@@ -28,6 +28,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +36,9 @@ from kvserve.models.layers import RotaryEmbedding
 from kvserve.models.packed_linear import dense_linear, prepack
 from kvserve.platform.cpu_kernels import use_cpu_kernel
 from kvserve.policies.base import KVPolicy
+
+if TYPE_CHECKING:
+    from kvserve.policies.infinigen_state import InfiniGenState
 
 # Under tensor parallelism, the mean over the ranks of a per-rank value (``parallel/tensor_model.RankMean``).
 RankMean = Callable[[torch.Tensor], torch.Tensor]
@@ -55,6 +59,7 @@ class InfiniGen(KVPolicy):
 
     name = "infinigen"
     offload_only = True
+    rehearsed = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -102,6 +107,11 @@ class InfiniGen(KVPolicy):
     def pool_slots(self, full_length: int) -> int:
         """Slots a sequence that may reach ``full_length`` tokens holds at most."""
         return max(1, math.ceil(self.pool_limit * full_length)) if self.pool_limit < 1 else full_length
+
+    def offload_state(self, rehearsal: Rehearsal | None, **shape: Any) -> InfiniGenState:
+        from kvserve.policies.infinigen_state import InfiniGenState  # it builds on this module
+
+        return InfiniGenState(self, rehearsal, **shape)
 
     def select_decode_rows(
         self,

@@ -5,7 +5,7 @@ Every (token, KV head) row of D values is split into groups of ``group_size``; e
 scale and a minimum (in the model dtype) and 4-bit codes, two per byte. With D = 64 and one group per
 row a row moves 36 bytes instead of 128 (bfloat16): 3.6x fewer bytes fetched per step. Only an
 offloading engine stores KV this way: it quantises on the way to the slower tier and dequantises what
-it fetches.
+it fetches, through the policy's row codec (``kv/row_codec.py``, the one place 4-bit rows are packed).
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.kv.row_codec import Int4Rows, dequantize_int4, quantize_int4
 from kvserve.policies.base import KVPolicy
+
+__all__ = ["Int4KV", "dequantize_int4", "quantize_int4"]
 
 
 @dataclass(frozen=True)
@@ -36,20 +39,6 @@ class Int4KV(KVPolicy):
             raise ValueError(f"int4 KV groups of {self.group_size} do not divide the head dim {head_dim}")
         return head_dim // self.group_size
 
-
-def quantize_int4(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., D) -> codes (..., D / 2) uint8 (two per byte, low nibble first) and scales (..., D / g, 2)
-    holding each group's (scale, minimum) in x's dtype."""
-    groups = x.float().unflatten(-1, (-1, group_size))  # (..., D / g, g)
-    low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
-    scale = (high - low).clamp(min=1e-8) / 15
-    codes = ((groups - low) / scale).round_().clamp_(0, 15).to(torch.uint8).flatten(-2)  # (..., D)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed, torch.cat((scale, low), dim=-1).to(x.dtype)
-
-
-def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of ``quantize_int4``: (..., D / 2) codes and (..., D / g, 2) scales -> (..., D) ``dtype``."""
-    codes = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)  # (..., D)
-    groups = codes.unflatten(-1, (scales.shape[-2], -1)).to(scales.dtype)  # (..., D / g, g)
-    return (groups * scales[..., :1] + scales[..., 1:]).flatten(-2).to(dtype)
+    def row_codec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> Int4Rows:
+        self.groups(head_dim)  # raises unless the groups divide the head dim
+        return Int4Rows(num_kv_heads, head_dim, dtype, self.group_size)

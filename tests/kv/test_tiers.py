@@ -274,7 +274,7 @@ def test_offloaded_engine_waits_for_slow_fetches(loaded, monkeypatch) -> None:
         calls.append(threading.current_thread().name)
         tiers.gather_rows(src, index, out)
 
-    monkeypatch.setattr("kvserve.attention.offloaded.gather_rows", slow_gather)
+    monkeypatch.setattr("kvserve.attention.offload_fetch.gather_rows", slow_gather)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))  # a core free for the worker
     slow = generate(loaded, kv_offload="host")
     assert calls and set(calls) == {"kvserve-transfer"}  # the copies ran on the worker, and were slowed

@@ -413,7 +413,7 @@ def test_pool_limit_keeps_each_eviction_policys_victims(loaded) -> None:
         completion = out.outputs[0]
         assert len(completion.token_ids) == max_tokens and completion.finish_reason == "length"
         slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cap)])  # the pool's slots
-        inserted = cache.pool[2][:, slots]  # (L, cap, Hkv): the token each slot now holds, per layer and head
+        inserted = cache.speculation.pool[2][:, slots]  # (L, cap, Hkv): the token each slot holds, per layer, head
         stamps[eviction] = inserted
         stored = len(prompt) + max_tokens - 1  # tokens 0..stored-1 went through the model
         recent = list(range(stored - cap, stored))

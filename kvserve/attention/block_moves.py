@@ -1,0 +1,55 @@
+"""Whole blocks copied between two paged caches (a swap to or from the host tier), in every layer, K and V."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kvserve.attention.paged import PagedKVCache
+
+
+def check_pairs(pairs: Sequence[tuple[int, int]], num_src: int, num_dst: int) -> tuple[list[int], list[int]]:
+    src = [int(s) for s, _ in pairs]
+    dst = [int(d) for _, d in pairs]
+    out_of_range = [(s, d) for s, d in zip(src, dst, strict=True) if not (0 <= s < num_src and 0 <= d < num_dst)]
+    if out_of_range:
+        raise ValueError(f"block pairs {out_of_range} are out of range ({num_src} source, {num_dst} target blocks)")
+    if len(set(dst)) != len(dst):
+        raise ValueError(f"a target block appears twice in {list(pairs)}")
+    return src, dst
+
+
+def transfer(src: PagedKVCache, dst: PagedKVCache, pairs: Sequence[tuple[int, int]]) -> None:
+    """Copy whole blocks (src block, dst block) in every layer, K and V, between two caches."""
+    if not pairs:
+        return
+    src_ids, dst_ids = check_pairs(pairs, src.num_blocks, dst.num_blocks)
+    src_dev, dst_dev = src.k.device, dst.k.device
+    src_t = torch.tensor(src_ids, dtype=torch.long, device=src_dev)
+    dst_t = torch.tensor(dst_ids, dtype=torch.long, device=dst_dev)
+    for s, d in ((src.k, dst.k), (src.v, dst.v)):
+        if src_dev == dst_dev:
+            d.index_copy_(1, dst_t, s.index_select(1, src_t))
+        elif dst_dev.type != "cpu":  # host -> device: gather into pinned memory, one async upload
+            staged = torch.empty((s.shape[0], len(src_ids), *s.shape[2:]), dtype=s.dtype, pin_memory=True)
+            torch.index_select(s, 1, src_t, out=staged)  # (L, n, block_size, Hkv, D)
+            d.index_copy_(1, dst_t, staged.to(dst_dev, non_blocking=True))
+        else:  # device -> host: gather on the device, then contiguous async copies per layer and run
+            staged = s.index_select(1, src_t)  # (L, n, block_size, Hkv, D) on the device
+            for first, start, count in runs(dst_ids):
+                for layer in range(s.shape[0]):
+                    d[layer, start : start + count].copy_(staged[layer, first : first + count], non_blocking=True)
+
+
+def runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """Consecutive runs in ``ids`` as (index of its first entry, first id, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block in enumerate(ids):
+        if runs and block == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, block, 1))
+    return runs
