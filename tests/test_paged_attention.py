@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvserve.attention import AttentionMetadata, ContiguousKVCache, PagedAttentionMetadata, PagedKVCache
+from kvserve.attention.paged_plan import make_plan
 from kvserve.entrypoints.generation import Generator
 from kvserve.models import load_model
 from kvserve.sampling.sampling_params import SamplingParams
@@ -75,7 +76,7 @@ class Pair:
         meta = PagedAttentionMetadata.build_grouped(
             seqs, q_lens, ctx, [[self.tables[s] for s in seqs]], self.block_size, "cpu", layer_windows=self.windows
         )
-        self.last_plan = meta.plan
+        self.last_plan = make_plan(meta)
         ref_meta = AttentionMetadata(
             seq_ids=tuple(seqs), query_lens=tuple(q_lens), context_lens=tuple(ctx), layer_windows=self.windows
         )

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from kvserve.attention.paged import PagedKVCache
+
+class BlockPool(Protocol):
+    """What a block copy reads of a paged cache: its block count and its (L, blocks, block_size, Hkv, D) K and V."""
+
+    num_blocks: int
+    k: torch.Tensor
+    v: torch.Tensor
 
 
 def check_pairs(pairs: Sequence[tuple[int, int]], num_src: int, num_dst: int) -> tuple[list[int], list[int]]:
@@ -22,7 +27,7 @@ def check_pairs(pairs: Sequence[tuple[int, int]], num_src: int, num_dst: int) ->
     return src, dst
 
 
-def transfer(src: PagedKVCache, dst: PagedKVCache, pairs: Sequence[tuple[int, int]]) -> None:
+def transfer(src: BlockPool, dst: BlockPool, pairs: Sequence[tuple[int, int]]) -> None:
     """Copy whole blocks (src block, dst block) in every layer, K and V, between two caches."""
     if not pairs:
         return

@@ -12,13 +12,13 @@ import torch
 from kvserve.policies.base import KVPolicy
 
 if TYPE_CHECKING:
-    from kvserve.attention.compressed import CompressedAttentionMetadata, CompressedKVCache
+    from kvserve.attention.compressed_metadata import CompressedAttentionMetadata, CompressedSlab
 
 
 class Compaction:
     """Which candidates a layer's group keeps past its target, written to its first slots with their scores."""
 
-    def __init__(self, cache: CompressedKVCache) -> None:
+    def __init__(self, cache: CompressedSlab) -> None:
         self.cache = cache
 
     def compress_decoded(

@@ -30,7 +30,6 @@ tables to it (freeing blocks) and remembers the counts.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,53 +42,16 @@ from kvserve.attention.backend import (
 )
 from kvserve.attention.compaction import Compaction
 from kvserve.attention.compressed_decode import CompressedDecode
+from kvserve.attention.compressed_metadata import CompressedAttentionMetadata, CompressedStep
 from kvserve.attention.compressed_prefill import CompressedPrefill
 from kvserve.attention.paged import PagedKVCache
 from kvserve.attention.step_layout import row_starts, slot_ids
 from kvserve.core.step import StepReport
 from kvserve.kv.row_codec import PlainRows
 from kvserve.kv.tiers import TierStore
-from kvserve.policies.base import KVPolicy
 
 if TYPE_CHECKING:
     from kvserve.core.step import SchedulerOutput
-
-
-@dataclass
-class CompressedStep:
-    """What changes while the layers run: rows still live per sequence, slots each group keeps. The cache makes one
-    beside each step's metadata (``build_metadata``); ``report`` turns it into a ``StepReport``."""
-
-    rows: list[int]  # per sequence: its rows in the current hidden states
-    held_after: list[list[int]]  # per sequence, per layer: slots held after the step
-    heads_after: list[list[tuple[int, ...]]]  # per sequence, per layer: tokens per KV head packed (Ada-KV), or ()
-    survivors: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> rows going on
-    in_place: InPlaceDecode | None = None  # the step's layers run as one call: what in_place_decode gave them
-
-
-@dataclass(frozen=True)
-class CompressedAttentionMetadata(AttentionMetadata):
-    """Per sequence: its policy, and per layer its block table, held slots and target after the step."""
-
-    policies: tuple[KVPolicy, ...] = ()
-    group_slots: tuple[tuple[int, ...], ...] = ()  # [seq][layer] slots holding keys before the step
-    group_targets: tuple[tuple[int, ...], ...] = ()  # [seq][layer] most slots kept after the step
-    group_frozen: tuple[tuple[int, ...], ...] = ()  # [seq][layer] leading slots in shared module blocks, or ()
-    group_heads: tuple[tuple[tuple[int, ...], ...], ...] = ()  # [seq][layer] tokens per KV head packed, or ()
-    block_tables: tuple[tuple[tuple[int, ...], ...], ...] = ()  # [seq][layer] block ids
-    keep_all_rows: tuple[bool, ...] = ()  # [seq] every row's logits are needed: drop no rows
-    block_size: int = 16
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        n = len(self.seq_ids)
-        for name in ("policies", "group_slots", "group_targets", "block_tables", "keep_all_rows"):
-            if len(getattr(self, name)) != n:
-                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {n} sequences")
-
-    @property
-    def decode_only(self) -> bool:
-        return all(n == 1 for n in self.query_lens)
 
 
 class CompressedKVCache(AttentionBackend):

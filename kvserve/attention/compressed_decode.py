@@ -22,13 +22,13 @@ from kvserve.platform.cpu_kernels import cpu_kernels_available
 from kvserve.policies.base import SCORES_NONE, KVPolicy, update_scores
 
 if TYPE_CHECKING:
-    from kvserve.attention.compressed import CompressedAttentionMetadata, CompressedKVCache
+    from kvserve.attention.compressed_metadata import CompressedAttentionMetadata, CompressedSlab
 
 
 class CompressedDecode:
     """A compressing cache's decode rows, batched per layer, and a decode step's layers run as one call."""
 
-    def __init__(self, cache: CompressedKVCache) -> None:
+    def __init__(self, cache: CompressedSlab) -> None:
         self.cache = cache
 
     def decode(

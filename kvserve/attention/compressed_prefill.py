@@ -15,13 +15,13 @@ from kvserve.attention.paged import attend_prefill
 from kvserve.policies.scoring import attend_voting_rows
 
 if TYPE_CHECKING:
-    from kvserve.attention.compressed import CompressedAttentionMetadata, CompressedKVCache
+    from kvserve.attention.compressed_metadata import CompressedAttentionMetadata, CompressedSlab
 
 
 class CompressedPrefill:
     """Attention of a sequence's several new rows in a compressing cache, and what its layer keeps of them."""
 
-    def __init__(self, cache: CompressedKVCache) -> None:
+    def __init__(self, cache: CompressedSlab) -> None:
         self.cache = cache
 
     def run(

@@ -14,8 +14,8 @@ from kvserve.attention.paged import attend_prefill
 from kvserve.attention.softcap import sdpa
 
 if TYPE_CHECKING:
+    from kvserve.attention.offload_metadata import OffloadAttentionMetadata, OffloadPool
     from kvserve.attention.offload_step import OffloadStep
-    from kvserve.attention.offloaded import OffloadAttentionMetadata, OffloadedKVCache
 
 _SELECT_ROWS = 256  # rows of a chunk speculated at once
 
@@ -23,7 +23,7 @@ _SELECT_ROWS = 256  # rows of a chunk speculated at once
 class OffloadChunks:
     """The chunk path of ``cache`` (see the module doc)."""
 
-    def __init__(self, cache: OffloadedKVCache) -> None:
+    def __init__(self, cache: OffloadPool) -> None:
         self.cache = cache
 
     def attend(

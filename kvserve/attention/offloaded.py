@@ -42,6 +42,7 @@ from kvserve.attention.backend import AttentionBackend, AttentionMetadata, Unsup
 from kvserve.attention.decode import paged_decode
 from kvserve.attention.offload_chunk import OffloadChunks
 from kvserve.attention.offload_fetch import Fetch, TierTransfers
+from kvserve.attention.offload_metadata import OffloadAttentionMetadata
 from kvserve.attention.offload_step import OffloadStep, plan_step
 from kvserve.attention.step_layout import row_starts, slot_ids
 from kvserve.core.step import StepReport
@@ -51,20 +52,6 @@ from kvserve.policies.infinigen import Rehearsal
 
 if TYPE_CHECKING:
     from kvserve.core.step import SchedulerOutput
-
-
-@dataclass(frozen=True)
-class OffloadAttentionMetadata(AttentionMetadata):
-    """Per sequence: its block table and the KV it may reach (prompt + max_tokens, for the pool limit). The step's
-    plan and its fetches in flight are the cache's ``OffloadStep`` for it, made beside it (``build_metadata``)."""
-
-    block_tables: tuple[tuple[int, ...], ...] = ()
-    full_lengths: tuple[int, ...] = ()
-    # Per sequence: the first row of its chunk that is a scored continuation token (prompt logprobs, how the
-    # eval tools score): from there on a row reads what decoding it would. Prompt rows before it attend to
-    # everything before them, as InfiniGen's prefill does. () or the chunk length: a plain prompt chunk.
-    scored_from: tuple[int, ...] = ()
-    block_size: int = 16
 
 
 @dataclass

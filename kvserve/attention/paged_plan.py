@@ -16,7 +16,7 @@ from kvserve.attention.softcap import sdpa
 from kvserve.attention.step_layout import row_starts
 
 if TYPE_CHECKING:
-    from kvserve.attention.paged import PagedAttentionMetadata
+    from kvserve.attention.paged_metadata import PagedAttentionMetadata
 
 
 @dataclass(frozen=True)

@@ -11,17 +11,14 @@ Slots of a layer are kept in position order (compaction preserves order and new 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from kvserve.kv.row_codec import PlainRows
 from kvserve.policies.scoring import head_column_sums
-
-if TYPE_CHECKING:
-    from kvserve.policies.infinigen_state import InfiniGenState
 
 # What attention weights a policy scores slots by (see ``KVPolicy.scores``).
 SCORES_NONE = "none"  # positional policies (full cache, local window)
@@ -69,7 +66,7 @@ class KVPolicy:
         """How an offloading cache holds a row in its slower tier (``kv/row_codec.py``): as it is."""
         return PlainRows(num_kv_heads, head_dim, dtype)
 
-    def offload_state(self, rehearsal: Any, **shape: Any) -> InfiniGenState | None:
+    def offload_state(self, rehearsal: Any, **shape: Any) -> OffloadState | None:
         """What an offloading cache keeps beside its tier to choose the rows it fetches (InfiniGen: partial keys,
         speculation, the pool's counters), made for a cache of ``shape``; None: it fetches every row."""
         return None
@@ -177,3 +174,47 @@ def update_scores(policies: Sequence[KVPolicy], scores: torch.Tensor, step_weigh
         rows = torch.tensor([b for b, p in enumerate(policies) if p == policy], device=scores.device)
         out[rows] = policy.update(scores[rows], step_weights[rows])
     return out
+
+
+class OffloadState(Protocol):
+    """What an offloading cache calls on the state a policy keeps beside its tier (``KVPolicy.offload_state``;
+    InfiniGen's is ``policies/infinigen_state.py``)."""
+
+    policy: Any  # the policy that made it
+    speculated_layers: frozenset[int]  # layers whose rows it selects
+    own_query_layers: frozenset[int]  # of those, the layers that speculate from their own query
+    rehearsed_layers: frozenset[int]  # of those, the layers the layer before them speculates for
+    rank_mean: Callable[[torch.Tensor], torch.Tensor] | None  # tensor parallelism: a mean over every rank
+
+    @property
+    def evicts(self) -> bool: ...
+
+    def capacity(self, full_length: int) -> int: ...
+
+    def partial_query(self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor: ...
+
+    def partial_from_query(self, layer: int, q: torch.Tensor) -> torch.Tensor: ...
+
+    def select_decode(
+        self, layer: int, partial_q: torch.Tensor, candidates: Any, tokens: torch.Tensor
+    ) -> tuple[Any, torch.Tensor]: ...
+
+    def rows_allowed(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, partial_q: torch.Tensor, token: int, window: int | None
+    ) -> torch.Tensor: ...
+
+    def victims(self, layer: int, slots: torch.Tensor) -> torch.Tensor: ...
+
+    def stored(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        heads: torch.Tensor,
+        flat: torch.Tensor,
+        k: torch.Tensor,
+        tokens: torch.Tensor,
+    ) -> None: ...
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None: ...
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None: ...

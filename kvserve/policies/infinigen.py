@@ -286,26 +286,6 @@ def partial_logits(q_partial: torch.Tensor, k_partial: torch.Tensor, head_dim: i
     return torch.matmul(q_partial, k_partial.transpose(-1, -2)).float().mul_(1 / math.sqrt(head_dim))
 
 
-def choose_victims(
-    eviction: str, counts: torch.Tensor, last_used: torch.Tensor, inserted: torch.Tensor
-) -> torch.Tensor:
-    """Each KV head's victim among a full pool: (Hkv,) long indices into its ``cap`` slots.
-
-    counts, last_used, inserted (Hkv, cap) int: times speculation selected the slot's token, the last
-    row that selected it (its own index until then) and the row that inserted it. ``counter`` and
-    ``lru`` choose among the older half of the pool (by insertion, as the authors' code), so a token is
-    not evicted before it had a chance to be selected; ties go to the oldest. ``fifo``: the oldest.
-    """
-    inserted = inserted.long()
-    if eviction == "fifo":
-        return inserted.argmin(dim=-1)
-    cap = inserted.shape[-1]
-    older = inserted <= inserted.kthvalue(max(1, cap // 2), dim=-1, keepdim=True).values
-    primary = counts.long() if eviction == "counter" else last_used.long()
-    key = (primary << 32) | inserted  # primary first, then age
-    return key.masked_fill(~older, torch.iinfo(torch.long).max).argmin(dim=-1)
-
-
 def speculated_layers(layer_windows: Sequence[int | None]) -> frozenset[int]:
     """The layers InfiniGen selects rows in: every one but a full-attention layer 0, which reads its whole cache
     (a window layer 0 selects within its window, from its own query)."""

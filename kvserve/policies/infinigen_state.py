@@ -8,9 +8,43 @@ select the rows a decode batch or a chunk reads, to record what it stores, and t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Protocol
+
 import torch
 
-from kvserve.policies.infinigen import InfiniGen, PagedCandidates, RankMean, Rehearsal, Selection, choose_victims
+# The state names neither InfiniGen nor its Rehearsal: ``InfiniGen.offload_state`` makes it, so importing them
+# would be a cycle. These protocols are what it calls on them.
+
+
+class SelectingPolicy(Protocol):
+    """What the state calls on the InfiniGen policy that made it (``policies/infinigen.py``)."""
+
+    alpha: Any  # a float, one per layer, or "auto" until calibrated
+    pool_limit: float
+    pool_eviction: str
+
+    def layer_alpha(self, layer: int) -> float: ...
+
+    def pool_slots(self, full_length: int) -> int: ...
+
+    def select_decode_rows(self, *args: Any) -> tuple[Any, torch.Tensor]: ...  # (Selection, slots)
+
+    def rows_allowed(self, *args: Any) -> torch.Tensor: ...
+
+
+class PartialProjections(Protocol):
+    """What the state calls on the model's rehearsal (``infinigen.Rehearsal``): skewed partial queries and keys."""
+
+    speculated_layers: frozenset[int]
+    own_query_layers: frozenset[int]
+    partial_dims: int
+
+    def partial_query(self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor: ...
+
+    def partial_from_query(self, layer: int, q: torch.Tensor) -> torch.Tensor: ...
+
+    def partial_key(self, layer: int, k: torch.Tensor) -> torch.Tensor: ...
 
 
 class InfiniGenState:
@@ -19,8 +53,8 @@ class InfiniGenState:
 
     def __init__(
         self,
-        policy: InfiniGen,
-        rehearsal: Rehearsal | None,
+        policy: SelectingPolicy,
+        rehearsal: PartialProjections | None,
         *,
         num_layers: int,
         num_blocks: int,
@@ -40,7 +74,8 @@ class InfiniGenState:
         policy.layer_alpha(0)  # raises while alpha is still "auto"
         self.policy, self.rehearsal = policy, rehearsal
         self.block_size, self.num_kv_heads, self.head_dim, self.device = block_size, num_kv_heads, head_dim, device
-        self.rank_mean: RankMean | None = None  # tensor parallelism: the count is a mean over every rank's heads
+        # Tensor parallelism: the count is a mean over every rank's heads.
+        self.rank_mean: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.speculated_layers = rehearsal.speculated_layers
         # Layers whose partial query comes from their own query, once projected; the others' from the input of
         # the layer before (rehearsed, so their fetch overlaps that layer).
@@ -83,8 +118,8 @@ class InfiniGenState:
     # ----- selection -----
 
     def select_decode(
-        self, layer: int, partial_q: torch.Tensor, candidates: PagedCandidates, tokens: torch.Tensor
-    ) -> tuple[Selection, torch.Tensor]:
+        self, layer: int, partial_q: torch.Tensor, candidates: Any, tokens: torch.Tensor
+    ) -> tuple[Any, torch.Tensor]:
         """The rows each decode sequence reads in ``layer``: partial queries (B, Hkv, G, r) against its
         ``candidates``' partial keys; the pool counts the picks of the sequences' new rows ``tokens`` (B,).
         Returns the selection and the tier slots it picks (B, Hkv, K)."""
@@ -170,3 +205,23 @@ class InfiniGenState:
         rows[:, :, dst // bs, dst % bs] = rows[:, :, src // bs, src % bs]
         if self.pool is not None:  # slots on dim 2
             self.pool.index_copy_(2, dst, self.pool.index_select(2, src))
+
+
+def choose_victims(
+    eviction: str, counts: torch.Tensor, last_used: torch.Tensor, inserted: torch.Tensor
+) -> torch.Tensor:
+    """Each KV head's victim among a full pool: (Hkv,) long indices into its ``cap`` slots.
+
+    counts, last_used, inserted (Hkv, cap) int: times speculation selected the slot's token, the last
+    row that selected it (its own index until then) and the row that inserted it. ``counter`` and
+    ``lru`` choose among the older half of the pool (by insertion, as the authors' code), so a token is
+    not evicted before it had a chance to be selected; ties go to the oldest. ``fifo``: the oldest.
+    """
+    inserted = inserted.long()
+    if eviction == "fifo":
+        return inserted.argmin(dim=-1)
+    cap = inserted.shape[-1]
+    older = inserted <= inserted.kthvalue(max(1, cap // 2), dim=-1, keepdim=True).values
+    primary = counts.long() if eviction == "counter" else last_used.long()
+    key = (primary << 32) | inserted  # primary first, then age
+    return key.masked_fill(~older, torch.iinfo(torch.long).max).argmin(dim=-1)

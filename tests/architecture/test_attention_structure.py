@@ -62,9 +62,9 @@ def test_attention_asks_no_policy_class_what_it_is() -> None:
 
 def test_step_metadata_carries_no_step_state() -> None:
     """Metadata is the step's immutable description; what the layers fill in is an object the cache makes beside it."""
-    from kvserve.attention.compressed import CompressedAttentionMetadata
-    from kvserve.attention.offloaded import OffloadAttentionMetadata
-    from kvserve.attention.paged import PagedAttentionMetadata
+    from kvserve.attention.compressed_metadata import CompressedAttentionMetadata
+    from kvserve.attention.offload_metadata import OffloadAttentionMetadata
+    from kvserve.attention.paged_metadata import PagedAttentionMetadata
 
     for cls in (CompressedAttentionMetadata, OffloadAttentionMetadata, PagedAttentionMetadata):
         assert cls.__dataclass_params__.frozen, cls.__name__

@@ -15,7 +15,8 @@ from kvserve.config import EngineConfig
 from kvserve.models import LoadedModel, load_model
 from kvserve.models.layers import RotaryEmbedding
 from kvserve.policies import make_policy
-from kvserve.policies.infinigen import InfiniGen, Rehearsal, choose_victims, partial_logits, speculate
+from kvserve.policies.infinigen import InfiniGen, Rehearsal, partial_logits, speculate
+from kvserve.policies.infinigen_state import choose_victims
 from kvserve.policies.quant import Int4KV, dequantize_int4, quantize_int4
 from kvserve.policies.skewing import SKEWING_DIR_ENV, _Recorder, compute_skewing, skew_head, skewing_for
 from tests.tiny_models import TinySpec, torch_single_thread, write_tiny_model  # noqa: F401 - autouse fixture
