@@ -82,7 +82,8 @@ def test_worker_killed_mid_prefill_is_noticed_within_seconds(tiny) -> None:
     assert not any(w.is_alive() for w in group.workers)
 
 
-def test_real_model_parallel_prefill_same_greedy_continuation(default_model) -> None:
+@pytest.mark.real_model
+def test_real_model_parallel_prefill_same_greedy_continuation(default_model, shared_real_loads) -> None:
     ids = default_model.tokenizer.encode(AUSTEN.read_text()[:4000])[:600]
     expected = continuation(LLM(dtype="float32"), ids)
     llm = LLM(dtype="float32", prefill_parallel=2, prefill_partition="even")
