@@ -32,17 +32,17 @@ def shared_load(
     shard=None,
     int8_activations: bool = False,
 ) -> LoadedModel:
-    """``load_model`` with its signature; a shipped model on CPU without a tokenizer, template, shard or progress
-    callback comes from ``_LOADED`` (each load's own model otherwise)."""
+    """``load_model`` with its signature; a shipped model on CPU without a tokenizer, template or shard comes from
+    ``_LOADED`` (each load's own model otherwise); ``progress`` hears only of the first load."""
     options = dict(weights=weights, batch_invariant=batch_invariant, int8_activations=int8_activations)
     shipped = path is None or (isinstance(path, str) and path in SHIPPED_MODELS)
-    own_options = progress is not None or tokenizer is not None or chat_template is not None or shard is not None
+    own_options = tokenizer is not None or chat_template is not None or shard is not None
     if not shipped or own_options or torch.device(device).type != "cpu":
         return load_model(path, dtype, device, progress, tokenizer=tokenizer, chat_template=chat_template, shard=shard,
                           **options)  # fmt: skip
     key = (path or "smollm2-135m", dtype, weights, batch_invariant, int8_activations)
     if key not in _LOADED:
-        _LOADED[key] = load_model(path, dtype, device, **options)
+        _LOADED[key] = load_model(path, dtype, device, progress, **options)
         while len(_LOADED) > _MAX_LOADED:
             _LOADED.popitem(last=False)
     _LOADED.move_to_end(key)
