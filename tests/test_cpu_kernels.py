@@ -45,6 +45,7 @@ def test_a_lock_left_by_a_killed_build_is_removed(tmp_path) -> None:
     assert time.monotonic() - start < 1.0
 
 
+@pytest.mark.slow
 def test_a_build_in_another_process_is_waited_for(tmp_path) -> None:
     builder = subprocess.Popen([sys.executable, "-c", BUILDER, str(tmp_path)])
     while not (tmp_path / "building").exists():
