@@ -103,6 +103,7 @@ def test_kernels_off_builds_nothing(monkeypatch, tmp_path, capsys) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 @needs_kernels
 def test_a_cpu_engine_has_its_kernels_before_its_first_request(monkeypatch, tmp_path) -> None:
     """Loading the model and starting the engine each load the kernels (a build, the first time): the first

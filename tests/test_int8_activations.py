@@ -205,6 +205,7 @@ def tiny_gguf(tmp_path_factory):
     return spec, path
 
 
+@pytest.mark.slow
 def test_decode_chain_runs_the_int8_kernel_bit_identically(tiny_gguf) -> None:
     _, path = tiny_gguf
     loaded = load_model(path, torch.float32, weights="native", int8_activations=True)

@@ -68,6 +68,7 @@ def test_greedy_continuation_is_flagged(folder):
     assert on.is_greedy and not off.is_greedy and on.logprob > off.logprob
 
 
+@pytest.mark.slow
 def test_a_request_larger_than_the_cache_is_an_error(folder):
     loaded = load_model(folder)
     engine = LLMEngine(EngineConfig(block_size=4, kv_cache_memory=4 * 2 * 2 * 8 * 4 * 2 * 4), loaded)

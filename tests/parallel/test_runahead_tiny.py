@@ -81,6 +81,7 @@ def test_parallel_prefill_equals_single_process(group, tiny, scheme, split, leng
         assert torch.allclose(sink.v[layer], ref_v[layer], atol=ATOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("voters", ["all", "recent"])
 @pytest.mark.parametrize("scheme", ["runahead", "tsp"])
 def test_votes_added_up_over_ranks_equal_one_process_scores(group, tiny, scheme, voters) -> None:
