@@ -11,7 +11,7 @@ PROMPT ?= In two sentences, what does a KV cache do in a transformer language mo
 # applies. TORCH_INDEX= (empty) leaves pip's indexes alone; a CUDA index URL picks that build.
 TORCH_INDEX ?= $(if $(shell command -v nvidia-smi),,https://download.pytorch.org/whl/cpu)
 
-.PHONY: run test lint bench clean
+.PHONY: run test test-fast lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,14 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check kvserve tests
 	$(BIN)/python -m pytest -q
+
+# The edit loop's subset, about two minutes on 2 cores: the tiny random models in this process only. It leaves out
+# the real models (SmolLM2-135M, Gemma 3 270M, transformers' references: marker real_model) and whatever starts
+# processes or runs long on the tiny ones (kvserve subprocesses, prefill workers, tensor-parallel ranks, kernel
+# builds, the soak: marker slow). `make test` and CI run everything.
+test-fast: $(STAMP)
+	$(BIN)/ruff check kvserve tests
+	$(BIN)/python -m pytest -q -m "not real_model and not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvserve tests

@@ -246,6 +246,7 @@ def batched_and_alone(path, loaded, batch_invariant: bool) -> tuple[list, list, 
     return concurrent, alone, hits, misses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weights", ["native", "dequant"])
 def test_engine_gives_concurrent_and_cached_prompts_the_numbers_they_get_alone(tiny_gguf, weights) -> None:
     loaded = load_model(tiny_gguf, torch.bfloat16, weights=weights, batch_invariant=True)
@@ -255,6 +256,7 @@ def test_engine_gives_concurrent_and_cached_prompts_the_numbers_they_get_alone(t
     assert hits == misses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weights", ["native", "dequant"])
 def test_engine_without_the_mode_gives_other_numbers_in_a_batch(tiny_gguf, weights) -> None:
     loaded = load_model(tiny_gguf, torch.bfloat16, weights=weights)

@@ -19,8 +19,9 @@ from kvserve.attention.flash_prefill import flash_prefill_available
 from kvserve.config import EngineConfig
 from kvserve.core.engine import LLMEngine
 from kvserve.entrypoints.llm import LLM
-from kvserve.models import LoadedModel, load_model
+from kvserve.models import LoadedModel
 from kvserve.sampling.sampling_params import SamplingParams
+from tests.real_models import shared_load
 from tests.server.conftest import start_server
 
 pytestmark = pytest.mark.real_model
@@ -51,12 +52,12 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1
 
 @pytest.fixture(scope="module")
 def invariant_model() -> LoadedModel:
-    return load_model(dtype=torch.bfloat16, batch_invariant=True)
+    return shared_load(dtype=torch.bfloat16, batch_invariant=True)
 
 
 @pytest.fixture(scope="module")
 def default_bf16_model() -> LoadedModel:
-    return load_model(dtype=torch.bfloat16)
+    return shared_load(dtype=torch.bfloat16)
 
 
 def engine(loaded: LoadedModel, **options) -> LLMEngine:

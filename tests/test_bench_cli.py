@@ -6,9 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.tiny_models import TinySpec, write_tiny_model
 
 
+@pytest.mark.slow
 def test_bench_throughput_writes_a_consistent_report(tmp_path):
     model = write_tiny_model(tmp_path / "model", TinySpec(num_heads=4, num_kv_heads=2))
     out = tmp_path / "report"

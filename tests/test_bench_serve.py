@@ -215,6 +215,7 @@ def test_arrivals_are_poisson_and_seeded():
         serve.arrival_times(3, 0.0, seed=0)
 
 
+@pytest.mark.slow
 def test_cli_sweep_writes_report_and_plot(fake_server, tmp_path, capsys):
     base_url, fake = fake_server()
     write_tokenizer(tmp_path)
@@ -236,6 +237,7 @@ def test_cli_sweep_writes_report_and_plot(fake_server, tmp_path, capsys):
     assert "| 100 | 2 | 3 | 0 |" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cli_compare_with_another_report_draws_both(fake_server, tmp_path):
     base_url, _ = fake_server()
     write_tokenizer(tmp_path)

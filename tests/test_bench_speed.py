@@ -20,7 +20,7 @@ from kvserve.bench.cli import _speed_table
 from kvserve.bench.plots import plot_speed_ratios
 from kvserve.models.catalog import default_model_path
 from kvserve.models.config import ModelConfig
-from kvserve.models.loader import load_model
+from tests.real_models import shared_load
 
 
 class FakeEngine:
@@ -106,10 +106,10 @@ def test_prefill_flops_counts_projections_attention_and_one_head_row() -> None:
 
 
 def test_decode_bytes_native_reads_the_compact_weights(default_model) -> None:
-    dequant = load_model(dtype=torch.bfloat16, weights="dequant")
+    dequant = shared_load(dtype=torch.bfloat16, weights="dequant")
     params = sum(p.numel() for p in dequant.model.parameters())  # the tied embedding counts once: it is the head
     assert speed.decode_weight_bytes(dequant.model) == 2 * params
-    native = load_model(dtype=torch.bfloat16, weights="native")
+    native = shared_load(dtype=torch.bfloat16, weights="native")
     native_bytes = speed.decode_weight_bytes(native.model)
     # int4 codes (half a byte) + a bfloat16 scale and zero per 32 weights; the Q8_0 head as two such planes.
     assert 0.3 * 2 * params < native_bytes < 0.45 * 2 * params

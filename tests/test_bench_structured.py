@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from kvserve.bench.structured import SCHEMAS, prompts
 from tests.tiny_models import TinySpec, write_tiny_model
 
@@ -15,6 +17,7 @@ def test_the_prompts_cover_every_schema_early():
     assert len(prompts(50)) == 50 and len({text for _, text in prompts(50)}) == 50
 
 
+@pytest.mark.slow
 def test_bench_structured_writes_a_consistent_report(tmp_path):
     model = write_tiny_model(tmp_path / "model", TinySpec(num_heads=4, num_kv_heads=2, max_position_embeddings=2048))
     out = tmp_path / "report"

@@ -34,6 +34,7 @@ def report(folder, tmp_path_factory):
     return json.loads(out.with_suffix(".json").read_text())
 
 
+@pytest.mark.slow
 def test_all_reduce_volumes_are_two_per_layer_of_the_step_rows(folder, report) -> None:
     result = report["models"][str(folder)]
     assert set(result["costs"]) == {"1", "2"}
@@ -49,6 +50,7 @@ def test_all_reduce_volumes_are_two_per_layer_of_the_step_rows(folder, report) -
     assert len(links) == 3 and all(r["speedup"] > 0 for r in result["projection"])
 
 
+@pytest.mark.slow
 def test_the_cli_refuses_a_size_the_model_cannot_split(folder) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "kvserve", "generate", "--model", str(folder), "--dtype", "float32",

@@ -84,6 +84,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(folder):
         LLM(str(folder), tokenizer="nowhere.txt", **OPTIONS)
 
 
+@pytest.mark.slow
 def test_generate_with_a_bad_template_fails_in_one_line(folder):
     command = [sys.executable, "-m", "kvserve", "generate", "--model", str(folder), "--chat-template",
                "{% if %}", "--chat", "hi"]  # fmt: skip

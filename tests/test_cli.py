@@ -36,6 +36,7 @@ def test_generate_chat_answers_with_template():
     assert "<|im_start|>" not in result.stdout
 
 
+@pytest.mark.slow
 def test_missing_model_path_is_a_clear_error(tmp_path):
     missing = tmp_path / "nope.gguf"
     result = run_cli("generate", "--model", str(missing), "hi")
@@ -44,6 +45,7 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_bad_sampling_value_is_a_clear_error():
     result = run_cli("generate", "--temperature", "-1", "hi")
     assert result.returncode == 2

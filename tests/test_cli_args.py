@@ -19,12 +19,14 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvserve", *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_version_names_kvserve_and_torch():
     result = run_cli("--version")
     assert result.returncode == 0
     assert result.stdout.strip() == f"kvserve {kvserve.__version__} (torch {torch.__version__})"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("command", "shown"),
     [
@@ -46,6 +48,7 @@ def test_help_shows_the_defaults(command, shown):
         assert fragment in text, fragment
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "command", [["bench", "speed"], ["serve"], ["eval", "mc", "--task", "piqa"], ["generate", "hi"]]
 )
@@ -145,6 +148,7 @@ def test_invalid_options_are_refused_before_the_model_loads(argv, message, monke
     assert message in err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv",
     [
@@ -165,6 +169,7 @@ def test_a_refused_combination_fails_in_seconds_without_loading(argv, tmp_path):
     assert time.monotonic() - start < 30  # importing torch, not loading a model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cuda:99" if torch.cuda.is_available() else "cuda", "bogus", "mps"])
 def test_an_unavailable_device_is_refused_in_one_line(device):
     result = run_cli("serve", "--device", device)

@@ -76,6 +76,7 @@ def summary_of(stderr: str) -> re.Match:
     return match
 
 
+@pytest.mark.slow
 def test_generate_prints_prompt_continuation_and_summary(tiny, expected):
     ids, text, generated = expected
     result = generate("--model", tiny, *COMMON, PROMPT)
@@ -88,6 +89,7 @@ def test_generate_prints_prompt_continuation_and_summary(tiny, expected):
     assert "\r" not in result.stderr and "\033[" not in result.stderr
 
 
+@pytest.mark.slow
 def test_no_echo_and_no_summary(tiny, expected):
     result = generate("--model", tiny, *COMMON, "--no-echo", "--no-summary", PROMPT)
     assert result.returncode == 0, result.stderr
@@ -95,6 +97,7 @@ def test_no_echo_and_no_summary(tiny, expected):
     assert SUMMARY.search(result.stderr) is None and "INFO kvserve: loaded" in result.stderr
 
 
+@pytest.mark.slow
 def test_logs_never_land_inside_the_text(tiny, expected):
     """The paged engine (a KV policy) logs its KV cache as it starts: before the echoed prompt, not after it."""
     result = generate("--model", tiny, *COMMON, "--kv-policy", "local", "--kv-budget", "0.9", PROMPT, merged=True)
@@ -188,6 +191,7 @@ elif __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_warnings_and_worker_prints_stay_off_stdout(tiny, tmp_path):
     """A warning in this process while the text streams, and a print and a warning in a prefill worker (which
     inherits this process's stdout): stdout is the prompt, the continuation and a newline, nothing else."""
@@ -205,6 +209,7 @@ def test_warnings_and_worker_prints_stay_off_stdout(tiny, tmp_path):
     assert summary.group(7) == f"prefill of {summary.group(1)} tokens over 2 processes"
 
 
+@pytest.mark.slow
 def test_summary_says_the_prompt_prefilled_over_two_processes(tiny):
     result = generate("--model", tiny, *COMMON, "--prefill-parallel", "2", "--prefill-partition", "even",
                       "--no-echo", LONG_PROMPT)  # fmt: skip
@@ -215,6 +220,7 @@ def test_summary_says_the_prompt_prefilled_over_two_processes(tiny):
     assert result.stderr.count("INFO kvserve: loaded") == 1, result.stderr
 
 
+@pytest.mark.slow
 def test_parallel_prefill_routes_name_why_a_prompt_ran_here(tiny):
     from kvserve.config import EngineConfig
     from kvserve.core.engine import LLMEngine
@@ -261,6 +267,7 @@ def test_progress_is_silent_for_quick_steps():
     assert stream.getvalue() == ""
 
 
+@pytest.mark.slow
 def test_progress_draws_nothing_into_a_pipe():
     script = (
         "import time\nfrom kvserve.entrypoints.progress import DelayedProgress\n"

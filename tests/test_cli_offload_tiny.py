@@ -229,6 +229,7 @@ def test_infinigen_setup_calibrates_alpha_auto_as_asked(model, tmp_path, capsys)
     assert "infinigen calibration window_mass must be in (0, 1], got 1.5" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_offload_writes_a_consistent_report(model, tmp_path, capsys) -> None:
     out, disk = tmp_path / "x", tmp_path / "disk"
     disk.mkdir()

@@ -45,6 +45,7 @@ def test_a_lock_left_by_a_killed_build_is_removed(tmp_path) -> None:
     assert time.monotonic() - start < 1.0
 
 
+@pytest.mark.slow
 def test_a_build_in_another_process_is_waited_for(tmp_path) -> None:
     builder = subprocess.Popen([sys.executable, "-c", BUILDER, str(tmp_path)])
     while not (tmp_path / "building").exists():
@@ -102,6 +103,7 @@ def test_kernels_off_builds_nothing(monkeypatch, tmp_path, capsys) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 @needs_kernels
 def test_a_cpu_engine_has_its_kernels_before_its_first_request(monkeypatch, tmp_path) -> None:
     """Loading the model and starting the engine each load the kernels (a build, the first time): the first

@@ -8,14 +8,14 @@ import torch
 from kvserve import SamplingParams
 from kvserve.attention import ContiguousKVCache
 from kvserve.entrypoints.generation import Generator
-from kvserve.models import load_model
+from tests.real_models import shared_load
 
 pytestmark = pytest.mark.real_model
 
 
 @pytest.fixture(scope="module")
 def bf16_model():
-    return load_model(dtype=torch.bfloat16, weights="dequant")  # native int4 has its own tests
+    return shared_load(dtype=torch.bfloat16, weights="dequant")  # native int4 has its own tests
 
 
 def test_bfloat16_weights_and_cache_are_bfloat16(bf16_model):

@@ -157,6 +157,7 @@ def test_lossless_technique_is_token_identical_to_the_full_cache(family, name, o
     assert greedy_tokens(source, summary, **options) == greedy_tokens(source)
 
 
+@pytest.mark.slow
 def test_phi3_tensor_parallel_splits_the_fused_projections(family):
     """Two ranks, each with its rows of the fused q/k/v and gate/up (and the heads' LongRoPE), give one process's
     tokens: a wrong row split would compute another model."""

@@ -172,7 +172,7 @@ def test_blend_attention_takes_the_kernel_by_position(monkeypatch):
 
 @pytest.mark.real_model
 @needs_kernel
-def test_real_model_bfloat16_prefill_matches_torch_kernel(monkeypatch):
+def test_real_model_bfloat16_prefill_matches_torch_kernel(monkeypatch, shared_real_loads):
     """A 2,000-token prompt through the paged engine in bfloat16: the kernel's prompt log-probabilities against
     the same run with torch's flash attention, and the same greedy continuation."""
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", swap_space=0)

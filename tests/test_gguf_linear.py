@@ -218,6 +218,7 @@ AVX2_RUN = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_the_avx2_build_computes_the_same_bits(tmp_path) -> None:
     """The AVX2 path (maddubs + madd, built for haswell) and this CPU's (VNNI where it has it) sum the same integers
     in the same float order: identical results."""

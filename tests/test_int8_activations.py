@@ -205,6 +205,7 @@ def tiny_gguf(tmp_path_factory):
     return spec, path
 
 
+@pytest.mark.slow
 def test_decode_chain_runs_the_int8_kernel_bit_identically(tiny_gguf) -> None:
     _, path = tiny_gguf
     loaded = load_model(path, torch.float32, weights="native", int8_activations=True)
@@ -251,7 +252,7 @@ def test_the_command_line_flag_reaches_the_engine_config() -> None:
 
 
 @pytest.mark.real_model
-def test_real_model_likelihood_and_greedy_tokens_stay_close_to_float32() -> None:
+def test_real_model_likelihood_and_greedy_tokens_stay_close_to_float32(shared_real_loads) -> None:
     text = AUSTEN.read_text()[20000:22000]
     params = SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=0, ignore_eos=True)
     results = {}
@@ -270,7 +271,7 @@ def test_real_model_likelihood_and_greedy_tokens_stay_close_to_float32() -> None
 
 
 @pytest.mark.real_model
-def test_real_model_composes_with_a_compressing_policy_and_a_narrower_cache() -> None:
+def test_real_model_composes_with_a_compressing_policy_and_a_narrower_cache(shared_real_loads) -> None:
     """The int8 kernel inside the compressed cache's one-call decode (per-layer tables, scores folded after it):
     the same tokens and logprobs as the eager layers. Over a float16 paged cache it decodes through the chain too,
     and the greedy text starts as the float32 cache's (both round; measured: the first 12 of 16 tokens agree)."""

@@ -145,7 +145,7 @@ def test_the_cli_takes_the_option() -> None:
 
 
 @pytest.mark.real_model
-def test_real_model_likelihood_and_greedy_tokens_match_the_float32_cache() -> None:
+def test_real_model_likelihood_and_greedy_tokens_match_the_float32_cache(shared_real_loads) -> None:
     text = AUSTEN.read_text()[20000:22000]
     params = SamplingParams(temperature=0, max_tokens=24, prompt_logprobs=0, ignore_eos=True)
     results = {}
@@ -166,7 +166,7 @@ def test_real_model_likelihood_and_greedy_tokens_match_the_float32_cache() -> No
 
 
 @pytest.mark.real_model
-def test_real_model_compressed_groups_in_float16_decode_through_the_chain_as_in_float32() -> None:
+def test_real_model_compressed_groups_in_float16_decode_through_the_chain_as_in_float32(shared_real_loads) -> None:
     """H2O at half the KV over a float16 cache: the one-call decode (per-layer tables, scores folded after it)
     gives the eager layers' tokens and logprobs, and the greedy text starts as the float32 cache's."""
     prompts = [

@@ -105,6 +105,7 @@ def _run_generate(cache: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_generate_with_a_missing_name_fails_in_one_line(hf_cache):
     result = _run_generate(hf_cache, "--model", "org/absent", "hi")
     assert result.returncode == 2
@@ -113,6 +114,7 @@ def test_generate_with_a_missing_name_fails_in_one_line(hf_cache):
     assert str(hf_cache / "models--org--absent") in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_generate_loads_a_cached_gguf_repo_by_name(hf_cache):
     snapshot = cached_repo(hf_cache, "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF")

@@ -277,6 +277,7 @@ def test_expert_sizes_that_do_not_divide_are_refused_naming_them(family) -> None
             check_shardable(dataclasses.replace(config, shared_expert_intermediate_size=34), 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2_moe"], indirect=True)  # routed and shared experts; one such run is enough
 def test_tensor_parallel_engine_generates_what_one_process_does(family) -> None:
     """Two processes against one: the greedy tokens agree."""

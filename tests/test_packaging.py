@@ -140,6 +140,7 @@ def test_every_third_party_import_is_declared():
     assert undeclared_imports() == []
 
 
+@pytest.mark.slow
 def test_the_makefile_installs_what_kvserve_and_the_tests_import():
     """``make test`` on a clean clone: its install line's extras hold every package the tests import, and every
     package kvserve imports, optional ones included (the suite runs the benchmarks and evaluations)."""

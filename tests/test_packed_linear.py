@@ -36,6 +36,7 @@ def test_padded_rows_give_the_rows_of_a_plain_linear(rows):
     torch.testing.assert_close(ours[0].float(), F.linear(x.float(), weight.float(), bias.float()), atol=0.3, rtol=0.02)
 
 
+@pytest.mark.slow
 @needs_packing
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads resident memory after glibc's malloc_trim")
 def test_many_row_counts_keep_memory_bounded():

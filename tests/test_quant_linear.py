@@ -34,6 +34,7 @@ from kvserve.models.quant_linear import (
     QuantLinear,
     max_rows,
 )
+from tests.real_models import shared_load
 from tests.test_gguf_loader import GQA, checkpoint, random_ids, write_gguf
 from tests.tiny_models import TinySpec, torch_single_thread  # noqa: F401 - autouse fixture
 
@@ -303,13 +304,13 @@ def test_real_tensors_convert_losslessly(real_int4, name) -> None:
 def test_real_model_int4_matches_dequantised_bfloat16(default_model) -> None:
     """Measured on 5 prompts (benchmarks/weights_accuracy.py): max |logit diff| vs float32 dequant is 0.64-2.6
     for bfloat16 dequant and 0.54-1.8 for native int4 (logits up to ~40); native vs bfloat16 dequant 0.5-2.6."""
-    native = load_model(dtype=torch.bfloat16, weights="int4")
+    native = shared_load(dtype=torch.bfloat16, weights="int4")
     assert native.weights == "int4"
     assert native.weights_summary.startswith("210 Q4_1 as int4, 61 F32 + 1 Q8_0 as bfloat16")  # token_embd: Q8_0
     # The tied Q8_0 embedding: lookups read its bfloat16 copy, the head its 8-bit codes as two int4 planes.
     assert isinstance(native.model.lm_head, Q8Linear) and native.model.lm_head.planes is not None
     assert native.model.lm_head.dense.data_ptr() == native.model.embed_tokens.weight.data_ptr()  # shared, no copy
-    bf16 = load_model(dtype=torch.bfloat16, weights="dequant")
+    bf16 = shared_load(dtype=torch.bfloat16, weights="dequant")
     ids = torch.tensor(default_model.tokenizer.encode("The quick brown fox jumps over the lazy dog because"))
     ref = logits_of(default_model, ids)
     got_native, got_bf16 = logits_of(native, ids), logits_of(bf16, ids)

@@ -87,6 +87,7 @@ def test_engine_window_groups_match_full_layers_and_reference(tiny, preemption):
     assert preemptions[False] > 0 and preemptions[True] < preemptions[False]
 
 
+@pytest.mark.slow
 def test_prefix_caching_and_n_over_window_groups(tiny):
     """A second request sharing a long prefix hits the cache; n=3 samples fork; tokens match no caching."""
     folder, loaded, _ = tiny
@@ -105,6 +106,7 @@ def test_prefix_caching_and_n_over_window_groups(tiny):
     assert results[True] == results[False]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["snapkv", "pyramid"])
 def test_compressing_policies_keep_the_window_in_window_layers(tiny, policy):
     """A compressing policy over a sliding-window model: each window layer keeps its window (plus at most a block
@@ -138,6 +140,7 @@ def test_compressing_policies_keep_the_window_in_window_layers(tiny, policy):
                     assert held >= window  # never less than the window sees
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "options", [{"kv_policy": "snapkv", "kv_window_groups": False}, {"kv_offload": "host", "kv_policy": "full"}]
 )
@@ -158,6 +161,7 @@ def _first_logprobs(llm: LLM, prompt) -> dict[int, float]:
     return out.outputs[0].logprobs[0]
 
 
+@pytest.mark.slow
 def test_prompt_cache_windows_count_positions_not_slots(tiny):
     """A Prompt Cache prompt's slots hold the module blocks in import order (the schema's own text's partial block
     after the document's full blocks), so its BOS sits in the last window by slot but far outside it by position.
@@ -182,6 +186,7 @@ def test_prompt_cache_windows_count_positions_not_slots(tiny):
         assert logprob == pytest.approx(plain[token], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_prompt_cache_decodes_by_position_in_window_layers(tiny):
     """Decode steps of a Prompt Cache prompt (several sequences at once, beside a plain one) read the slots within
     each row's window by position, as the prefill does: greedy tokens for several windows past the prompt are the

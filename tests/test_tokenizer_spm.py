@@ -256,6 +256,7 @@ def llamacpp_ids(model: Path, texts: list[str]) -> dict:
     return json.loads(run.stdout)
 
 
+@pytest.mark.slow
 def test_tiny_vocabulary_matches_llamacpp_live(tiny) -> None:
     tok, _, path = tiny
     texts = [t for t, _, _ in HAND_DERIVED] + PLAIN_TEXTS + UNICODE_TEXTS
@@ -313,6 +314,7 @@ def random_gemma_texts(count: int, seed: int) -> list[str]:
     return ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 40))) for _ in range(count)]
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_gemma_ids_equal_llamacpp_live(gemma, gemma_path) -> None:
     texts = [c["text"] for c in GEMMA_CASES] + random_gemma_texts(300, seed=0)

@@ -11,7 +11,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 @pytest.mark.real_model
-def test_real_model_parallel_prefill_with_h2o_continues_like_one_process(default_model) -> None:
+def test_real_model_parallel_prefill_with_h2o_continues_like_one_process(default_model, shared_real_loads) -> None:
     """KV-Runahead x H2O: the ranks' votes added up choose the same heavy hitters as one process."""
     ids = default_model.tokenizer.encode(AUSTEN.read_text()[:4000])[:600]
     options = {"dtype": "float32", "kv_policy": "h2o", "kv_budget": 0.5}
@@ -24,7 +24,7 @@ def test_real_model_parallel_prefill_with_h2o_continues_like_one_process(default
 
 
 @pytest.mark.real_model
-def test_real_model_pyramid_in_the_disk_tier_equals_it_on_the_device(default_model) -> None:
+def test_real_model_pyramid_in_the_disk_tier_equals_it_on_the_device(default_model, shared_real_loads) -> None:
     """PyramidInfer x offload: the compressed per-layer KV in a memory-mapped file gives the device's tokens."""
     ids = default_model.tokenizer.encode(AUSTEN.read_text()[:2000])[:300]
     options = {"dtype": "float32", "kv_policy": "pyramid", "kv_budget": 0.5}
@@ -37,7 +37,7 @@ def test_real_model_pyramid_in_the_disk_tier_equals_it_on_the_device(default_mod
 
 
 @pytest.mark.real_model
-def test_real_model_prompt_cache_stores_modules_compressed_by_pyramid(default_model) -> None:
+def test_real_model_prompt_cache_stores_modules_compressed_by_pyramid(default_model, shared_real_loads) -> None:
     """Prompt Cache x PyramidInfer: a document module encoded under PyramidInfer takes less memory than under the
     full cache, and a prompt importing it answers with well-formed text."""
     doc = AUSTEN.read_text()[:1500].replace("<", " ").replace(">", " ").replace("&", "and")

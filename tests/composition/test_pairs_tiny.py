@@ -87,6 +87,7 @@ def test_offload_prefix_hit_on_blocks_computed_in_the_same_step(loaded) -> None:
     assert later[0].num_cached_tokens == 32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "int4"])
 def test_parallel_prefill_into_an_offloaded_cache_equals_single_process(folder, policy) -> None:
     """KV-Runahead's KV lands in the host tier (INT4-coded for int4); decoding fetches it as usual."""
@@ -140,6 +141,7 @@ def test_compressed_offload_preempted_by_recompute(loaded) -> None:
     assert results[0] == results[1]
 
 
+@pytest.mark.slow
 def test_parallel_prefill_of_compressed_kv_into_the_disk_tier(folder) -> None:
     """KV-Runahead x H2O x offload: the ranks' votes choose the slots, stored in the tier."""
     ids = prompt_ids(75, seed=4)
@@ -161,6 +163,7 @@ RUNAHEAD_COMPRESSION = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(RUNAHEAD_COMPRESSION))
 def test_parallel_prefill_with_compression_keeps_what_one_process_keeps(folder, case) -> None:
     """KV-Runahead x PyramidInfer/H2O/local: each rank scores the keys with its own voting queries, the last adds
@@ -204,6 +207,7 @@ DOC_SCHEMA = (
 DOC_PML = '<prompt schema="book"><doc/> and after that comes</prompt>'
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", ["none", "host"])
 def test_a_module_encoded_by_parallel_prefill_equals_prompt_cache_alone(folder, offload) -> None:
     """KV-Runahead x Prompt Cache: a module's encoding is a scheduled prefill, so a long one (alone in its step)
@@ -324,6 +328,7 @@ def test_prompt_cache_with_infinigen_fetches_fewer_rows(loaded, prompt_cache_ref
     assert min(cache.stats.fetch_fraction()[1:]) < 1  # past layer 0 it read fewer rows than it holds
 
 
+@pytest.mark.slow
 def test_parallel_prefill_with_infinigen_generates_well_formed_output(folder) -> None:
     ids = prompt_ids(70, seed=6)
     options = {"model": str(folder), "dtype": "float32", "kv_offload": "host", "kv_policy": "infinigen"}

@@ -32,6 +32,7 @@ def run(capsys, *argv: str) -> list[str]:
     return capsys.readouterr().out.strip().splitlines()
 
 
+@pytest.mark.slow
 def test_both_backends_agree_on_a_tiny_checkpoint(tmp_path, capsys):
     folder = write_tiny_model(tmp_path / "tiny", TinySpec(seed=3))
     text = tmp_path / "text.txt"
@@ -59,7 +60,7 @@ def test_bad_options_are_clear_errors(tmp_path, capsys):
 
 
 @pytest.mark.real_model
-def test_real_model_reports_and_compare(tmp_path, capsys):
+def test_real_model_reports_and_compare(tmp_path, capsys, shared_real_loads):
     base = ["--limit-tokens", "300", "--context", "128", "--dtype", "float32"]
     lines = run(capsys, "ppl", *base, "--stride", "64", "--output", str(tmp_path / "s64.json"))
     assert re.fullmatch(r"perplexity \d+\.\d{3} over 299 tokens", lines[-1])

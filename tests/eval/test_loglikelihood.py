@@ -33,6 +33,7 @@ def random_requests(count: int, vocab: int, seed: int = 0) -> list[Loglikelihood
     ]
 
 
+@pytest.mark.slow
 def test_engine_matches_transformers(folder):
     loaded = load_model(folder)
     # A small token budget splits the longer prompts over several prefill steps.
@@ -47,6 +48,7 @@ def test_engine_matches_transformers(folder):
     assert not engine.has_unfinished_requests() and engine.kv_usage().used_blocks == 0
 
 
+@pytest.mark.slow
 def test_greedy_continuation_is_flagged(folder):
     """Append the tiny model's own greedy choices: the engine must flag them greedy, and a changed
     last token not."""
@@ -66,6 +68,7 @@ def test_greedy_continuation_is_flagged(folder):
     assert on.is_greedy and not off.is_greedy and on.logprob > off.logprob
 
 
+@pytest.mark.slow
 def test_a_request_larger_than_the_cache_is_an_error(folder):
     loaded = load_model(folder)
     engine = LLMEngine(EngineConfig(block_size=4, kv_cache_memory=4 * 2 * 2 * 8 * 4 * 2 * 4), loaded)

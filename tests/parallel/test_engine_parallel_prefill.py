@@ -22,6 +22,7 @@ def continuation(llm: LLM, ids: list[int]) -> list[int]:
     return llm.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("procs", [2, 3])
 @pytest.mark.parametrize("partition", ["even", "tsp"])
 def test_parallel_prefill_continues_like_single_process(tiny, partition, procs) -> None:
@@ -40,6 +41,7 @@ def test_parallel_prefill_continues_like_single_process(tiny, partition, procs) 
     assert not any(w.is_alive() for w in group.workers)
 
 
+@pytest.mark.slow
 def test_dead_worker_falls_back_to_single_process_prefill(tiny, caplog) -> None:
     folder, _ = tiny
     ids = prompt(80)
@@ -82,7 +84,8 @@ def test_worker_killed_mid_prefill_is_noticed_within_seconds(tiny) -> None:
     assert not any(w.is_alive() for w in group.workers)
 
 
-def test_real_model_parallel_prefill_same_greedy_continuation(default_model) -> None:
+@pytest.mark.real_model
+def test_real_model_parallel_prefill_same_greedy_continuation(default_model, shared_real_loads) -> None:
     ids = default_model.tokenizer.encode(AUSTEN.read_text()[:4000])[:600]
     expected = continuation(LLM(dtype="float32"), ids)
     llm = LLM(dtype="float32", prefill_parallel=2, prefill_partition="even")

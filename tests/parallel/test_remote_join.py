@@ -23,6 +23,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_engine_joins_a_prefill_worker_from_the_environment(tiny, monkeypatch) -> None:
     folder, _ = tiny
     ids = prompt(90)

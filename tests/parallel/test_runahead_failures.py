@@ -14,6 +14,7 @@ from kvserve.parallel import ChunkJob, PrefillGroup, WorkerModel
 from tests.parallel.conftest import even, prompt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failure", ["killed", "hung"])
 def test_worker_failure_is_a_clear_error_and_leaves_no_process(tiny, failure) -> None:
     folder, loaded = tiny
@@ -36,6 +37,7 @@ def test_worker_failure_is_a_clear_error_and_leaves_no_process(tiny, failure) ->
     assert not any(w.is_alive() for w in g.workers)
 
 
+@pytest.mark.slow
 def test_a_worker_that_dies_before_reporting_is_noticed_within_seconds(tiny) -> None:
     """A worker gone after its sends (nothing left to break on the wire) fails the wait for its report at once,
     not at the 60 s timeout."""

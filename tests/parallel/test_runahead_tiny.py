@@ -60,6 +60,7 @@ def uneven(n: int, p: int) -> tuple[int, ...]:
     return (0, *(round(n * (i / p) ** 0.5) for i in range(1, p)), n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("length", [61, 96])
 @pytest.mark.parametrize(("scheme", "split"), [("runahead", "even"), ("runahead", "uneven"), ("tsp", "even")])
 def test_parallel_prefill_equals_single_process(group, tiny, scheme, split, length) -> None:
@@ -80,6 +81,7 @@ def test_parallel_prefill_equals_single_process(group, tiny, scheme, split, leng
         assert torch.allclose(sink.v[layer], ref_v[layer], atol=ATOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("voters", ["all", "recent"])
 @pytest.mark.parametrize("scheme", ["runahead", "tsp"])
 def test_votes_added_up_over_ranks_equal_one_process_scores(group, tiny, scheme, voters) -> None:
@@ -106,6 +108,7 @@ def test_votes_added_up_over_ranks_equal_one_process_scores(group, tiny, scheme,
         assert torch.allclose(sink.scores[layer], expected, atol=ATOL)
 
 
+@pytest.mark.slow
 def test_bad_jobs_are_rejected(group) -> None:
     with pytest.raises(ValueError, match="do not split 10 tokens"):
         ChunkJob("runahead", tuple(range(10)), (0, 5, 5, 10))

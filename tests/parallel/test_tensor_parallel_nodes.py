@@ -28,6 +28,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 4])
 def test_two_nodes_on_loopback_generate_what_one_process_does(tmp_path, size) -> None:
     folder = write_tiny_model(tmp_path / "model", SPEC)

@@ -24,6 +24,7 @@ SCHEMA = """<schema name="press">
   about 3,600 pages a day, against forty by hand.</module>
 </schema>"""
 PML = '<prompt schema="press"><doc/> How many pages a day did the press print?</prompt>'
+pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("shared_real_loads")]  # size 1: the session's model
 OPTIONS = dict(dtype="float32", kv_cache_memory="48MiB", max_num_batched_tokens=32)  # prompts span chunks
 
 

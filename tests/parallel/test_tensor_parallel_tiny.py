@@ -85,6 +85,7 @@ def skewing_dir(tmp_path_factory):
         yield
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_size_2_generates_what_one_process_does(folder, scenario) -> None:
     options = SCENARIOS[scenario]
@@ -98,6 +99,7 @@ def test_size_2_generates_what_one_process_does(folder, scenario) -> None:
         assert got[-3].num_cached_tokens > 0  # the batch re-runs the prompts the singles cached
 
 
+@pytest.mark.slow
 def test_size_4_replicates_kv_heads_and_matches_one_process(folder) -> None:
     params = SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0, max_tokens=8, ignore_eos=True)
     reference, _ = generate(folder, 1, PROMPTS[:2], params)
@@ -107,12 +109,14 @@ def test_size_4_replicates_kv_heads_and_matches_one_process(folder) -> None:
         assert [c.cumulative_logprob for c in b.outputs] == pytest.approx([c.cumulative_logprob for c in a.outputs])
 
 
+@pytest.mark.slow
 def test_infinigen_without_a_skewing_file_says_how_to_make_one(folder, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(SKEWING_DIR_ENV, str(tmp_path / "empty"))
     with pytest.raises(ValueError, match="run `kvserve infinigen-setup`"):
         engine(folder, 2, kv_offload="host", kv_policy="infinigen")
 
 
+@pytest.mark.slow
 def test_sampled_n_and_prompt_cache_match_one_process(folder) -> None:
     params = SamplingParams(n=2, seed=5, max_tokens=10, ignore_eos=True, logprobs=2)
     # Under tensor parallelism modules are encoded alone (config.prompt_cache_context): so is the reference.
@@ -175,6 +179,7 @@ def _alive(pids: list[int]) -> list[int]:
     return alive
 
 
+@pytest.mark.slow
 def test_a_killed_rank_fails_the_running_request_and_the_engine_refuses_new_ones(folder) -> None:
     e = engine(folder, 2)
     pids = [w.pid for w in e.tensor_parallel.workers]
@@ -193,6 +198,7 @@ def test_a_killed_rank_fails_the_running_request_and_the_engine_refuses_new_ones
     assert _alive(pids) == []
 
 
+@pytest.mark.slow
 def test_a_hung_rank_fails_the_step_within_the_timeout(folder) -> None:
     e = engine(folder, 2, tensor_parallel_timeout=3.0)
     pid = e.tensor_parallel.workers[0].pid
@@ -213,6 +219,7 @@ def test_a_hung_rank_fails_the_step_within_the_timeout(folder) -> None:
     assert _alive([pid]) == []
 
 
+@pytest.mark.slow
 def test_gemma3_with_sliding_window_groups_matches_one_process(tmp_path) -> None:
     """Gemma 3's per-head q/k norms and window KV groups (prompts three to five windows long) shard like the rest."""
     spec = TinySpec(

@@ -39,6 +39,7 @@ def test_engine_options_are_validated() -> None:
         EngineConfig(prefill_parallel=2, device="cuda")
 
 
+@pytest.mark.slow
 def test_predicted_without_a_table_names_the_missing_file(tiny, tmp_path, monkeypatch) -> None:
     folder, _ = tiny
     missing = tmp_path / "none.json"
@@ -47,6 +48,7 @@ def test_predicted_without_a_table_names_the_missing_file(tiny, tmp_path, monkey
         LLM(model=str(folder), dtype="float32", prefill_parallel=2, prefill_partition="predicted")
 
 
+@pytest.mark.slow
 def test_tuned_table_drives_the_predicted_partition(tiny, tmp_path, monkeypatch) -> None:
     folder, _ = tiny
     table_path = tmp_path / "table.json"
@@ -71,6 +73,7 @@ def test_tuned_table_drives_the_predicted_partition(tiny, tmp_path, monkeypatch)
         parallel.engine.close()
 
 
+@pytest.mark.slow
 def test_bench_prefill_reports_every_method(tiny, tmp_path) -> None:
     folder, _ = tiny
     out = tmp_path / "prefill"
@@ -88,6 +91,7 @@ def test_bench_prefill_reports_every_method(tiny, tmp_path) -> None:
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_generate_with_parallel_prefill_prints_the_same_text(tiny) -> None:
     folder, _ = tiny
     text = "hello world " * 30

@@ -104,6 +104,7 @@ def test_a_joined_group_that_is_lost_stays_off() -> None:
 # ----- restart of real worker processes -----
 
 
+@pytest.mark.slow
 def test_killed_worker_is_restarted_while_prompts_prefill_locally(tiny) -> None:
     folder, _ = tiny
     ids = prompt(80)
@@ -134,6 +135,7 @@ def test_killed_worker_is_restarted_while_prompts_prefill_locally(tiny) -> None:
     print(f"group restarted {restart_s:.1f} s after the loss was noticed")
 
 
+@pytest.mark.slow
 def test_metrics_show_a_killed_worker_and_the_restart_while_health_stays_200(tiny) -> None:
     folder, loaded = tiny
     config = EngineConfig(model=str(folder), dtype="float32", prefill_parallel=2, prefill_partition="even")
@@ -213,6 +215,7 @@ def check_unguarded_script_fails_fast(tmp_path: Path, model: str | None) -> floa
     return seconds
 
 
+@pytest.mark.slow
 def test_script_without_main_guard_fails_within_seconds_saying_what_to_do(tiny, tmp_path) -> None:
     seconds = check_unguarded_script_fails_fast(tmp_path, str(tiny[0]))
     print(f"unguarded script failed after {seconds:.1f} s")
@@ -275,6 +278,7 @@ def check_engines_one_after_another(tmp_path: Path, model: str | None) -> None:
     }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_engines_one_after_another_and_with_leaves_no_process(tiny, tmp_path) -> None:
     check_engines_one_after_another(tmp_path, str(tiny[0]))
 

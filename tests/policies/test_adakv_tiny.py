@@ -92,6 +92,7 @@ def packed_positions(engine, seq, layer: int, keys: torch.Tensor) -> list[list[i
     return [torch.cdist(h.float(), keys[:, i].float()).argmin(dim=1).tolist() for i, h in enumerate(heads)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [0.5, 0.3])
 def test_prefill_allocation_matches_the_written_out_reference(folder, loaded, budget) -> None:
     ids = prompt_ids(150, seed=3)
@@ -147,6 +148,7 @@ def test_budget_one_is_token_identical_to_the_full_cache(folder, loaded) -> None
     assert outputs["adakv"] == outputs["full"]
 
 
+@pytest.mark.slow
 def test_an_offloaded_slab_packs_and_decodes_as_the_device_one(folder, loaded) -> None:
     prompts = [prompt_ids(n, seed=n) for n in (130, 70)]
     outputs = {}
@@ -173,6 +175,7 @@ def test_with_one_kv_head_adakv_is_snapkv(tmp_path) -> None:
 
 # 130 tokens at 0.5: chunks pack, decodes evict among the later slots; 20 at 0.1: the layer's minimum is all packed,
 # so a decode past it allocates the heads anew by its own attention.
+@pytest.mark.slow
 @pytest.mark.parametrize(("prompt", "budget"), [(130, 0.5), (20, 0.1)])
 def test_chunked_prefill_and_decoding_stay_within_budget(folder, loaded, prompt, budget) -> None:
     engine = make_engine(folder, loaded, kv_policy="adakv", kv_budget=budget, max_num_batched_tokens=48)

@@ -104,7 +104,7 @@ def test_the_op_names_per_layer_shapes_that_do_not_match(folder, loaded) -> None
 @pytest.mark.real_model
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("policy", ["h2o", "pyramid"])
-def test_real_model_compressed_decode_tokens_and_logprobs_do_not_change(policy, dtype) -> None:
+def test_real_model_compressed_decode_tokens_and_logprobs_do_not_change(policy, dtype, shared_real_loads) -> None:
     llm = LLM(dtype=dtype, kv_cache_memory="64MiB", swap_space=0, kv_policy=policy, kv_budget=0.5)
     prompts = ["Tell me a story about a lighthouse keeper and the storm that changed his life.", "What is 2+2?"]
     assert_the_chain_changes_nothing(llm, prompts, 40)

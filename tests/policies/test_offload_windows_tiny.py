@@ -73,6 +73,7 @@ def full(tiny) -> tuple[list, OffloadedKVCache]:
     return outputs, cache
 
 
+@pytest.mark.slow
 def test_full_offload_is_the_paged_engine_with_window_groups(paged, full) -> None:
     assert_same(full[0], paged)
 

@@ -13,6 +13,7 @@ from tests.tiny_models import TinySpec, write_tiny_model
 SPEC = TinySpec(num_heads=4, num_kv_heads=2, num_layers=4, max_position_embeddings=1024, seed=5)
 
 
+@pytest.mark.slow
 def test_eval_ppl_under_a_policy_names_it_and_costs_something(tmp_path, capsys) -> None:
     folder = write_tiny_model(tmp_path / "tiny", SPEC)
     text = tmp_path / "text.txt"
@@ -30,6 +31,7 @@ def test_eval_ppl_under_a_policy_names_it_and_costs_something(tmp_path, capsys) 
     assert "kv_budget must be in (0, 1], got 1.5" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_generate_and_bench_compression(tmp_path, capsys) -> None:
     folder = write_tiny_model(tmp_path / "tiny", SPEC)
     prompt = "the quick brown fox jumps over the lazy dog " * 8
@@ -50,6 +52,7 @@ def test_generate_and_bench_compression(tmp_path, capsys) -> None:
     assert out.with_suffix(".png").stat().st_size > 0 and "| pyramid | 0.5 |" in out.with_suffix(".md").read_text()
 
 
+@pytest.mark.slow
 def test_bench_compression_runs_each_budget_and_the_full_cache_once(tmp_path) -> None:
     folder = write_tiny_model(tmp_path / "tiny", SPEC)
     out = tmp_path / "budgets"

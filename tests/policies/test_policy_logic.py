@@ -35,6 +35,7 @@ def _case(m: int, held: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]
     return torch.randn(m, H, D, generator=g), torch.randn(held + m, HKV, D, generator=g)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("m", "held"), [(1, 0), (5, 0), (6, 7), (SCORE_CHUNK + 3, 2)])
 def test_column_sums_are_the_weighted_attention_each_candidate_receives(m, held) -> None:
     q, keys = _case(m, held)
@@ -44,6 +45,7 @@ def test_column_sums_are_the_weighted_attention_each_candidate_receives(m, held)
     assert torch.allclose(column_sums(q, keys, held, first, row_weights), expected, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("m", "held", "first"), [(1, 0, 0), (7, 0, 3), (6, 9, 0), (SCORE_CHUNK + 5, 3, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_voting_rows_attend_and_score_from_one_softmax(m, held, first, dtype) -> None:

@@ -14,6 +14,7 @@ SPEC = TinySpec(num_heads=4, num_kv_heads=2, num_layers=2, max_position_embeddin
 SCHEMA = '<schema name="s"><module name="doc">the cat sat on the mat and then it ran off</module></schema>'
 
 
+@pytest.mark.slow
 def test_generate_with_a_schema_and_a_pml_prompt(tmp_path, capsys):
     folder = write_tiny_model(tmp_path / "tiny", SPEC)
     schema = tmp_path / "s.xml"
@@ -27,6 +28,7 @@ def test_generate_with_a_schema_and_a_pml_prompt(tmp_path, capsys):
     assert "no module 'nope' at the top level of the schema" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["prefix", "behind-parameter"])
 def test_bench_prompt_cache_report(tmp_path, layout):
     folder = write_tiny_model(tmp_path / "tiny", SPEC)
@@ -49,6 +51,7 @@ def test_bench_prompt_cache_report(tmp_path, layout):
     assert f"# Prompt Cache: time to first token ({layout})" in out.with_suffix(".md").read_text()
 
 
+@pytest.mark.slow
 def test_generate_saves_modules_to_prompt_cache_dir_and_a_second_run_loads_them(tmp_path, capsys):
     folder = write_tiny_model(tmp_path / "tiny", SPEC)
     schema = tmp_path / "s.xml"

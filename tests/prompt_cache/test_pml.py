@@ -634,18 +634,21 @@ def _only_pml_errors(text: str) -> None:
     assert isinstance(is_pml_prompt(text), bool)
 
 
+@pytest.mark.slow
 @PROPERTY_SETTINGS
 @given(st.text())
 def test_any_text_raises_only_pml_error(text):
     _only_pml_errors(text)
 
 
+@pytest.mark.slow
 @PROPERTY_SETTINGS
 @given(PML_ISH)
 def test_pml_like_text_raises_only_pml_error(text):
     _only_pml_errors(text)
 
 
+@pytest.mark.slow
 @PROPERTY_SETTINGS
 @given(st.data())
 def test_mutated_documents_raise_only_pml_error(data):
@@ -768,18 +771,21 @@ def _import_all(children: tuple) -> tuple:
     )
 
 
+@pytest.mark.slow
 @PROPERTY_SETTINGS
 @given(schemas())
 def test_generated_schema_round_trips(schema):
     assert parse_schema(to_pml(schema)) == schema
 
 
+@pytest.mark.slow
 @PROPERTY_SETTINGS
 @given(prompts())
 def test_generated_prompt_round_trips(prompt):
     assert parse_prompt(to_pml(prompt)) == prompt
 
 
+@pytest.mark.slow
 @PROPERTY_SETTINGS
 @given(schemas())
 def test_prompt_importing_every_allowed_module_checks(schema):

@@ -70,6 +70,7 @@ def test_unpinned_device_modules_give_their_blocks_to_a_waiting_request(loaded):
     assert all(m.pins == 0 for m in store.modules.values())
 
 
+@pytest.mark.slow
 def test_module_encodings_count_against_max_num_seqs(loaded):
     # Modules encoded alone: the store gives each encoding its blocks, and the scheduler starts it without admission.
     engine = make_engine(loaded, num_blocks=200, max_num_seqs=2, prompt_cache_context="none")

@@ -116,7 +116,7 @@ def test_selective_recompute_moves_a_multi_module_prompt_towards_the_plain_promp
 
 
 @pytest.mark.skipif(not flash_prefill_available(), reason="bfloat16 prefill kernel: AVX512-BF16 without AMX only")
-def test_selective_recompute_in_bfloat16_through_the_prefill_kernel(hf_default_model, passage):
+def test_selective_recompute_in_bfloat16_through_the_prefill_kernel(hf_default_model, passage, shared_real_loads):
     """bfloat16 recompute attends through kvserve's prefill kernel by position: it still moves the prompt towards
     the plain one (distances against transformers' float32 prompt)."""
     distances = recompute_distances(hf_default_model, passage, "bfloat16")

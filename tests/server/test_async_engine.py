@@ -24,6 +24,7 @@ def ids(engine: AsyncEngine, text: str) -> list[int]:
     return engine.engine.tokenizer.encode(text)
 
 
+@pytest.mark.slow
 def test_outputs_reach_asyncio_and_match_a_direct_engine_run(async_engine, tiny_folder, tiny_loaded):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     reference = tiny_engine(tiny_folder, tiny_loaded)

@@ -90,6 +90,7 @@ def test_a_safe_schema_name_can_be_read_and_deleted(tiny_server):
     assert not [key for key in tiny_server.engine.engine.prompt_cache.store.modules if key[0] == name]  # memory freed
 
 
+@pytest.mark.slow
 def test_errors_name_only_the_schema_asked_for(tiny_server):
     assert post_schema(tiny_server, "someone-elses").status_code == 200
     try:
@@ -110,6 +111,7 @@ def test_a_prompt_naming_an_impossible_schema_says_why(tiny_server):
         tiny_server.client().completions.create(model=TINY_NAME, prompt='<prompt schema="a/b">hi</prompt>')
 
 
+@pytest.mark.slow
 def test_serve_refuses_a_schema_file_with_an_unsafe_name(tiny_folder, tmp_path):
     path = tmp_path / "bad.xml"
     path.write_text(SCHEMA.format(name="a/b"))
@@ -167,6 +169,7 @@ def hang_up_during(server, body: dict) -> None:
     wait_until(lambda: server.engine.num_active == 0 and not server.engine.engine.has_unfinished_requests())
 
 
+@pytest.mark.slow
 def test_a_client_that_hangs_up_leaves_nothing_in_the_log(tiny_server, caplog):
     """The request is aborted, and asyncio logs no never-retrieved exception or CancelledError traceback."""
     caplog.set_level(logging.DEBUG)

@@ -31,6 +31,7 @@ def max_tokens(i: int) -> int:
     return 8 + (i * 7) % 25  # 8..32: the streams finish at different steps
 
 
+@pytest.mark.slow
 def test_64_simultaneous_streams_equal_their_greedy_results_and_metrics_count_them(server: RunningServer, tiny_folder):
     llm = LLM(str(tiny_folder), **TINY_OPTIONS)
     params = [SamplingParams(max_tokens=max_tokens(i), temperature=0, ignore_eos=True) for i in range(NUM_STREAMS)]

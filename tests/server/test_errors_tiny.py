@@ -120,6 +120,7 @@ def test_unknown_route_and_wrong_method_use_the_error_shape(tiny_server):
     error_of(httpx.get(tiny_server.base_url + COMPLETIONS), 405)
 
 
+@pytest.mark.slow
 def test_a_failing_engine_step_fails_its_requests_with_500_and_the_engine_keeps_serving(tiny_server, monkeypatch):
     engine = tiny_server.engine.engine
     real_step = engine.step
@@ -159,6 +160,7 @@ def guarded(tiny_folder, tiny_loaded):
     running.stop()
 
 
+@pytest.mark.slow
 def test_missing_or_wrong_api_key_is_a_401(guarded):
     url = guarded.base_url + COMPLETIONS
     body = {"model": TINY_NAME, "prompt": "hi", "max_tokens": 2}

@@ -37,6 +37,7 @@ def complete(client: openai.OpenAI, **kwargs):
     return client.completions.create(model=TINY_NAME, prompt="the answer is", **kwargs)
 
 
+@pytest.mark.slow
 def test_response_format_json_schema_on_chat_and_completions(tiny_server):
     client = tiny_server.client()
     fmt = {"type": "json_schema", "json_schema": {"name": "rating", "schema": SCHEMA, "strict": True}}
@@ -49,6 +50,7 @@ def test_response_format_json_schema_on_chat_and_completions(tiny_server):
     jsonschema.validate(json.loads(streamed), SCHEMA)
 
 
+@pytest.mark.slow
 def test_json_object_and_vllm_guided_fields(tiny_server):
     client = tiny_server.client()
     obj = complete(client, max_tokens=200, extra_body={"response_format": {"type": "json_object"}}).choices[0]

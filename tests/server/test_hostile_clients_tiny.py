@@ -37,6 +37,7 @@ def good_request_succeeds(url: str) -> None:
 # ----- item 1: one large request does not stall the server -----
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("path", "param"), [(COMPLETIONS, "prompt"), (CHAT, "messages")])
 def test_health_stays_responsive_while_a_large_prompt_is_tokenised(tiny_server, path, param):
     """A prompt just under the body limit takes seconds to tokenise (then fails: longer than the context);

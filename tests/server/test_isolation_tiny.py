@@ -58,6 +58,7 @@ def schemas(server, key: str, method: str = "GET", name: str = "", pml: str | No
     return httpx.request(method, url, headers={"Authorization": f"Bearer {key}"}, timeout=60, **body)
 
 
+@pytest.mark.slow
 def test_a_salted_request_gets_no_hit_from_another_salt(server):
     prompt = [7, *PROMPT]
     assert cached(server, KEY_A, prompt, "alice") == 0
@@ -79,6 +80,7 @@ def test_requests_of_two_keys_share_no_prefix_block(server):
     assert cached(server, KEY_B, prompt) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("salt", "message"),
     [("", "cache_salt must not be empty"), ("x" * (MAX_CACHE_SALT_CHARS + 1), "at most 256 are allowed")],
@@ -97,6 +99,7 @@ def test_a_bad_salt_is_a_400_naming_it(server, salt, message):
     assert cached(server, KEY_A, "still serving") == 0
 
 
+@pytest.mark.slow
 def test_each_key_has_its_own_schemas(server):
     created = schemas(server, KEY_A, "POST", pml=SCHEMA)
     assert created.status_code == 200 and created.json()["name"] == "s"

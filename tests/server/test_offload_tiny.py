@@ -72,6 +72,7 @@ def row_bytes(loaded) -> int:  # noqa: ANN001 - LoadedModel
     return 2 * cfg.num_kv_heads * cfg.head_dim * 4
 
 
+@pytest.mark.slow
 def test_greedy_completions_equal_the_paged_engine(client, paged):
     expected = paged.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, logprobs=0), use_tqdm=False)
     response = client.completions.create(model=TINY_NAME, prompt=PROMPTS, max_tokens=16, temperature=0, logprobs=0)

@@ -52,6 +52,7 @@ def create(client: openai.OpenAI, endpoint: str, **kwargs):
     return client.completions.create(model=TINY_NAME, prompt="hi", max_tokens=2, **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_an_unsupported_field_is_a_400_naming_it(tiny_server, endpoint):
     client = tiny_server.client()

@@ -46,6 +46,7 @@ def test_the_pyramid_server_runs_the_policies_it_can(pyramid_server):
         assert reply.usage.completion_tokens == 3, extra
 
 
+@pytest.mark.slow
 def test_other_refusals_name_the_field_that_asked(pyramid_server, tiny_server):
     assert refusal(pyramid_server.client(), kv_budget=1.5)["param"] == "kv_budget"
     with pytest.raises(openai.BadRequestError) as caught:

@@ -43,6 +43,7 @@ def offline_text(tiny_folder, tiny_loaded, prompt: str, max_tokens: int) -> str:
     return outputs[-1].outputs[0].text
 
 
+@pytest.mark.slow
 def test_schema_routes_register_list_get_and_delete(server):
     created = post_schema(server, SCHEMA)
     assert created.status_code == 200

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import openai
+import pytest
 
 
 def free_port() -> int:
@@ -42,6 +43,7 @@ def interrupt(process: subprocess.Popen) -> str:
         raise
 
 
+@pytest.mark.slow
 def test_serve_command_serves_and_stops_cleanly(tiny_folder):
     port = free_port()
     command = [
@@ -75,6 +77,7 @@ def test_serve_command_serves_and_stops_cleanly(tiny_folder):
     assert "KV cache:" in stderr and "blocks x 8 tokens" in stderr
 
 
+@pytest.mark.slow
 def test_serve_with_several_keys_gives_each_its_own_copy_of_the_schema_files(tiny_folder, tmp_path, monkeypatch):
     schema = tmp_path / "s.xml"
     schema.write_text(

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import openai
+import pytest
 
 from kvserve.models.tokenizer_override import load_tokenizer
 from tests.server.test_serve_cli import free_port, interrupt, wait_for_health
@@ -17,6 +18,7 @@ TEMPLATE = (
 )
 
 
+@pytest.mark.slow
 def test_serve_takes_the_model_positionally_and_chats_with_the_custom_template(tiny_folder, tmp_path):
     template = tmp_path / "template.jinja"
     template.write_text(TEMPLATE)

@@ -17,6 +17,7 @@ from kvserve.core.engine import LLMEngine
 from tests.server.conftest import TINY_NAME, TINY_OPTIONS, start_server, wait_until
 
 
+@pytest.mark.slow
 def test_a_killed_rank_is_reported_and_nothing_is_left_behind(tiny_folder) -> None:
     engine = LLMEngine(EngineConfig(model=str(tiny_folder), tensor_parallel_size=2, **TINY_OPTIONS))
     server = start_server(engine)

@@ -92,6 +92,7 @@ def test_the_tokenizer_routes_need_the_api_key_and_version_does_not(tiny_folder,
         server.stop()
 
 
+@pytest.mark.slow
 def test_health_stays_responsive_while_a_large_prompt_is_tokenised(tiny_server):
     text = "the quick brown fox jumps over the lazy dog. " * (DEFAULT_MAX_REQUEST_BYTES // 4 // 46)
     result: dict = {}

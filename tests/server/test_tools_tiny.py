@@ -56,6 +56,7 @@ def test_a_named_function_is_called_with_arguments_matching_its_schema(tiny_serv
     check_calls([call])
 
 
+@pytest.mark.slow
 def test_required_without_parallel_calls_makes_exactly_one_call(tiny_server):
     # (with parallel calls, random weights may go on adding calls until max_tokens: the real model's test has that)
     for seed in range(3):
