@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import kvserve.bench.latency
-import kvserve.core.engine
-import kvserve.entrypoints.cli
+import kvserve.core.engine_builder
+import kvserve.entrypoints.cli_common
 from kvserve.models import LoadedModel, default_model_path
 from kvserve.models.catalog import gemma3_270m_path
 from tests.real_models import shared_load
@@ -23,7 +23,7 @@ from tests.real_models import shared_load
 def shared_real_loads(monkeypatch) -> Callable[..., LoadedModel]:
     """Engines, ``LLM(...)``, the CLI's and the latency bench's loads in this test take their real model from
     ``shared_load``: the same weights, loaded once per session instead of once per engine."""
-    for module in (kvserve.core.engine, kvserve.entrypoints.cli, kvserve.bench.latency):
+    for module in (kvserve.core.engine_builder, kvserve.entrypoints.cli_common, kvserve.bench.latency):
         monkeypatch.setattr(module, "load_model", shared_load)
     return shared_load
 
