@@ -144,7 +144,7 @@ class CompressedKVCache(AttentionBackend):
     # Blocks carry their slots' scores with them; slots mean different tokens in different layers.
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         if self.tier is not None:
-            self.tier.copy_blocks(list(pairs))
+            self.tier.copy_blocks(pairs)
         else:
             self.store.copy_blocks(pairs)
         self._move_scores(self, self, pairs)
@@ -165,7 +165,7 @@ class CompressedKVCache(AttentionBackend):
         if not pairs:
             return
         if self.tier is not None:
-            self.tier.copy_slots(list(pairs))
+            self.tier.copy_slots(pairs)
         else:
             self.store.copy_slots(pairs)
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.scores.device)

@@ -141,7 +141,7 @@ class OffloadedKVCache(AttentionBackend):
         if not pairs:
             return
         self.queue.synchronize()  # no store may land in a block while it is copied
-        self.tier.copy_blocks(list(pairs))
+        self.tier.copy_blocks(pairs)
         if self.speculation is not None:
             self.speculation.copy_blocks(*self._pair_tensors(pairs))
 
@@ -151,7 +151,7 @@ class OffloadedKVCache(AttentionBackend):
         if not pairs:
             return
         self.queue.synchronize()  # the module's stores have landed, and none lands in a slot while it is copied
-        self.tier.copy_slots(list(pairs))
+        self.tier.copy_slots(pairs)
         if self.speculation is not None:
             self.speculation.copy_slots(*self._pair_tensors(pairs))
 

@@ -138,11 +138,8 @@ class TierStore(KVTier):
         """Bytes of one block in every layer (every array)."""
         return self.slot_bytes(self.num_layers) * self.block_size
 
-    def copy_blocks(self, pairs: list[tuple[int, int]], block_size: int | None = None) -> None:
-        super().copy_blocks(list(pairs), block_size or self.block_size)
-
-    def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
-        super().copy_slots(list(pairs))
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        super().copy_blocks(pairs, self.block_size)
 
     def blocks(self, name: str) -> torch.Tensor:
         """Array ``name`` as (layers, blocks, block_size, *row)."""
