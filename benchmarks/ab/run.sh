@@ -18,6 +18,8 @@ benches=(
   "throughput --threads 2 --no-peer"
   "prefix --threads 2"
 )
+# AB_BENCHES (one benchmark command a line) replaces the list: benchmarks/ab/engine-parts/run_named.sh sets it.
+[ -n "${AB_BENCHES:-}" ] && mapfile -t benches <<< "$AB_BENCHES"
 only=${3:-}  # a benchmark name: run that one only
 for bench in "${benches[@]}"; do
   [ -n "$only" ] && [ "${bench%% *}" != "$only" ] && continue
