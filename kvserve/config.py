@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.attention.kv_quant import KV_QUANT_BITS
 from kvserve.kv.sizing import parse_memory_size
 from kvserve.kv.tiers import KV_OFFLOAD_MODES
 from kvserve.models.dtype import DTYPE_CHOICES, DTYPES, resolve_dtype
@@ -23,6 +24,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 PREFILL_PARTITIONS = ("even", "searched", "predicted", "tsp")
 PROMPT_CACHE_TIERS = ("device", "host")
 KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Quantized caches: codes and scales in byte rows (attention/kv_quant.py), attended in the model's dtype.
+KV_QUANT_DTYPES = tuple(KV_QUANT_BITS)
 PROMPT_CACHE_ENCODES = ("eager", "lazy")
 PROMPT_CACHE_CONTEXTS = ("prefix", "none")
 # Why a policy with per-head budgets (Ada-KV) cannot import Prompt Cache modules.
@@ -43,7 +46,8 @@ class EngineConfig:
     device: str = "cpu"
     weights: str = "native"  # GGUF weights: native, int4 or dequant (see models/loader.py)
     kv_cache_memory: str | int = "1GiB"
-    kv_cache_dtype: str = "auto"  # auto: the model's dtype; bfloat16 / float16: a narrower cache (float32 model)
+    # auto: the model's dtype; bfloat16 / float16: a narrower cache (float32 model); int8 / int4: quantized rows
+    kv_cache_dtype: str = "auto"
     swap_space: str | int = "1GiB"  # host tier for preemption by swapping
     block_size: int = 16
     # Sliding-window layers (Gemma 3, Mistral) in KV groups of their own that keep only the blocks their
@@ -153,9 +157,12 @@ class EngineConfig:
         check_device(self.device)  # last: the rules above name what a device cannot run, wherever it exists
 
     def _check_kv_cache_dtype(self) -> None:
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            choices = ["auto", *KV_CACHE_DTYPES]
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in (*KV_CACHE_DTYPES, *KV_QUANT_DTYPES):
+            choices = ["auto", *KV_CACHE_DTYPES, *KV_QUANT_DTYPES]
             raise ValueError(f"kv_cache_dtype must be one of {choices}, got {self.kv_cache_dtype!r}")
+        if self.kv_quant is not None:
+            self._check_quantized_cache()
+            return
         model, cache = self.torch_dtype, self.kv_dtype(self.torch_dtype)
         if cache == model:
             return
@@ -175,9 +182,51 @@ class EngineConfig:
             if getattr(self, name) != value:
                 raise ValueError(f"{feature}: it needs {name}={value!r}, got {getattr(self, name)!r}")
 
+    def _check_quantized_cache(self) -> None:
+        """What an int8/int4 cache does not run with yet, each refusal saying why."""
+        name = self.kv_cache_dtype
+        if self.kv_policy != "full":
+            raise ValueError(
+                f"kv_cache_dtype={name!r} quantizes the paged cache; kv_policy={self.kv_policy!r} keeps its own "
+                "per-layer slots in the model's dtype: use kv_policy='full' with a quantized cache"
+            )
+        if self.kv_offload != "none":
+            raise ValueError(
+                f"kv_cache_dtype={name!r} quantizes the paged cache on the device; kv_offload={self.kv_offload!r} "
+                "moves rows through its own tier codec (kv_policy='int4' for 4-bit tier rows): use kv_offload='none'"
+            )
+        if self.batch_invariant:
+            raise ValueError(
+                f"kv_cache_dtype={name!r}: batch_invariant=True attends in calls shaped by each row's position over "
+                "a float cache; use one or the other"
+            )
+        if self.prefill_parallel > 1:
+            raise ValueError(
+                f"kv_cache_dtype={name!r}: parallel prefill's processes attend and pass each other float KV, which "
+                "would differ from what the quantized cache holds; use prefill_parallel=1 with a quantized cache"
+            )
+        if self.prompt_cache_recompute > 0:
+            raise ValueError(
+                f"kv_cache_dtype={name!r}: prompt_cache_recompute recomputes module tokens by reading and blending "
+                "float KV in place; use prompt_cache_recompute=0 with a quantized cache"
+            )
+        if self.prompt_cache_dir is not None:
+            raise ValueError(
+                f"kv_cache_dtype={name!r}: module files hold KV in the model's dtype; leave prompt_cache_dir unset "
+                "with a quantized cache (modules stay in the device or host tier, quantized)"
+            )
+
+    @property
+    def kv_quant(self) -> str | None:
+        """``int8`` or ``int4`` for a quantized cache, else None."""
+        return self.kv_cache_dtype if self.kv_cache_dtype in KV_QUANT_DTYPES else None
+
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """The KV cache's dtype for a model running in ``model_dtype``."""
-        return model_dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
+        """The dtype the KV cache is attended in for a model running in ``model_dtype`` (a quantized cache: the
+        model's; its rows are bytes)."""
+        if self.kv_cache_dtype == "auto" or self.kv_quant is not None:
+            return model_dtype
+        return KV_CACHE_DTYPES[self.kv_cache_dtype]
 
     def prompt_cache_refusal(self) -> str | None:
         """Why this engine cannot take Prompt Cache schemas, or None. (A model's sliding-window groups are refused

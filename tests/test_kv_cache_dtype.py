@@ -118,7 +118,7 @@ def test_a_compressing_policy_keeps_its_groups_in_the_narrower_cache(folder, pol
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"kv_cache_dtype": "int8"}, "one of ['auto', 'float32', 'bfloat16', 'float16'], got 'int8'"),
+        ({"kv_cache_dtype": "int2"}, "one of ['auto', 'float32', 'bfloat16', 'float16', 'int8', 'int4'], got 'int2'"),
         ({"kv_cache_dtype": "float16", "dtype": "bfloat16"}, "narrows a float32 model's cache; this engine runs bf"),
         ({"kv_cache_dtype": "bfloat16", "kv_offload": "host"}, "it needs kv_offload='none', got 'host'"),
         ({"kv_cache_dtype": "bfloat16", "prefill_parallel": 2}, "it needs prefill_parallel=1, got 2"),

@@ -7,13 +7,35 @@ from typing import Protocol
 
 import torch
 
+from kvserve.attention.kv_quant import KVQuant
+
 
 class BlockPool(Protocol):
-    """What a block copy reads of a paged cache: its block count and its (L, blocks, block_size, Hkv, D) K and V."""
+    """What a block copy reads of a paged cache: its block count and its (L, blocks, block_size, Hkv, D) K and V
+    (D: a quantized cache's row bytes), and what makes two caches' blocks interchangeable."""
 
     num_blocks: int
     k: torch.Tensor
     v: torch.Tensor
+    layer_rows: tuple[int, ...]
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    kv_quant: KVQuant | None
+
+
+def check_peers(a: BlockPool, b: BlockPool) -> None:
+    """A ValueError unless blocks of ``a`` and ``b`` hold the same layers, tokens and heads in the same format."""
+
+    def shape(pool: BlockPool) -> tuple:
+        fmt = pool.kv_quant.name if pool.kv_quant is not None else "values"
+        return (pool.layer_rows, pool.block_size, pool.num_kv_heads, pool.head_dim, pool.k.dtype, fmt)
+
+    if shape(a) != shape(b):
+        raise ValueError(
+            f"caches differ in (layer rows, block_size, kv_heads, head_dim, dtype, format): {shape(a)} against "
+            f"{shape(b)}"
+        )
 
 
 def check_pairs(pairs: Sequence[tuple[int, int]], num_src: int, num_dst: int) -> tuple[list[int], list[int]]:

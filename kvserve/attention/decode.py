@@ -28,6 +28,7 @@ def paged_decode(
     ends: torch.Tensor,
     want_weights: bool = False,
     softcap: float = 0.0,
+    quant=None,  # noqa: ANN001
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of q (B, H, D) over k_cache/v_cache (num_blocks, block_size, Hkv, D), of q's dtype or narrower
     under float32 q (bfloat16, float16): row b reads key positions
@@ -37,6 +38,8 @@ def paged_decode(
     Returns the output (B, H, D) and, with ``want_weights``, each key's softmax probability averaged over the
     query heads, (B, W * block_size) float32 by position, zero outside a row's range; else None."""
     q = q.contiguous()
+    if quant is not None:
+        k_cache, v_cache = quant.dequantize(k_cache, q.dtype), quant.dequantize(v_cache, q.dtype)
     if use_cpu_kernel(q, k_cache):
         scale = 1.0 / math.sqrt(q.shape[-1])
         out, _, weights = torch.ops.kvserve.paged_decode(

@@ -76,7 +76,8 @@ class KVQuant:
     def dequantize(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(..., row_bytes) uint8 rows -> (..., D) values in ``dtype`` (still rotated)."""
         if rows.shape[-1] != self.row_bytes:
-            raise ValueError(f"{self.name} rows of head_dim {self.head_dim} are {self.row_bytes} bytes, got {rows.shape}")
+            got = tuple(rows.shape)
+            raise ValueError(f"{self.name} rows of head_dim {self.head_dim} are {self.row_bytes} bytes, got {got}")
         d = self.head_dim
         if self.bits == 8:
             codes = rows[..., :d].contiguous().view(torch.int8).float()

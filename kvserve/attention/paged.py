@@ -24,6 +24,12 @@ own kernel (``flash_prefill.py``).
 
 Padding entries of a block table point at block 0; the attention masks keep them out, and the cache
 is zero-initialised so that no slot ever holds NaN (0 * NaN would leak through a mask).
+
+A quantized cache (``kv_quant``: int8 or int4, ``kv_quant.py``) holds byte rows (.., Hkv, row_bytes) instead of
+(.., Hkv, D) values, so every block move above is unchanged. Queries, keys and values are rotated as they meet
+the cache and the output rotated back; every query, of decodes and prefills alike, sees the keys as the cache
+holds them (the step's own keys read back from their rows). Decodes read the rows in place; a prefill after a
+context dequantises its sequence's blocks.
 """
 
 from __future__ import annotations
@@ -34,9 +40,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata, InPlaceDecode
-from kvserve.attention.block_moves import check_pairs, transfer
+from kvserve.attention.block_moves import check_pairs, check_peers, transfer
 from kvserve.attention.decode import paged_decode
 from kvserve.attention.flash_prefill import flash_prefill, use_flash_prefill
+from kvserve.attention.kv_quant import KVQuant, widen
 from kvserve.attention.masks import causal_mask, window_binds
 from kvserve.attention.paged_metadata import PagedAttentionMetadata
 from kvserve.attention.paged_plan import DecodeView, StepPlan, attend_positioned, decode_view, make_plan
@@ -68,13 +75,14 @@ class PagedKVCache(AttentionBackend):
         layer_to_group: Sequence[int] = (),
         layer_windows: Sequence[int | None] = (),
         softcap: float = 0.0,
+        kv_quant: KVQuant | None = None,
     ) -> None:
         """``layer_rows``: per layer, its row of a block when KV groups share block storage (``kv/layout.py``);
         () gives every layer a row of its own. ``batch_invariant``: attend each query row in a call shaped by
         its own position (``row_invariant.py``), so its result does not depend on the rest of the step.
         ``num_host_blocks``: a host tier of that many blocks to swap to (0: none). ``layer_to_group`` and
         ``layer_windows`` and ``softcap`` go into the metadata this cache builds (KV groups, sliding windows, the
-        attention-logit soft cap)."""
+        attention-logit soft cap). ``kv_quant``: hold the rows quantized (int8, int4), attended in ``dtype``."""
         sizes = dict(
             num_layers=num_layers,
             num_blocks=num_blocks,
@@ -88,10 +96,17 @@ class PagedKVCache(AttentionBackend):
         self.layer_rows = tuple(layer_rows) or tuple(range(num_layers))
         if len(self.layer_rows) != num_layers:
             raise ValueError(f"layer_rows names {len(self.layer_rows)} layers; the model has {num_layers}")
-        shape = (max(self.layer_rows) + 1, num_blocks, block_size, num_kv_heads, head_dim)
-        # Zeros, not empty: padding reads masked slots, which must not hold NaN.
-        self.k = huge_pages.zeros(shape, dtype, device, pin_memory)
-        self.v = huge_pages.zeros(shape, dtype, device, pin_memory)
+        if kv_quant is not None and batch_invariant:
+            raise ValueError(f"a {kv_quant.name} cache does not run batch-invariant attention")
+        if kv_quant is not None and kv_quant.head_dim != head_dim:
+            raise ValueError(f"{kv_quant} is for heads of {kv_quant.head_dim} values, the cache's are {head_dim}")
+        self.kv_quant, self.dtype = kv_quant, dtype
+        row = kv_quant.row_bytes if kv_quant is not None else head_dim
+        shape = (max(self.layer_rows) + 1, num_blocks, block_size, num_kv_heads, row)
+        storage = torch.uint8 if kv_quant is not None else dtype
+        # Zeros, not empty: padding reads masked slots, which must not hold NaN (zero int8/int4 rows read as 0).
+        self.k = huge_pages.zeros(shape, storage, device, pin_memory)
+        self.v = huge_pages.zeros(shape, storage, device, pin_memory)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.batch_invariant = batch_invariant
@@ -120,10 +135,11 @@ class PagedKVCache(AttentionBackend):
             self.block_size,
             self.num_kv_heads,
             self.head_dim,
-            self.k.dtype,
+            self.dtype,
             "cpu",
             pin_memory=self.k.is_cuda,
             layer_rows=self.layer_rows,
+            kv_quant=self.kv_quant,
         )
 
     # ----- block movement -----
@@ -148,21 +164,25 @@ class PagedKVCache(AttentionBackend):
         src_t = torch.tensor(src, dtype=torch.long, device=self.k.device)
         dst_t = torch.tensor(dst, dtype=torch.long, device=self.k.device)
         for cache in (self.k, self.v):
-            flat = cache.view(cache.shape[0], self.num_slots, self.num_kv_heads * self.head_dim)
+            flat = cache.view(cache.shape[0], self.num_slots, self.num_kv_heads * cache.shape[-1])
             flat.index_copy_(1, dst_t, flat.index_select(1, src_t))
 
     def read_slots(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of ``slots`` in every layer, each (L, n, Hkv, D), as new tensors."""
+        """Keys and values of ``slots`` in every layer, each (L, n, Hkv, D), as new tensors; a quantized cache's
+        rows as they are stored, (L, n, Hkv, row_bytes) uint8 (``write_slots`` takes them back)."""
         self._check_layer_per_row()
         index = torch.tensor(list(slots), dtype=torch.long, device=self.k.device)
-        shape = (self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)
+        shape = (self.num_layers, self.num_slots, self.num_kv_heads, self.k.shape[-1])
         return self.k.view(shape).index_select(1, index), self.v.view(shape).index_select(1, index)
 
     def write_slots(self, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write (L, n, Hkv, D) keys and values into ``slots`` of every layer."""
+        """Write (L, n, Hkv, D) keys and values (a quantized cache: its stored rows, from ``read_slots``) into
+        ``slots`` of every layer."""
         self._check_layer_per_row()
+        if self.kv_quant is not None and (k.dtype, v.dtype) != (torch.uint8, torch.uint8):
+            raise ValueError(f"a {self.kv_quant.name} cache writes slots from its own rows (read_slots), got {k.dtype}")
         index = torch.tensor(list(slots), dtype=torch.long, device=self.k.device)
-        shape = (self.num_layers, self.num_slots, self.num_kv_heads, self.head_dim)
+        shape = (self.num_layers, self.num_slots, self.num_kv_heads, self.k.shape[-1])
         self.k.view(shape).index_copy_(1, index, k.to(self.k.device, self.k.dtype, non_blocking=True))
         self.v.view(shape).index_copy_(1, index, v.to(self.v.device, self.v.dtype, non_blocking=True))
 
@@ -192,16 +212,8 @@ class PagedKVCache(AttentionBackend):
         host = host_cache or self.host_cache
         if host is None:
             raise RuntimeError("the scheduler asked for a swap but the cache has no host tier (swap_space=0)")
-        self._check_peer(host)
+        check_peers(self, host)
         return host
-
-    def _check_peer(self, other: PagedKVCache) -> None:
-        mine = (self.layer_rows, self.block_size, self.num_kv_heads, self.head_dim, self.k.dtype)
-        theirs = (other.layer_rows, other.block_size, other.num_kv_heads, other.head_dim, other.k.dtype)
-        if mine != theirs:
-            raise ValueError(
-                f"caches differ in (layer rows, block_size, kv_heads, head_dim, dtype): {mine} against {theirs}"
-            )
 
     # ----- attention -----
 
@@ -229,18 +241,25 @@ class PagedKVCache(AttentionBackend):
         scores: torch.Tensor | None = None,
     ) -> None:
         metadata = self._check_metadata(metadata)
-        self._write(self.layer_rows[layer], metadata.slot_mappings[metadata.group_of(layer)], k, v)
+        k_rows, v_rows = self._rows(k), self._rows(v)
+        self._write(self.layer_rows[layer], metadata.slot_mappings[metadata.group_of(layer)], k_rows, v_rows)
 
-    def _write(self, row: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Keys/values (N, Hkv, D) into ``slots`` of block row ``row`` (rounded to the cache's dtype)."""
-        self.k[row].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k.to(self.k.dtype))
-        self.v[row].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v.to(self.v.dtype))
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Keys or values (N, Hkv, D) as the cache stores them: rounded to its dtype, or rotated and quantized."""
+        if self.kv_quant is None:
+            return x.to(self.k.dtype)
+        return self.kv_quant.quantize(self.kv_quant.rotated(x))
+
+    def _write(self, row: int, slots: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor) -> None:
+        """Stored rows (N, Hkv, D or row_bytes) into ``slots`` of block row ``row``."""
+        self.k[row].view(-1, self.num_kv_heads, self.k.shape[-1]).index_copy_(0, slots, k_rows)
+        self.v[row].view(-1, self.num_kv_heads, self.v.shape[-1]).index_copy_(0, slots, v_rows)
 
     def in_place_decode(self, metadata: AttentionMetadata) -> InPlaceDecode | None:
         metadata = self._check_metadata(metadata)
         plan = self._plan_of(metadata)
         plain = plan.decode_only and len(metadata.block_tables) == 1
-        if not plain or self.batch_invariant or self.layer_windows or metadata.softcap:
+        if not plain or self.batch_invariant or self.layer_windows or metadata.softcap or self.kv_quant is not None:
             return None
         view = self._decode_view(metadata, plan, 0, None)
         slots = metadata.slot_mappings[0]
@@ -258,18 +277,32 @@ class PagedKVCache(AttentionBackend):
     ) -> torch.Tensor:
         metadata = self._check_metadata(metadata)
         group, row = metadata.group_of(layer), self.layer_rows[layer]
-        k, v = k.to(self.k.dtype), v.to(self.v.dtype)  # a narrower cache rounds them once, here
-        self._write(row, metadata.slot_mappings[group], k, v)
-        k, v = k.to(q.dtype), v.to(q.dtype)  # every query sees the keys as the cache holds them
-        k_cache, v_cache = self.k[row], self.v[row]  # (num_blocks, block_size, Hkv, D)
+        k_rows, v_rows = self._rows(k), self._rows(v)  # a narrower or quantized cache rounds them once, here
+        self._write(row, metadata.slot_mappings[group], k_rows, v_rows)
+        quant = self.kv_quant
+        if quant is None:
+            return self._attend(layer, q, k_rows.to(q.dtype), v_rows.to(q.dtype), metadata)
+        # Every query sees the keys as the cache holds them: the step's own read back from their rows.
+        out = self._attend(
+            layer, quant.rotated(q).to(q.dtype), quant.dequantize(k_rows, q.dtype), quant.dequantize(v_rows, q.dtype),
+            metadata,
+        )  # fmt: skip
+        return quant.rotated(out).to(q.dtype)  # H v summed: H again is the output
+
+    def _attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: PagedAttentionMetadata
+    ) -> torch.Tensor:
+        """q (N, H, D) over the step's keys k, v (N, Hkv, D), already in the cache, and the blocks before them."""
+        group, row = metadata.group_of(layer), self.layer_rows[layer]
+        k_cache, v_cache = self.k[row], self.v[row]  # (num_blocks, block_size, Hkv, D or row_bytes)
         plan, window, softcap = self._plan_of(metadata), metadata.window_of(layer), metadata.softcap
         if self.batch_invariant:
             out = attend_row_calls(q, k_cache, v_cache, self._row_plan(metadata, plan, group, window), softcap)
-            return attend_positioned(out, q, k_cache, v_cache, metadata, plan, group, window)
+            return attend_positioned(out, q, k_cache, v_cache, metadata, plan, group, window, self.kv_quant)
         view = self._decode_view(metadata, plan, group, window) if plan.decodes else None
         if plan.decode_only:
             out = self._decode(q, k_cache, v_cache, view, softcap)
-            return attend_positioned(out, q, k_cache, v_cache, metadata, plan, group, window)
+            return attend_positioned(out, q, k_cache, v_cache, metadata, plan, group, window, self.kv_quant)
         out = torch.empty_like(q)  # (N, H, D)
         if view is not None:
             rows = plan.decode_rows
@@ -283,10 +316,10 @@ class PagedKVCache(AttentionBackend):
             first = max(0, p.context_len - window + 1) // self.block_size if window else 0
             offset = first * self.block_size
             seq_len = p.context_len + p.query_len - offset
-            keys = k_cache.index_select(0, table[first:]).flatten(0, 1)[:seq_len].to(q.dtype)  # (seq_len, Hkv, D)
-            values = v_cache.index_select(0, table[first:]).flatten(0, 1)[:seq_len].to(q.dtype)
+            keys = widen(k_cache.index_select(0, table[first:]).flatten(0, 1)[:seq_len], q.dtype, self.kv_quant)
+            values = widen(v_cache.index_select(0, table[first:]).flatten(0, 1)[:seq_len], q.dtype, self.kv_quant)
             out[rows] = attend_prefill(q[rows], keys, values, p.context_len - offset, window, softcap)
-        return attend_positioned(out, q, k_cache, v_cache, metadata, plan, group, window)
+        return attend_positioned(out, q, k_cache, v_cache, metadata, plan, group, window, self.kv_quant)
 
     def _plan_of(self, metadata: PagedAttentionMetadata) -> StepPlan:
         """The step's plan, made once for ``metadata`` (the step's, immutable) and kept until the next step's."""
@@ -309,12 +342,13 @@ class PagedKVCache(AttentionBackend):
             plans[key] = plan_row_calls(metadata.query_lens, metadata.context_lens, table, metadata.block_size, window)
         return plans[key]
 
-    @staticmethod
     def _decode(
-        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, view: DecodeView, softcap: float = 0.0
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, view: DecodeView, softcap: float = 0.0
     ) -> torch.Tensor:
         """q (B, H, D), one query per decode sequence, over its blocks read in place -> (B, H, D)."""
-        return paged_decode(q, k_cache, v_cache, view.tables, view.starts, view.ends, softcap=softcap)[0]
+        return paged_decode(
+            q, k_cache, v_cache, view.tables, view.starts, view.ends, softcap=softcap, quant=self.kv_quant
+        )[0]
 
 
 def attend_prefill(

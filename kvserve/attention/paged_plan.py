@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.attention.decode import paged_decode
+from kvserve.attention.kv_quant import KVQuant, widen
 from kvserve.attention.row_invariant import RowPlan
 from kvserve.attention.softcap import sdpa
 from kvserve.attention.step_layout import row_starts
@@ -121,6 +122,7 @@ def attend_positioned(
     plan: StepPlan,
     group: int,
     window: int | None,
+    quant: KVQuant | None = None,
 ) -> torch.Tensor:
     """In a sliding-window layer, attention of the sequences whose positions are not their slot indices, into their
     rows of ``out``: a Prompt Cache prompt's slots hold module blocks in import order and skip the positions of
@@ -139,12 +141,12 @@ def attend_positioned(
         starts = torch.zeros_like(decodes.ends)
         attended = paged_decode(
             q.index_select(0, decodes.rows), k_cache.view(by_slot), v_cache.view(by_slot), decodes.tables, starts,
-            decodes.ends, softcap=metadata.softcap,
+            decodes.ends, softcap=metadata.softcap, quant=quant,
         )[0]  # fmt: skip
         out.index_copy_(0, decodes.rows, attended.to(out.dtype))
     for read in reads:
-        keys = slot_rows(k_cache.flatten(0, 1), read.slots).to(q.dtype)  # (K, Hkv, D)
-        values = slot_rows(v_cache.flatten(0, 1), read.slots).to(q.dtype)
+        keys = widen(slot_rows(k_cache.flatten(0, 1), read.slots), q.dtype, quant)  # (K, Hkv, D)
+        values = widen(slot_rows(v_cache.flatten(0, 1), read.slots), q.dtype, quant)
         qh, kh, vh = q[read.rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
         attended = sdpa(qh, kh, vh, attn_mask=read.mask, softcap=metadata.softcap, enable_gqa=True)
         out[read.rows] = attended[0].transpose(0, 1).to(out.dtype)

@@ -58,7 +58,7 @@ class LLMEngine:
         self.tier_faults = TierFaultRecovery(self.scheduler, self.runner.cache, self.kv)
         self._request_ids = itertools.count()
         self.kv_summary = self.plan.summary(
-            config.block_size, self.loaded.config.num_layers, config.kv_dtype(self.loaded.dtype)
+            config.block_size, self.loaded.config.num_layers, config.kv_quant or config.kv_dtype(self.loaded.dtype)
         )
         get_logger().info(self.kv_summary)
 

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.compressed import CompressedKVCache
+from kvserve.attention.kv_quant import KVQuant
 from kvserve.attention.offloaded import OffloadedKVCache
 from kvserve.attention.paged import PagedKVCache
 from kvserve.log import get_logger
@@ -31,10 +32,11 @@ def make_kv_cache(config: EngineConfig, plan: KVPlan, loaded: LoadedModel) -> At
             layer_windows=cfg.layer_windows, softcap=cfg.attention_softcap,
         )  # fmt: skip
     if plan.offload == "none":
+        quant = KVQuant(config.kv_quant, cfg.head_dim) if config.kv_quant is not None else None
         return PagedKVCache(
             *shape, layer_rows=plan.layout.layer_rows, batch_invariant=config.batch_invariant,
             num_host_blocks=plan.num_host_blocks, layer_to_group=plan.layout.layer_to_group,
-            layer_windows=cfg.layer_windows, softcap=cfg.attention_softcap,
+            layer_windows=cfg.layer_windows, softcap=cfg.attention_softcap, kv_quant=quant,
         )  # fmt: skip
     policy, rehearsal = plan.policy, None
     if policy.rehearsed:  # InfiniGen selects rows by a rehearsal of the model's next layer

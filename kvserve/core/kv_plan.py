@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.attention.kv_quant import KVQuant
 from kvserve.attention.offloaded import offload_block_bytes
 from kvserve.config import EngineConfig
 from kvserve.kv.layout import KVLayout, single_group_layout, window_group_layout
@@ -72,7 +73,7 @@ class KVPlan:
             "sequences grow: start the engine with kv_window_groups=False (--no-kv-window-groups)"
         )
 
-    def summary(self, block_size: int, num_layers: int, dtype: torch.dtype) -> str:
+    def summary(self, block_size: int, num_layers: int, dtype: torch.dtype | str) -> str:
         """One line for the log: the pool, where it lives, the policy and the host tier."""
         tokens = self.num_blocks * block_size * self.block_layers // num_layers
         where = f"offloaded to the {self.offload} tier" if self.offload != "none" else "on the device"
@@ -105,6 +106,9 @@ def plan_kv(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> KVP
         block_bytes = offload_block_bytes(
             policy, model.num_layers, model.num_kv_heads, model.head_dim, dtype, config.block_size
         )
+    elif config.kv_quant is not None:  # byte rows of codes and scales (attention/kv_quant.py)
+        row_bytes = KVQuant(config.kv_quant, model.head_dim).row_bytes
+        block_bytes = kv_block_bytes(block_layers, model.num_kv_heads, row_bytes, 1, config.block_size)
     else:
         dtype_size = torch.empty((), dtype=dtype).element_size()
         block_bytes = kv_block_bytes(block_layers, model.num_kv_heads, model.head_dim, dtype_size, config.block_size)

@@ -208,11 +208,17 @@ class _Session:
         return f"{self.backend} {DTYPE_NAMES[self.config.torch_dtype]}{self._policy_tag(' ')}"
 
     def _policy_tag(self, sep: str) -> str:
-        """'' for the full cache, else e.g. ' pyramid@0.5' (label) or '-pyramid0.5' (file name)."""
-        if self.config.kv_policy == "full" or self.backend == "hf":
+        """'' for the full cache in the model's dtype, else e.g. ' pyramid@0.5' (label) or '-pyramid0.5' (file
+        name), and the KV cache's dtype when it is not the model's (' int8 KV', '-kv-int8')."""
+        if self.backend == "hf":
             return ""
-        budget = self.config.kv_budget if self.config.kv_budget is not None else 0.5
-        return f"{sep}{self.config.kv_policy}{'@' if sep == ' ' else ''}{budget:g}"
+        tag = ""
+        if self.config.kv_policy != "full":
+            budget = self.config.kv_budget if self.config.kv_budget is not None else 0.5
+            tag = f"{sep}{self.config.kv_policy}{'@' if sep == ' ' else ''}{budget:g}"
+        if self.config.kv_cache_dtype != "auto":
+            tag += f" {self.config.kv_cache_dtype} KV" if sep == " " else f"-kv-{self.config.kv_cache_dtype}"
+        return tag
 
     def report_path(self, kind: str, task: str) -> Path:
         suffix = "-hf" if self.backend == "hf" else self._policy_tag("-")
