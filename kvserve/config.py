@@ -210,11 +210,6 @@ class EngineConfig:
                 f"kv_cache_dtype={name!r}: prompt_cache_recompute recomputes module tokens by reading and blending "
                 "float KV in place; use prompt_cache_recompute=0 with a quantized cache"
             )
-        if self.prompt_cache_dir is not None:
-            raise ValueError(
-                f"kv_cache_dtype={name!r}: module files hold KV in the model's dtype; leave prompt_cache_dir unset "
-                "with a quantized cache (modules stay in the device or host tier, quantized)"
-            )
 
     @property
     def kv_quant(self) -> str | None:

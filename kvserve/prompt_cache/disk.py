@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import safetensors.torch
 import torch
 
+from kvserve.attention.kv_quant import KVQuant
 from kvserve.log import get_logger
 from kvserve.models.dtype import DTYPE_NAMES
 from kvserve.platform.faults import fault_point
@@ -62,6 +63,9 @@ def model_fingerprint(loaded: LoadedModel, config: EngineConfig) -> dict[str, ob
     path = Path(loaded.path).resolve()
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
     cfg = loaded.config
+    # A quantized cache's module is its byte rows (codes and scales), as the cache holds them.
+    row = KVQuant(config.kv_quant, cfg.head_dim).row_bytes if config.kv_quant is not None else cfg.head_dim
+    kv_dtype = "uint8" if config.kv_quant is not None else DTYPE_NAMES[config.kv_dtype(loaded.dtype)]
     return {
         "model": str(path),
         "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files],
@@ -73,8 +77,9 @@ def model_fingerprint(loaded: LoadedModel, config: EngineConfig) -> dict[str, ob
         "kv": {
             "layers": cfg.num_layers,
             "kv_heads": cfg.num_kv_heads,
-            "head_dim": cfg.head_dim,
-            "dtype": DTYPE_NAMES[config.kv_dtype(loaded.dtype)],
+            "head_dim": row,
+            "dtype": kv_dtype,
+            **({"rows": config.kv_quant} if config.kv_quant is not None else {}),
         },
     }
 
@@ -180,7 +185,7 @@ class ModuleFiles:
         shape = (self.layout[0], module.num_tokens, *self.layout[1:])
         for t in (k, v):
             if t is None or tuple(t.shape) != shape or t.dtype != self.dtype:
-                raise _Unusable(f"tensors are not {shape} {DTYPE_NAMES[self.dtype]}")
+                raise _Unusable(f"tensors are not {shape} {str(self.dtype).removeprefix('torch.')}")
         if checksum(k, v) != meta.get("sha256"):
             raise _Unusable("checksum mismatch (corrupt)")
         return k, v

@@ -256,7 +256,6 @@ def test_window_groups_over_a_quantized_cache_equal_whole_context_layers(tmp_pat
         ({"kv_offload": "host"}, "kv_offload='none'"),
         ({"batch_invariant": True}, "batch_invariant"),
         ({"prompt_cache_recompute": 0.2}, "prompt_cache_recompute=0"),
-        ({"prompt_cache_dir": "/tmp/modules"}, "prompt_cache_dir"),
         ({"prefill_parallel": 2}, "prefill_parallel=1"),
     ],
 )

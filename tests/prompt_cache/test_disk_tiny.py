@@ -299,3 +299,24 @@ def test_the_named_fault_points_fail_writes_and_reads_as_a_disk_would(loaded, en
         assert store.files.stats.read_errors == NUM_MODULES and store.stats.encoded_modules == NUM_MODULES
         engine.close()
     assert injected["module-dir-read"] == NUM_MODULES
+
+
+def test_int8_modules_are_saved_as_their_rows_and_used_only_by_an_int8_engine(loaded, tmp_path):
+    """An int8 cache's modules go to disk as their byte rows; a restarted int8 engine loads them and answers the
+    same, and engines of another KV dtype (their own fingerprint) encode instead of reading them."""
+    folder = tmp_path / "modules"
+    first = make_engine(loaded, prompt_cache_dir=str(folder), kv_cache_dtype="int8")
+    expected = answer(first)
+    first.close()
+    assert first.prompt_cache.store.files.stats.writes == NUM_MODULES
+    restarted = make_engine(loaded, prompt_cache_dir=str(folder), kv_cache_dtype="int8")
+    assert answer(restarted) == expected
+    store = restarted.prompt_cache.store
+    assert store.stats.encoded_modules == 0 and store.files.stats.loads == NUM_MODULES
+    restarted.close()
+    for other in ("int4", "auto"):
+        engine = make_engine(loaded, prompt_cache_dir=str(folder), kv_cache_dtype=other)
+        answer(engine)
+        assert engine.prompt_cache.store.files.stats.loads == 0
+        assert engine.prompt_cache.store.stats.encoded_modules == NUM_MODULES
+        engine.close()
