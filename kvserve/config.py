@@ -200,11 +200,6 @@ class EngineConfig:
                 f"kv_cache_dtype={name!r}: batch_invariant=True attends in calls shaped by each row's position over "
                 "a float cache; use one or the other"
             )
-        if self.prefill_parallel > 1:
-            raise ValueError(
-                f"kv_cache_dtype={name!r}: parallel prefill's processes attend and pass each other float KV, which "
-                "would differ from what the quantized cache holds; use prefill_parallel=1 with a quantized cache"
-            )
         if self.prompt_cache_recompute > 0:
             raise ValueError(
                 f"kv_cache_dtype={name!r}: prompt_cache_recompute recomputes module tokens by reading and blending "

@@ -241,8 +241,9 @@ class PagedKVCache(AttentionBackend):
         scores: torch.Tensor | None = None,
     ) -> None:
         metadata = self._check_metadata(metadata)
-        k_rows, v_rows = self._rows(k), self._rows(v)
-        self._write(self.layer_rows[layer], metadata.slot_mappings[metadata.group_of(layer)], k_rows, v_rows)
+        if k.dtype != torch.uint8:  # parallel prefill hands a quantized cache its rows already
+            k, v = self._rows(k), self._rows(v)
+        self._write(self.layer_rows[layer], metadata.slot_mappings[metadata.group_of(layer)], k, v)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """Keys or values (N, Hkv, D) as the cache stores them: rounded to its dtype, or rotated and quantized."""

@@ -157,4 +157,4 @@ def _start_parallel_prefill(config: EngineConfig, loaded: LoadedModel):  # noqa:
     if choice is None:
         choice = "predicted" if partition.default_table_path().is_file() else "even"
     worker_model = WorkerModel(str(loaded.path), DTYPE_NAMES[loaded.dtype], config.weights)
-    return ParallelPrefill(loaded.model, worker_model, config.prefill_parallel, choice)
+    return ParallelPrefill(loaded.model, worker_model, config.prefill_parallel, choice, kv_quant=config.kv_quant)

@@ -5,6 +5,10 @@ Every rank runs the whole model over its own tokens only, at their absolute posi
 differ in how a layer obtains the KV of tokens [0, start): passed along the chain point-to-point
 (``runahead.py``) or all-gathered from every rank (``tsp.py``). The last rank's backend also hands the
 full KV of each layer to a ``sink`` (the engine writes it into its paged cache).
+
+Over a quantized cache (``ChunkJob.kv_quant``) a rank turns its keys and values into the cache's rows
+(``attention/kv_quant.py``) before anything else: the rows are what travels (half or a quarter of the bytes), what
+every rank attends over (read back, as the one-process engine's queries read its cache) and what the sink stores.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from datetime import timedelta
 import torch
 
 from kvserve.attention.backend import AttentionBackend, LayerKVSink
+from kvserve.attention.kv_quant import KVQuant
+from kvserve.attention.paged import attend_prefill
 from kvserve.errors import ParallelPrefillError
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.parallel.votes import PromptVotes
@@ -34,6 +40,7 @@ class ChunkJob:
     # with these weights; (): no scores (parallel/votes.py).
     vote_from: int = 0
     vote_weights: tuple[float, ...] = ()
+    kv_quant: str | None = None  # int8 / int4: the KV passes as the quantized cache's rows
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -60,9 +67,10 @@ class ChunkBackend(AttentionBackend):
         self.job, self.rank = job, rank
         self.start, self.end = job.boundaries[rank], job.boundaries[rank + 1]
         config = model.config
-        self.kv_shape = (config.num_kv_heads, config.head_dim)
+        self.quant = KVQuant(job.kv_quant, config.head_dim) if job.kv_quant is not None else None
+        self.kv_shape = (config.num_kv_heads, self.quant.row_bytes if self.quant else config.head_dim)
         self.num_layers = config.num_layers
-        self.dtype = model.norm.weight.dtype
+        self.dtype = torch.uint8 if self.quant else model.norm.weight.dtype
         self.timeout = timedelta(seconds=timeout_s)
         self.sink = sink
         self.votes = None
@@ -70,6 +78,22 @@ class ChunkBackend(AttentionBackend):
             weights = torch.tensor(job.vote_weights, dtype=torch.float32)
             self.votes = PromptVotes(job.vote_from, weights, job.boundaries, rank, self.num_layers, self.wait)
         self.delivered: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+
+    def own_kv(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """This rank's keys and values as they travel: one (2, T, Hkv, D) tensor, or the quantized cache's rows
+        (2, T, Hkv, row_bytes) uint8."""
+        if self.quant is None:
+            return stacked(k, v)
+        return self.quant.quantize(self.quant.rotated(stacked(k, v)))
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, ctx_len: int) -> torch.Tensor:
+        """Causal attention of q (T, H, D) at positions ctx_len.. over ``kv`` (``own_kv``'s form, ctx_len + T
+        tokens)."""
+        if self.quant is None:
+            return attend_prefill(q, kv[0], kv[1], ctx_len)
+        keys, values = self.quant.dequantize(kv, q.dtype)
+        out = attend_prefill(self.quant.rotated(q).to(q.dtype), keys, values, ctx_len)
+        return self.quant.rotated(out).to(q.dtype)
 
     def deliver(self, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """A layer's part once this rank has the keys (C, Hkv, D) of its whole context: its votes go out, and

@@ -64,8 +64,10 @@ class ParallelPrefill:
         num_procs: int,
         partition: str,
         timeout_s: float = 60.0,
+        kv_quant: str | None = None,
     ) -> None:
-        self.num_procs = num_procs
+        """``kv_quant``: the engine's quantized cache format (int8, int4), in which the ranks pass KV."""
+        self.num_procs, self.kv_quant = num_procs, kv_quant
         self.table: PartitionTable | None = None
         self.set_partition(partition)
         self.searched: dict[int, tuple[int, ...]] = {}  # context length -> boundaries found by measuring
@@ -156,7 +158,7 @@ class ParallelPrefill:
             with self.supervisor.held() as group:  # a failure loses the group: logged, restarted later
                 job = ChunkJob(
                     scheme, tuple(token_ids), self.boundaries(len(token_ids)), tuple(positions),
-                    vote_from=first, vote_weights=tuple(weights.tolist()),
+                    vote_from=first, vote_weights=tuple(weights.tolist()), kv_quant=self.kv_quant,
                 )  # fmt: skip
                 hidden = group.prefill(job, sink)
         except ParallelPrefillError as exc:

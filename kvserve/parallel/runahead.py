@@ -15,9 +15,8 @@ import torch
 import torch.distributed as dist
 
 from kvserve.attention.backend import LayerKVSink
-from kvserve.attention.paged import attend_prefill
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.parallel.chunks import ChunkBackend, ChunkJob, stacked
+from kvserve.parallel.chunks import ChunkBackend, ChunkJob
 
 
 class RunaheadBackend(ChunkBackend):
@@ -25,14 +24,14 @@ class RunaheadBackend(ChunkBackend):
         super().__init__(job, rank, model, timeout_s, sink)
         self.last = rank == job.world_size - 1
         self.received: list[tuple[torch.Tensor, object]] = []
-        if rank > 0:  # one message per layer: (2, b_r, Hkv, D), tagged with the layer
+        if rank > 0:  # one message per layer: (2, b_r, Hkv, D or row bytes), tagged with the layer
             for layer in range(self.num_layers):
                 buffer = torch.empty(2, self.start, *self.kv_shape, dtype=self.dtype)
                 self.received.append((buffer, dist.irecv(buffer, src=rank - 1, tag=layer)))
         self.sending: list[tuple[torch.Tensor, object]] = []  # tensors stay alive until their send completes
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: object) -> torch.Tensor:
-        own = stacked(k, v)
+        own = self.own_kv(k, v)
         if self.rank > 0:
             buffer, work = self.received[layer]
             self.wait(work, f"receiving layer {layer}'s KV from rank {self.rank - 1}")
@@ -42,7 +41,7 @@ class RunaheadBackend(ChunkBackend):
         if not self.last:
             self.sending.append((kv, dist.isend(kv.cpu(), dst=self.rank + 1, tag=layer)))
         self.deliver(layer, q, kv[0], kv[1])
-        return attend_prefill(q, kv[0], kv[1], self.start)
+        return self.attend(q, kv, self.start)
 
     def finish(self) -> None:
         for layer, (_, work) in enumerate(self.sending):

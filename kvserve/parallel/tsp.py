@@ -12,9 +12,8 @@ import torch
 import torch.distributed as dist
 
 from kvserve.attention.backend import LayerKVSink
-from kvserve.attention.paged import attend_prefill
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.parallel.chunks import ChunkBackend, ChunkJob, stacked
+from kvserve.parallel.chunks import ChunkBackend, ChunkJob
 
 
 class TSPBackend(ChunkBackend):
@@ -25,7 +24,7 @@ class TSPBackend(ChunkBackend):
         self.padded = max(self.sizes)  # all_gather wants equal shapes: chunks are padded to the longest
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: object) -> torch.Tensor:
-        own = stacked(k, v).cpu()
+        own = self.own_kv(k, v).cpu()
         if own.shape[1] < self.padded:
             own = torch.cat((own, own.new_zeros(2, self.padded - own.shape[1], *self.kv_shape)), dim=1)
         parts = [torch.empty_like(own) for _ in self.sizes]
@@ -33,4 +32,4 @@ class TSPBackend(ChunkBackend):
         kv = torch.cat([part[:, :size] for part, size in zip(parts, self.sizes, strict=True)], dim=1)  # (2, C, Hkv, D)
         kv = kv.to(q.device)
         self.deliver(layer, q, kv[0], kv[1])
-        return attend_prefill(q, kv[0, : self.end], kv[1, : self.end], self.start)
+        return self.attend(q, kv[:, : self.end], self.start)

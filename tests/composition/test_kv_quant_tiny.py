@@ -249,6 +249,29 @@ def test_window_groups_over_a_quantized_cache_equal_whole_context_layers(tmp_pat
     assert got[True] == got[False]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "partition"), [("int8", "even"), ("int4", "tsp")])
+def test_parallel_prefill_passes_quantized_rows_and_equals_one_process(folder, name, partition) -> None:
+    """KV-Runahead (and the TSP baseline) over a quantized cache: the ranks pass the cache's rows, attend over them
+    read back and hand them to the cache as they are; the same tokens as one process prefilling in chunks."""
+    from kvserve import LLM
+
+    ids = prompt_ids(75, seed=4)
+    options = {
+        "model": str(folder),
+        "dtype": "float32",
+        "block_size": BLOCK,
+        "kv_cache_dtype": name,
+        "kv_cache_memory": "4MiB",
+    }
+    with LLM(max_num_batched_tokens=32, **options) as single:
+        expected = single.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(prefill_parallel=2, prefill_partition=partition, **options) as parallel:
+        got = parallel.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        assert parallel.engine.parallel_prefill.last_route.processes == 2
+    assert got == expected
+
+
 @pytest.mark.parametrize(
     ("options", "reason"),
     [
@@ -256,7 +279,6 @@ def test_window_groups_over_a_quantized_cache_equal_whole_context_layers(tmp_pat
         ({"kv_offload": "host"}, "kv_offload='none'"),
         ({"batch_invariant": True}, "batch_invariant"),
         ({"prompt_cache_recompute": 0.2}, "prompt_cache_recompute=0"),
-        ({"prefill_parallel": 2}, "prefill_parallel=1"),
     ],
 )
 def test_unsupported_pairs_are_refused_with_the_reason(options, reason) -> None:
