@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--stride", type=int, default=512)
     parser.add_argument("--chunk", type=int, default=256, help="max_num_batched_tokens")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--runs", default="auto,int8,int8-norot,int4,int4-norot", help="KV dtypes; -norot: no rotation")
     args = parser.parse_args()
     probe = EngineConfig(model=args.model)
     loaded = load_model(resolve_model_path(args.model), dtype=probe.torch_dtype)
@@ -36,7 +37,8 @@ def main() -> None:
     tokens = loaded.tokenizer.encode(text, add_special_tokens=False)[: args.tokens]
     text = loaded.tokenizer.decode(tokens)
     rows = []
-    for dtype, rotate in (("auto", None), ("int8", True), ("int8", False), ("int4", True), ("int4", False)):
+    runs = [(r.removesuffix("-norot"), None if r == "auto" else not r.endswith("-norot")) for r in args.runs.split(",")]
+    for dtype, rotate in runs:
         config = EngineConfig(
             model=args.model, kv_cache_dtype=dtype, max_num_batched_tokens=args.chunk, kv_cache_memory="256MiB",
             swap_space=0,

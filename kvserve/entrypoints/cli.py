@@ -17,6 +17,7 @@ from kvserve.entrypoints.cli_parser import Parser
 from kvserve.entrypoints.console import EngineStream, GenerationSummary, print_stream
 from kvserve.entrypoints.engine_args import (
     add_batch_invariant_arg,
+    add_kv_cache_dtype_arg,
     add_kv_policy_args,
     add_prompt_cache_args,
     add_schema_arg,
@@ -103,6 +104,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         tokenizer=args.tokenizer, chat_template=args.chat_template,
         prefill_parallel=args.prefill_parallel, prefill_partition=args.prefill_partition,
         batch_invariant=args.batch_invariant, int8_activations=args.int8_activations,
+        kv_cache_dtype=args.kv_cache_dtype,
         **kv_policy_options(args), **prompt_cache_options(args), **tensor_parallel_options(args),
     )  # fmt: skip
 
@@ -175,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-partition", choices=PREFILL_PARTITIONS, default=None,
                      help="even, searched, predicted (default when a table exists) or tsp")  # fmt: skip
     add_batch_invariant_arg(gen)
+    add_kv_cache_dtype_arg(gen)
     add_kv_policy_args(gen)
     add_prompt_cache_args(gen)
     add_tensor_parallel_args(gen)

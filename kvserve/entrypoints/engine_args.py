@@ -24,17 +24,21 @@ from kvserve.policies.infinigen import parse_alpha
 from kvserve.policies.layer_schedule import LAYER_SCHEDULES
 
 
-def add_engine_args(parser: argparse.ArgumentParser, kv_cache_memory: str = "1GiB") -> None:
-    """The paged engine's options (model, dtype, device and threads come from ``add_model_args``)."""
-    group = parser.add_argument_group("engine")
-    group.add_argument("--kv-cache-memory", default=kv_cache_memory, help="device KV cache size, e.g. 2GiB")
-    group.add_argument(
+def add_kv_cache_dtype_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument(
         "--kv-cache-dtype", choices=("auto", *KV_CACHE_DTYPES, *KV_QUANT_DTYPES), default="auto",
         help="KV cache dtype; auto: the model's. bfloat16 or float16 halve a float32 model's cache and the bytes "
         "decode attention reads (the paged cache or a compressing policy's groups; not offloaded); int8 or int4 "
         "quantize the paged cache's rows (Hadamard-rotated, one float16 scale per token and KV head): about 2x and "
         "3.6x the sequences of a bfloat16 cache, and fewer bytes for long-context decode to read",
     )  # fmt: skip
+
+
+def add_engine_args(parser: argparse.ArgumentParser, kv_cache_memory: str = "1GiB") -> None:
+    """The paged engine's options (model, dtype, device and threads come from ``add_model_args``)."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--kv-cache-memory", default=kv_cache_memory, help="device KV cache size, e.g. 2GiB")
+    add_kv_cache_dtype_arg(group)
     group.add_argument("--swap-space", default="1GiB", help="host tier for preemption by swapping")
     group.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
     group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
