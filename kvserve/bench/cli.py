@@ -1153,7 +1153,10 @@ def cmd_bench_kv_cache(args: argparse.Namespace) -> int:
     if "llamacpp" in peers and bench.speed:
         if model_path.suffix != ".gguf":
             raise ValueError(f"--peers llamacpp runs a GGUF file; {model_path} is not one")
-        llamacpp = (speed.find_llamacpp_python(args.llamacpp_python), model_path)
+        try:
+            llamacpp = (speed.find_llamacpp_python(args.llamacpp_python), model_path)
+        except RuntimeError as exc:  # no llama_cpp: said in one line, before the model loads
+            raise ValueError(str(exc)) from None
     loaded = load_from_args(args)
     model_dtype = str(loaded.dtype).removeprefix("torch.")
     log(
