@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -222,6 +223,7 @@ class DecodeCell:
     decode_tokens: int  # per sequence
     seconds: float  # the decode steps'
     steps: int
+    load_average: float = 0.0  # the 1-minute load average after the cell (other work on a shared machine)
 
     @property
     def tokens_per_s(self) -> float:
@@ -293,7 +295,7 @@ def measure_decode(
         for batch in bench.batch_sizes:
             seconds, steps = time_decode(engine, prompts[context][:batch], bench.decode_tokens)
             cell = DecodeCell("kvserve", kv_cache_dtype, kv_cache_dtype, context, batch, bench.decode_tokens,
-                              seconds, steps)  # fmt: skip
+                              seconds, steps, os.getloadavg()[0])  # fmt: skip
             log(f"  kvserve {kv_cache_dtype}: context {context}, batch {batch}: {cell.tokens_per_s:.1f} tokens/s, "
                 f"{cell.ms_per_step:.1f} ms/step")  # fmt: skip
             cells.append(cell)
@@ -425,7 +427,7 @@ def measure_llamacpp(
                 for batch in bench.batch_sizes:
                     seconds = worker.decode(prompts[context][:batch], bench.decode_tokens)
                     cell = DecodeCell("llama.cpp", kv_dtype, kv_type, context, batch, bench.decode_tokens, seconds,
-                                      bench.decode_tokens)  # fmt: skip
+                                      bench.decode_tokens, os.getloadavg()[0])  # fmt: skip
                     log(f"  llama.cpp {kv_type}: context {context}, batch {batch}: {cell.tokens_per_s:.1f} "
                         f"tokens/s, {cell.ms_per_step:.1f} ms/step")  # fmt: skip
                     cells.append(cell)
@@ -553,7 +555,7 @@ def markdown(report: dict) -> str:
     if "capacity" in r:
         lines += ["", *_capacity_lines(r["capacity"], base)]
     if "speed" in r:
-        lines += ["", *_speed_lines(r["speed"], base)]
+        lines += ["", *_speed_lines(r["speed"], base, m["nproc"])]
     if "accuracy" in r:
         lines += ["", *_accuracy_lines(r["accuracy"], base)]
     skipped = [part for part in ("capacity", "speed", "accuracy") if part not in r]
@@ -588,7 +590,7 @@ def _capacity_lines(c: dict, base: str) -> list[str]:
     return lines
 
 
-def _speed_lines(s: dict, base: str) -> list[str]:
+def _speed_lines(s: dict, base: str, nproc: int) -> list[str]:
     cells = s["cells"]
     lines = [
         "## Decode speed by context",
@@ -603,6 +605,11 @@ def _speed_lines(s: dict, base: str) -> list[str]:
             f"llama.cpp {peer['version']}: type_k = type_v as named, flash attention on (a quantized V needs it), "
             "use_extra_bufts=False (the model is loaded without llama.cpp's extra CPU buffer types), one KV pool "
             "shared by the batch's sequences; its ratio is against its own f16 cache."
+        )
+    if cells:
+        lines.append(
+            f"1-minute load average after the cells: at most {max(c['load_average'] for c in cells):.1f} on "
+            f"{nproc} CPUs (this benchmark's threads included; more means other work shared the CPUs)."
         )
     lines += ["", "| engine | KV | context | batch | tokens/s | ms/step | vs " + base + " |",
               "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip

@@ -354,7 +354,7 @@ def _kv_speed_panel(ax, cells: list[dict], colours: dict[str, str]) -> None:  # 
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(contexts, [f"{c:,}" for c in contexts])
-    ax.minorticks_off()
+    ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("decode tokens/s")
     ax.set_title("Decode speed by context", fontsize=10)
