@@ -130,6 +130,7 @@ def plan_capacity(loaded: LoadedModel, bench: KVCacheBench, kv_cache_dtype: str)
         "block_size": bench.block_size,
         "block_layers": plan.block_layers,
         "kv_groups": len(plan.groups(layers)),
+        "window_groups": sum(g.sliding_window is not None for g in plan.groups(layers)),
         "bytes_per_token": plan.block_bytes * layers / (plan.block_layers * bench.block_size),
         "num_blocks": plan.num_blocks,
         "seq_blocks": per_seq,
@@ -574,12 +575,18 @@ def _capacity_lines(c: dict, base: str) -> list[str]:
         f"every prompt computed whole in the first step the pool has room for it, {CHECK_NEW_TOKENS} tokens "
         "generated each; peak running = the most sequences in "
         "the scheduler's running list after a step (decoding: of those, past their prompt).",
-        "",
+    ]
+    header = [
         f"| KV dtype | bytes/token | vs {base} | KV/sequence (MiB) | sequences in {c['kv_cache_memory']} | "
         f"per GiB | vs {base} | planned at {_size(check)} | peak running | peak decoding | "
         f"vs {base} | preemptions |",
         "| --- |" + " ---: |" * 11,
     ]
+    if any(row["plan"].get("window_groups") for row in c["dtypes"].values()):
+        lines += ["", "Window groups keep only what their window sees once a sequence decodes, which the plan counts; "
+                  "a prompt computed whole holds every group's blocks for its step, so the run may admit one "
+                  "sequence fewer than planned."]  # fmt: skip
+    lines += ["", *header]
     for d, row in c["dtypes"].items():
         p, m, v = row["plan"], row["measured"], row["vs_baseline"]
         lines.append(
