@@ -245,13 +245,21 @@ def speed_prompts(loaded: LoadedModel, bench: KVCacheBench) -> dict[int, list[li
 
 
 def speed_memory(loaded: LoadedModel, bench: KVCacheBench) -> int:
-    """KV memory holding max(batch) sequences of max(context) + decode tokens in the baseline's cache (and so in
-    any narrower one), with a block per sequence and group to spare."""
-    plan = plan_kv(bench.config(bench.baseline, bench.kv_cache_memory), loaded.config, loaded.dtype)
+    """KV memory holding max(batch) sequences of max(context) + decode tokens in every dtype's cache, with a block
+    per sequence and group to spare."""
+    tokens = max(bench.contexts) + bench.decode_tokens + 1
+    return max(bench.batch_sizes) * widest_seq_bytes(loaded, bench, tokens)
+
+
+def widest_seq_bytes(loaded: LoadedModel, bench: KVCacheBench, num_tokens: int) -> int:
+    """The most bytes one sequence of ``num_tokens`` holds in any of the bench's dtypes, a block per group more."""
     layers = loaded.config.num_layers
-    per_seq = seq_blocks(plan, layers, bench.block_size, max(bench.contexts) + bench.decode_tokens + 1)
-    per_seq += len(plan.groups(layers))
-    return max(bench.batch_sizes) * per_seq * plan.block_bytes
+    sizes = []
+    for kv_dtype in bench.kv_cache_dtypes:
+        plan = plan_kv(bench.config(kv_dtype, bench.kv_cache_memory), loaded.config, loaded.dtype)
+        blocks = seq_blocks(plan, layers, bench.block_size, num_tokens) + len(plan.groups(layers))
+        sizes.append(blocks * plan.block_bytes)
+    return max(sizes)
 
 
 def decode_engine(loaded: LoadedModel, bench: KVCacheBench, kv_cache_dtype: str, memory: int) -> LLMEngine:
@@ -355,13 +363,11 @@ def ppl_tokens(loaded: LoadedModel, count: int) -> tuple[list[int], str]:
 
 
 def accuracy_memory(loaded: LoadedModel, bench: KVCacheBench, longest_prompt: int) -> int:
-    """Room for 8 perplexity windows or all agreement prompts at once, in the baseline's cache."""
-    plan = plan_kv(bench.config(bench.baseline, bench.kv_cache_memory), loaded.config, loaded.dtype)
-    layers = loaded.config.num_layers
-    window = seq_blocks(plan, layers, bench.block_size, bench.ppl_context + 1) + len(plan.groups(layers))
-    prompt = seq_blocks(plan, layers, bench.block_size, longest_prompt + bench.agreement_tokens)
-    prompt += len(plan.groups(layers))
-    return max(8 * window, bench.agreement_prompts * prompt) * plan.block_bytes
+    """Room for 8 perplexity windows or all agreement prompts at once, in every dtype's cache."""
+    window = 8 * widest_seq_bytes(loaded, bench, bench.ppl_context + 1)
+    return max(
+        window, bench.agreement_prompts * widest_seq_bytes(loaded, bench, longest_prompt + bench.agreement_tokens)
+    )
 
 
 def measure_accuracy(
