@@ -208,7 +208,8 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     add_model_args(kvc)
     kvc.set_defaults(threads=2, func=cmd_bench_kv_cache)
     kvc.add_argument("--kv-cache-dtypes", default="auto,int8,int4",
-                     help="comma-separated kv_cache_dtype values; ratios and agreement are against auto")  # fmt: skip
+                     help="comma-separated kv_cache_dtype values; ratios and agreement are against auto "
+                     "(else the first)")  # fmt: skip
     kvc.add_argument("--seq-len", type=int, default=4096, help="capacity: tokens of each sequence")
     kvc.add_argument("--kv-cache-memory", default="1GiB", help="capacity: the KV memory the plan fits sequences in")
     kvc.add_argument("--check-sequences", type=int, default=3,
