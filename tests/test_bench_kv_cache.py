@@ -159,3 +159,51 @@ def test_llamacpp_peer_without_llama_cpp_names_the_fix(tmp_path, capsys):
     args = ["--peers", "llamacpp", "--llamacpp-python", sys.executable]
     assert main(["bench", "kv-cache", "--model", str(gguf), *args]) == 2
     assert "llama-cpp-python" in capsys.readouterr().err
+
+
+FAKE_WORKER = """
+import argparse, json, sys
+parser = argparse.ArgumentParser()
+parser.add_argument("model")
+for flag in ("--threads", "--n-ctx", "--max-seqs", "--type-k", "--type-v", "--flash-attn"):
+    parser.add_argument(flag)
+args = parser.parse_args()
+settings = {"n_ctx": int(args.n_ctx), "kv_unified": True, "type_k": args.type_k, "type_v": args.type_v,
+            "flash_attn": args.flash_attn, "use_extra_bufts": False}
+print(json.dumps({"ready": True, "load_s": 0.1, "llama_cpp": "0.0.test", "system_info": "CPU", **settings}), flush=True)
+for line in sys.stdin:
+    command = json.loads(line)
+    if command["op"] == "quit":
+        break
+    n = command["new_tokens"]
+    tokens = [[1] * n for _ in command["prompts"]]
+    print(json.dumps({"seconds": 1.0 + 0.01 * n, "first_token_s": 1.0, "tokens": tokens}), flush=True)
+"""
+
+
+def test_llamacpp_cells_from_its_worker(loaded, tmp_path, monkeypatch):
+    """The peer's decode cells from a stand-in speaking the worker's protocol: one worker per KV type with flash
+    attention on, the decode time after the first tokens, ratios against its own f16 cache, and the report."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(FAKE_WORKER)
+    monkeypatch.setattr(kvc, "WORKER", worker)
+    b = bench(contexts=(16,), batch_sizes=(1, 2), decode_tokens=3)
+    speed = kvc.run_speed(loaded, b, lambda _: None, (sys.executable, tmp_path / "m.gguf"))
+    peer = [c for c in speed["cells"] if c["engine"] == "llama.cpp"]
+    assert [(c["kv_cache_dtype"], c["kv_type"], c["batch"]) for c in peer] == [
+        (d, t, n) for d, t in (("auto", "f16"), ("int8", "q8_0"), ("int4", "q4_0")) for n in (1, 2)
+    ]
+    for c in peer:
+        assert c["seconds"] == pytest.approx(0.04) and c["tokens_per_s"] == pytest.approx(c["batch"] * 3 / 0.04)
+        assert c["vs_baseline"] == pytest.approx(1.0)  # against llama.cpp's own f16 cells
+    runs = speed["llama.cpp"]["runs"]
+    assert set(runs) == {"f16", "q8_0", "q4_0"} and speed["llama.cpp"]["version"] == "0.0.test"
+    assert all(r["flash_attn"] == "on" and r["use_extra_bufts"] is False and r["type_k"] == r["type_v"]
+               for r in runs.values())  # fmt: skip
+    machine = {"cpu": "Test CPU", "nproc": 2, "memory_gib": 15.6, "torch": "2.13.0+cpu"}
+    report = {"model": "m.gguf", "dtype": "float32", "weights": "native", "threads": 1, "date": "2026-12-03",
+              "command": "kvserve bench kv-cache", "machine": machine, "cpu": "Test CPU",
+              "results": {"baseline": "auto", "speed": speed}}  # fmt: skip
+    text = kvc.markdown(report)
+    assert "use_extra_bufts=False" in text and "| llama.cpp | q4_0 | 16 | 2 |" in text
+    assert "Not run: capacity, accuracy." in text
