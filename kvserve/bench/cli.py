@@ -201,6 +201,40 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     win.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     add_output_arg(win, "window", "window")
 
+    kvc = bench_sub.add_parser(
+        "kv-cache", help="KV cache dtypes (auto, int8, int4): bytes per token, sequences per GiB, decode speed by "
+        "context, perplexity and greedy agreement (llama.cpp's quantized KV beside)",
+    )  # fmt: skip
+    add_model_args(kvc)
+    kvc.set_defaults(threads=2, func=cmd_bench_kv_cache)
+    kvc.add_argument("--kv-cache-dtypes", default="auto,int8,int4",
+                     help="comma-separated kv_cache_dtype values; ratios and agreement are against auto "
+                     "(else the first)")  # fmt: skip
+    kvc.add_argument("--seq-len", type=int, default=4096, help="capacity: tokens of each sequence")
+    kvc.add_argument("--kv-cache-memory", default="1GiB", help="capacity: the KV memory the plan fits sequences in")
+    kvc.add_argument("--check-sequences", type=int, default=3,
+                     help="capacity check: its KV memory holds this many sequences of the auto cache")  # fmt: skip
+    kvc.add_argument("--check-kv-cache-memory", default=None, help="capacity check: this KV memory instead")
+    kvc.add_argument("--check-max-requests", type=int, default=64, help="capacity check: at most this many requests")
+    kvc.add_argument("--contexts", default="1024,4096,8192", help="decode speed: comma-separated context lengths")
+    kvc.add_argument("--batch-sizes", default="1,8", help="decode speed: comma-separated numbers of sequences")
+    kvc.add_argument("--decode-tokens", type=int, default=32, help="decode speed: tokens timed per sequence")
+    kvc.add_argument("--prefill-chunk", type=int, default=2048, help="decode speed: max_num_batched_tokens")
+    kvc.add_argument("--ppl-tokens", type=int, default=16384, help="accuracy: WikiText-2 tokens scored")
+    kvc.add_argument("--ppl-context", type=int, default=1024, help="accuracy: perplexity window")
+    kvc.add_argument("--ppl-stride", type=int, default=512, help="accuracy: perplexity stride")
+    kvc.add_argument("--ppl-chunk", type=int, default=256,
+                     help="accuracy: max_num_batched_tokens, so a window's later chunks read the cache")  # fmt: skip
+    kvc.add_argument("--agreement-prompts", type=int, default=20, help="accuracy: prompts of the greedy agreement")
+    kvc.add_argument("--agreement-tokens", type=int, default=64, help="accuracy: greedy tokens per prompt")
+    kvc.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    kvc.add_argument("--peers", default="", help="comma-separated: llamacpp (default: none)")
+    kvc.add_argument("--llamacpp-python", default=None, help="interpreter with llama_cpp (default: this one)")
+    kvc.add_argument("--skip-capacity", action="store_true", help="leave out bytes per token and sequences")
+    kvc.add_argument("--skip-speed", action="store_true", help="leave out decode speed (and the peer)")
+    kvc.add_argument("--skip-accuracy", action="store_true", help="leave out perplexity and agreement")
+    add_output_arg(kvc, "kv-cache", "kv-cache-MODEL")
+
     srv = bench_sub.add_parser("serve", help="load generator against any OpenAI-compatible server (streaming)")
     srv.add_argument("--base-url", required=True, help="the server's API root, e.g. http://127.0.0.1:8000/v1")
     srv.add_argument("--model", default=None, help="model name to request (default: the first in GET /models)")
@@ -1079,6 +1113,72 @@ def cmd_bench_window(args: argparse.Namespace) -> int:
     out = output_path(args, "window")
     write_report(out, report, window.markdown(report))
     plot_window(report, out.with_suffix(".png"))
+    return 0
+
+
+def cmd_bench_kv_cache(args: argparse.Namespace) -> int:
+    from kvserve.bench import kv_cache_dtype as kvc
+    from kvserve.bench import speed, window
+    from kvserve.bench.plots import plot_kv_cache
+    from kvserve.entrypoints.cli_common import load_from_args
+
+    def log(line: str) -> None:
+        print(f"bench kv-cache: {line}", file=sys.stderr, flush=True)
+
+    def numbers(text: str, flag: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(n) for n in text.split(",") if n.strip())
+        except ValueError:
+            raise ValueError(f"{flag} takes comma-separated whole numbers, got {text!r}") from None
+
+    peers = [p for p in args.peers.split(",") if p]
+    if set(peers) - {"llamacpp"}:
+        raise ValueError(f"--peers: unknown peer(s) {sorted(set(peers) - {'llamacpp'})}; choose from llamacpp")
+    bench = kvc.KVCacheBench(
+        kv_cache_dtypes=tuple(d for d in args.kv_cache_dtypes.split(",") if d),
+        engine_options=dict(dtype=args.dtype, device=args.device, weights=args.weights,
+                            int8_activations=args.int8_activations),
+        block_size=args.block_size, seq_len=args.seq_len, kv_cache_memory=args.kv_cache_memory,
+        check_sequences=args.check_sequences, check_kv_cache_memory=args.check_kv_cache_memory,
+        check_max_requests=args.check_max_requests, contexts=numbers(args.contexts, "--contexts"),
+        batch_sizes=numbers(args.batch_sizes, "--batch-sizes"), decode_tokens=args.decode_tokens,
+        prefill_chunk=args.prefill_chunk, ppl_tokens=args.ppl_tokens, ppl_context=args.ppl_context,
+        ppl_stride=args.ppl_stride, ppl_chunk=args.ppl_chunk, agreement_prompts=args.agreement_prompts,
+        agreement_tokens=args.agreement_tokens,
+        capacity=not args.skip_capacity, speed=not args.skip_speed, accuracy=not args.skip_accuracy,
+    )  # fmt: skip
+    for kv_dtype in bench.kv_cache_dtypes:  # a bad name or pair is refused before the model loads
+        bench.config(kv_dtype, bench.kv_cache_memory)
+    model_path = resolve_model_path(args.model)
+    llamacpp = None
+    if "llamacpp" in peers and bench.speed:
+        if model_path.suffix != ".gguf":
+            raise ValueError(f"--peers llamacpp runs a GGUF file; {model_path} is not one")
+        try:
+            llamacpp = (speed.find_llamacpp_python(args.llamacpp_python), model_path)
+        except RuntimeError as exc:  # no llama_cpp: said in one line, before the model loads
+            raise ValueError(str(exc)) from None
+    loaded = load_from_args(args)
+    model_dtype = str(loaded.dtype).removeprefix("torch.")
+    log(
+        f"{loaded.path.name}, {model_dtype}, {torch.get_num_threads()} threads; KV dtypes {list(bench.kv_cache_dtypes)}"
+    )
+    results = kvc.run(loaded, bench, log, llamacpp)
+    settings = {k: v for k, v in dataclasses.asdict(bench).items() if k != "engine_options"}
+    report = new_report(
+        "kv-cache", model=loaded.path.name, dtype=model_dtype, weights=loaded.weights, device=args.device,
+        threads=torch.get_num_threads(), kv_cache_dtypes=list(bench.kv_cache_dtypes), settings=settings,
+        peers=(
+            {"llama.cpp": {**results["speed"]["llama.cpp"], "settings": "type_k = type_v per row, flash attention on, "
+                           "use_extra_bufts=False, one KV pool shared by the batch"}}
+            if llamacpp else {}
+        ),
+        results=results,
+    )  # fmt: skip
+    report["cpu"] = window.cpu_label(report["machine"])
+    out = output_path(args, f"kv-cache-{model_path.stem.lower()}")
+    write_report(out, report, kvc.markdown(report))
+    plot_kv_cache(report, out.with_suffix(".png"))
     return 0
 
 

@@ -9,8 +9,10 @@ so the figures measure llama.cpp itself, not the high-level ``Llama`` wrapper's 
 Usage::
 
     python llamacpp_worker.py MODEL.gguf --threads 2 --n-ctx 8192 --max-seqs 32
+    python llamacpp_worker.py MODEL.gguf --type-k q8_0 --type-v q8_0 --flash-attn on  # a quantized KV cache
 
-Protocol: one JSON line on stdout once loaded, ``{"ready": true, "load_s": ..., "llama_cpp": ..., "system_info": ...}``,
+Protocol: one JSON line on stdout once loaded, ``{"ready": true, "load_s": ..., "llama_cpp": ..., "system_info": ...,
+"type_k": ..., "type_v": ..., "flash_attn": ..., "use_extra_bufts": false, ...}``,
 then one JSON answer line per JSON command line read from stdin:
 
 - ``{"op": "generate", "ids": [...], "new_tokens": N}`` -> ``{"seconds": s, "first_token_s": f, "tokens": [N ids]}``
@@ -26,8 +28,10 @@ Settings chosen on purpose:
 
 - ``use_extra_bufts = False``: llama.cpp's AMX extra buffer type (weight repacking for AMX tiles) crashes on the
   benchmark machine with SIGSEGV at ``ldtilecfg``, so the plain CPU buffers are used.
-- Flash attention off (``LLAMA_FLASH_ATTN_TYPE_DISABLED``): on this CPU llama.cpp decodes faster without it, and the
-  default ("auto") turns it on for the CPU backend.
+- Flash attention off (``LLAMA_FLASH_ATTN_TYPE_DISABLED``) unless ``--flash-attn on``: on this CPU llama.cpp decodes
+  faster without it, and the default ("auto") turns it on for the CPU backend. A quantized V cache needs it on.
+- The KV cache in f16 (llama.cpp's default), or ``--type-k`` / ``--type-v`` (``q8_0``, ``q4_0``, ...; ggml's
+  ``type_k`` and ``type_v`` context parameters).
 - ``kv_unified = True`` (unless ``--split-kv``): the KV cache is one pool of ``n_ctx`` cells shared by all sequences.
   With a split cache each sequence owns only ``n_ctx / n_seq_max`` cells, and the benchmark needs both 32 short
   sequences at once and a single 2048+ token prompt from the same context. With a shared pool llama.cpp's rounding
@@ -63,13 +67,17 @@ class Worker:
     """One llama.cpp model and context, plus a reusable batch big enough for a prompt chunk or a decode step."""
 
     def __init__(
-        self, model_path: str, threads: int, n_ctx: int, max_seqs: int, n_batch: int, kv_unified: bool
-    ) -> None:
+        self, model_path: str, threads: int, n_ctx: int, max_seqs: int, n_batch: int, kv_unified: bool,
+        type_k: str = "f16", type_v: str = "f16", flash_attn: str = "off",
+    ) -> None:  # fmt: skip
+        if type_v not in UNQUANTIZED_KV_TYPES and flash_attn != "on":
+            raise ValueError(f"a quantized V cache (--type-v {type_v}) needs flash attention: pass --flash-attn on")
         llama_cpp.llama_backend_init()
 
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = 0
         model_params.use_extra_bufts = False  # the AMX extra buffer type segfaults here (ldtilecfg)
+        self.use_extra_bufts = bool(model_params.use_extra_bufts)  # as the model was loaded, for the ready line
         self.model = llama_cpp.llama_model_load_from_file(os.fsencode(model_path), model_params)
         if not self.model:
             raise RuntimeError(f"could not load the model {model_path}")
@@ -81,7 +89,9 @@ class Worker:
         ctx_params.n_seq_max = max_seqs
         ctx_params.n_threads = threads
         ctx_params.n_threads_batch = threads
-        ctx_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED  # faster on this CPU
+        ctx_params.flash_attn_type = _flash_attn_type(flash_attn)  # off by default: faster on this CPU
+        ctx_params.type_k = _ggml_type(type_k)
+        ctx_params.type_v = _ggml_type(type_v)
         ctx_params.kv_unified = kv_unified
         ctx_params.offload_kqv = False
         ctx_params.no_perf = True
@@ -97,6 +107,7 @@ class Worker:
         self.n_batch = llama_cpp.llama_n_batch(self.ctx)
         self.max_seqs = max_seqs
         self.kv_unified = kv_unified
+        self.type_k, self.type_v, self.flash_attn = type_k, type_v, flash_attn
 
         # One sequence id per token is all this worker uses, so the batch is allocated with n_seq_max = 1.
         self.capacity = max(self.n_batch, max_seqs)
@@ -197,6 +208,20 @@ class Worker:
             raise ValueError(f"{cells} KV cells needed but n_ctx is {self.n_ctx}")
 
 
+# ggml_type ids (enum ggml_type in ggml.h) of the KV cache types this worker accepts.
+KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+UNQUANTIZED_KV_TYPES = ("f32", "f16", "bf16")
+
+
+def _ggml_type(name: str) -> int:
+    return int(getattr(llama_cpp, f"GGML_TYPE_{name.upper()}", KV_TYPES[name]))
+
+
+def _flash_attn_type(mode: str) -> int:
+    names = {"on": "ENABLED", "off": "DISABLED", "auto": "AUTO"}
+    return int(getattr(llama_cpp, f"LLAMA_FLASH_ATTN_TYPE_{names[mode]}"))
+
+
 def _handle(worker: Worker, command: dict[str, Any]) -> dict[str, Any]:
     op = command.get("op")
     if op == "generate":
@@ -254,6 +279,12 @@ def main() -> int:
         action="store_true",
         help="kv_unified=False: each sequence gets its own n_ctx/max_seqs cells (long single prompts may not fit)",
     )
+    parser.add_argument("--type-k", choices=KV_TYPES, default="f16", help="the K cache's type (type_k)")
+    parser.add_argument("--type-v", choices=KV_TYPES, default="f16", help="the V cache's type (type_v)")
+    parser.add_argument(
+        "--flash-attn", choices=("on", "off", "auto"), default="off",
+        help="flash attention (flash_attn_type); a quantized V cache needs it on",
+    )  # fmt: skip
     parser.add_argument("--verbose", action="store_true", help="all of llama.cpp's log on stderr")
     args = parser.parse_args()
 
@@ -266,7 +297,10 @@ def main() -> int:
 
     start = time.perf_counter()
     try:
-        worker = Worker(args.model, args.threads, args.n_ctx, args.max_seqs, n_batch, not args.split_kv)
+        worker = Worker(
+            args.model, args.threads, args.n_ctx, args.max_seqs, n_batch, not args.split_kv, args.type_k,
+            args.type_v, args.flash_attn,
+        )  # fmt: skip
     except Exception as exc:  # report it on the protocol so the caller sees why
         _send(out, {"ready": False, "error": str(exc)})
         return 1
@@ -282,6 +316,10 @@ def main() -> int:
             "n_batch": worker.n_batch,
             "n_vocab": worker.n_vocab,
             "kv_unified": worker.kv_unified,
+            "type_k": worker.type_k,
+            "type_v": worker.type_v,
+            "flash_attn": worker.flash_attn,
+            "use_extra_bufts": worker.use_extra_bufts,
             "threads": args.threads,
         },
     )

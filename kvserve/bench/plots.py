@@ -311,3 +311,77 @@ def plot_tensor_parallel(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_kv_cache(report: dict, path: Path) -> None:
+    """KV cache dtypes: decode tokens/s against context (a colour per dtype, a marker per batch size; llama.cpp
+    dashed), sequences per GiB from the plan, and the measured peak beside the plan at the check's KV memory."""
+    plt = pyplot()
+
+    results = report["results"]
+    colours = {d: f"C{i}" for i, d in enumerate(report["kv_cache_dtypes"])}
+    panels = (["speed"] if "speed" in results else []) + (["per_gib", "check"] if "capacity" in results else [])
+    if not panels:
+        return
+    widths = [1.6 if p == "speed" else 1.0 for p in panels]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * sum(widths), 4.2), width_ratios=widths, squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        if panel == "speed":
+            _kv_speed_panel(ax, results["speed"]["cells"], colours)
+        else:
+            _kv_capacity_panel(ax, results["capacity"], colours, panel == "per_gib")
+    fig.suptitle(
+        f"{report['model']}, {report['dtype']} model, {report['threads']} threads; {report['cpu']}", fontsize=9
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _kv_speed_panel(ax, cells: list[dict], colours: dict[str, str]) -> None:  # noqa: ANN001 - a matplotlib Axes
+    markers = {b: "osD^v"[i % 5] for i, b in enumerate(sorted({c["batch"] for c in cells}))}
+    lines: dict[tuple, list[tuple[int, float]]] = {}
+    for c in cells:
+        key = (c["engine"], c["kv_cache_dtype"], c["kv_type"], c["batch"])
+        lines.setdefault(key, []).append((c["context"], c["tokens_per_s"]))
+    for (engine, dtype, kv_type, batch), points in lines.items():
+        points.sort()
+        ax.plot(
+            [p[0] for p in points], [p[1] for p in points], marker=markers[batch], color=colours[dtype],
+            linestyle="-" if engine == "kvserve" else "--", label=f"{engine} {kv_type}, B={batch}",
+        )  # fmt: skip
+    contexts = sorted({c["context"] for c in cells})
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(contexts, [f"{c:,}" for c in contexts])
+    ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title("Decode speed by context", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def _kv_capacity_panel(ax, capacity: dict, colours: dict[str, str], per_gib: bool) -> None:  # noqa: ANN001 - Axes
+    rows = capacity["dtypes"]
+    dtypes = list(rows)
+    if per_gib:
+        values = [rows[d]["plan"]["sequences_per_gib"] for d in dtypes]
+        ax.bar(dtypes, values, color=[colours[d] for d in dtypes])
+        for i, v in enumerate(values):
+            ax.annotate(f"{v}", (i, v), ha="center", va="bottom", fontsize=8)
+        ax.set_title(f"sequences of {capacity['seq_len']:,} tokens per GiB (plan)", fontsize=10)
+        return
+    xs = range(len(dtypes))
+    planned = [rows[d]["measured"]["planned_sequences"] for d in dtypes]
+    measured = [rows[d]["measured"]["peak_running"] for d in dtypes]
+    ax.bar([x - 0.2 for x in xs], planned, 0.4, color="#bbbbbb", label="plan")
+    ax.bar([x + 0.2 for x in xs], measured, 0.4, color=[colours[d] for d in dtypes], label="peak running")
+    for x, p, m in zip(xs, planned, measured, strict=True):
+        ax.annotate(f"{p}", (x - 0.2, p), ha="center", va="bottom", fontsize=8)
+        ax.annotate(f"{m}", (x + 0.2, m), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs), dtypes)
+    memory = capacity["check_kv_cache_memory"]
+    size = f"{memory / 2**20:.1f} MiB" if memory >= 2**20 else f"{memory / 2**10:.1f} KiB"
+    ax.set_title(f"sequences at once in {size} (run)", fontsize=10)
+    ax.legend(fontsize=8)
