@@ -100,8 +100,12 @@ def test_capacity_plan_and_run(report):
 @pytest.mark.slow
 def test_auto_agrees_with_itself(report, loaded):
     """The report's auto row, and a second auto engine's greedy tokens against the first's."""
-    auto = report["results"]["accuracy"]["dtypes"]["auto"]["agreement"]
+    rows = report["results"]["accuracy"]["dtypes"]
+    auto = rows["auto"]["agreement"]
     assert auto["prefix_agreement"] == 1.0 and auto["identical"] == 1.0
+    # Teacher-forced, the greedy engine's own tokens are its top tokens (float32 tiny model: no ties).
+    assert rows["auto"]["same_top_token"] == 1.0
+    assert all(0 < row["same_top_token"] <= 1 for row in rows.values())
     b = bench(agreement_prompts=3)
     prompts, _ = kvc.agreement_prompts(loaded, 3)
     memory = kvc.accuracy_memory(loaded, b, max(len(p) for p in prompts))

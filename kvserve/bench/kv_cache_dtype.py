@@ -353,6 +353,27 @@ def agreement(reference: Sequence[Sequence[int]], outputs: Sequence[Sequence[int
     }
 
 
+def same_top_token(engine: LLMEngine, prompts: Sequence[list[int]], reference: Sequence[Sequence[int]]) -> float:
+    """Teacher-forced agreement (llama.cpp's "same top p"): each prompt followed by the reference's greedy tokens,
+    the share of those positions where this engine's most likely next token is the reference's token."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    ids = [engine.add_request(list(p) + list(r[:-1]), params) for p, r in zip(prompts, reference, strict=True)]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    same = total = 0
+    for request_id, prompt, ref in zip(ids, prompts, reference, strict=True):
+        out = done[request_id]
+        # prompt_logprobs[i] scores token i given the tokens before it; position len(prompt) + j predicts ref[j].
+        steps = [*out.prompt_logprobs[len(prompt) :], None]
+        top_after_last = out.outputs[0].token_ids[0]  # the greedy token after ref[:-1]
+        for j, step in enumerate(steps):
+            top = max(step, key=step.get) if step is not None else top_after_last
+            same += top == ref[j]
+            total += 1
+    return same / total
+
+
 def ppl_tokens(loaded: LoadedModel, count: int) -> tuple[list[int], str]:
     """The first ``count`` tokens of WikiText-2's test split and their text."""
     from kvserve.eval.data import WIKITEXT2, require
@@ -371,8 +392,14 @@ def accuracy_memory(loaded: LoadedModel, bench: KVCacheBench, longest_prompt: in
 
 
 def measure_accuracy(
-    engine: LLMEngine, bench: KVCacheBench, tokens: list[int], text: str, prompts: Sequence[list[int]], log: Log
-) -> tuple[dict, list[list[int]]]:
+    engine: LLMEngine,
+    bench: KVCacheBench,
+    tokens: list[int],
+    text: str,
+    prompts: Sequence[list[int]],
+    log: Log,
+    reference: Sequence[Sequence[int]] | None = None,
+) -> tuple[dict, list[list[int]], float | None]:
     from kvserve.eval.loglikelihood import EngineScorer
     from kvserve.eval.perplexity import evaluate_perplexity
 
@@ -382,7 +409,9 @@ def measure_accuracy(
     start = time.perf_counter()
     outputs = generate_greedy(engine, prompts, bench.agreement_tokens)
     log(f"  {len(prompts)} prompts x {bench.agreement_tokens} greedy tokens ({time.perf_counter() - start:.1f} s)")
-    return result.as_dict(), outputs
+    same = same_top_token(engine, prompts, reference if reference is not None else outputs)
+    log(f"  same top token as the reference's greedy tokens: {same:.1%}")
+    return result.as_dict(), outputs, same
 
 
 # ----- part 4: llama.cpp -----
@@ -513,12 +542,15 @@ def run_accuracy(loaded: LoadedModel, bench: KVCacheBench, log: Log) -> dict:
     memory = accuracy_memory(loaded, bench, max(len(p) for p in prompts))
     log(f"accuracy: WikiText-2 perplexity over {len(tokens):,} tokens (context {bench.ppl_context}, stride "
         f"{bench.ppl_stride}, chunks of {bench.ppl_chunk}); greedy agreement on {source}")  # fmt: skip
-    perplexity, outputs = {}, {}
-    for kv_dtype in bench.kv_cache_dtypes:
+    perplexity, outputs, same = {}, {}, {}
+    order = [bench.baseline, *(d for d in bench.kv_cache_dtypes if d != bench.baseline)]  # the reference first
+    for kv_dtype in order:
         engine = LLMEngine(bench.config(kv_dtype, memory, max_num_batched_tokens=bench.ppl_chunk), loaded)
         log(f"  {kv_dtype}: {engine.kv_summary}")
         try:
-            perplexity[kv_dtype], outputs[kv_dtype] = measure_accuracy(engine, bench, tokens, text, prompts, log)
+            perplexity[kv_dtype], outputs[kv_dtype], same[kv_dtype] = measure_accuracy(
+                engine, bench, tokens, text, prompts, log, outputs.get(bench.baseline)
+            )
         finally:
             _drop(engine)
     base = perplexity[bench.baseline]["perplexity"]
@@ -528,6 +560,7 @@ def run_accuracy(loaded: LoadedModel, bench: KVCacheBench, log: Log) -> dict:
         rows[kv_dtype] = {
             "perplexity": ppl, "perplexity_change": ppl["perplexity"] / base - 1,
             "agreement": agreement(outputs[bench.baseline], outputs[kv_dtype], bench.agreement_tokens),
+            "same_top_token": same[kv_dtype],
             "tokens": outputs[kv_dtype],
         }  # fmt: skip
     return {"ppl_tokens": len(tokens), "ppl_context": bench.ppl_context, "ppl_stride": bench.ppl_stride,
@@ -641,16 +674,19 @@ def _accuracy_lines(a: dict, base: str) -> list[str]:
         f"WikiText-2 test perplexity over its first {a['ppl_tokens']:,} tokens (windows of {a['ppl_context']}, "
         f"stride {a['ppl_stride']}, prompts computed {a['ppl_chunk']} tokens a step, so later chunks read the "
         f"cache as stored). Greedy agreement with `{base}` on {a['prompts']}, {a['agreement_tokens']} tokens each "
-        "(EOS ignored): the mean over prompts of the common prefix over the tokens generated, and the share of "
-        "prompts whose tokens are all identical.",
+        "(EOS ignored): the mean over prompts of the common prefix over the tokens generated, the share of "
+        f"prompts whose tokens are all identical, and the same top token (teacher-forced: after `{base}`'s own "
+        "tokens, the share of positions where this cache's most likely token is the one it chose; llama.cpp's "
+        '"same top p").',
         "",
-        f"| KV dtype | perplexity | vs {base} | agreement | identical |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        f"| KV dtype | perplexity | vs {base} | agreement | identical | same top token |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for d, row in a["dtypes"].items():
         lines.append(
             f"| {d} | {row['perplexity']['perplexity']:.4f} | {row['perplexity_change']:+.2%} | "
-            f"{row['agreement']['prefix_agreement']:.3f} | {row['agreement']['identical']:.0%} |"
+            f"{row['agreement']['prefix_agreement']:.3f} | {row['agreement']['identical']:.0%} | "
+            f"{row['same_top_token']:.1%} |"
         )
     return lines
 
