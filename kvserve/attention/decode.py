@@ -4,6 +4,11 @@
 tensors are on the CPU, else ``paged_decode_reference``: the same result from torch ops (a gather of each
 row's blocks and one masked SDPA call), which is also the kernel's exactness oracle in the tests.
 
+A quantized cache (``quant``, ``attention/kv_quant.py``) holds uint8 rows of int8 or int4 codes with their scales:
+the kernel ``csrc/paged_decode_quant.cpp`` reads them in place (float32 queries, the output cast back to q's
+dtype); the torch path dequantises the gathered blocks to q's dtype before the same SDPA. The queries come already
+rotated as the cache was; so does the output go back.
+
 Every cache's decode goes through here: the paged cache with its block tables, the compressed cache with a
 table per layer, and the offloading cache with the rows it fetched (a dense (B, T, Hkv, D) buffer is B
 blocks of T slots with the table ``[[0], [1], ...]``).
@@ -15,8 +20,40 @@ import math
 
 import torch
 
+from kvserve.attention.kv_quant import KVQuant, widen
 from kvserve.attention.softcap import cap_logits, sdpa
 from kvserve.platform.cpu_kernels import use_cpu_kernel
+
+
+def _use_kernel(q: torch.Tensor, k_cache: torch.Tensor, quant: KVQuant | None) -> bool:
+    """Whether the compiled kernel takes this call: ``paged_decode`` for a float cache, ``paged_decode_quant`` for a
+    quantized one's uint8 rows (its queries go in as float32, whatever q's dtype)."""
+    if quant is None:
+        return use_cpu_kernel(q, k_cache)
+    return k_cache.device.type == "cpu" and k_cache.dtype == torch.uint8 and use_cpu_kernel(q)
+
+
+def _kernel(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    want_weights: bool,
+    softcap: float,
+    quant: KVQuant | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The compiled kernel's (output in q's dtype, log-sum-exp, weights or an empty tensor); q contiguous."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if quant is None:
+        return torch.ops.kvserve.paged_decode(
+            q, k_cache, v_cache, block_tables, starts, ends, scale, want_weights, softcap
+        )
+    out, lse, weights = torch.ops.kvserve.paged_decode_quant(
+        q.float(), k_cache, v_cache, block_tables, starts, ends, scale, quant.bits, want_weights, softcap
+    )
+    return out.to(q.dtype), lse, weights
 
 
 def paged_decode(
@@ -28,25 +65,21 @@ def paged_decode(
     ends: torch.Tensor,
     want_weights: bool = False,
     softcap: float = 0.0,
-    quant=None,  # noqa: ANN001
+    quant: KVQuant | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of q (B, H, D) over k_cache/v_cache (num_blocks, block_size, Hkv, D), of q's dtype or narrower
-    under float32 q (bfloat16, float16): row b reads key positions
+    under float32 q (bfloat16, float16), or with ``quant`` that format's uint8 rows (num_blocks, block_size, Hkv,
+    quant.row_bytes): row b reads key positions
     ``starts[b] .. ends[b] - 1`` of its table ``block_tables[b]`` ((B, W) int32; starts, ends (B,) int32), its
     scaled logits soft-capped by ``softcap`` (0: none; ``attention/softcap.py``).
 
     Returns the output (B, H, D) and, with ``want_weights``, each key's softmax probability averaged over the
     query heads, (B, W * block_size) float32 by position, zero outside a row's range; else None."""
     q = q.contiguous()
-    if quant is not None:
-        k_cache, v_cache = quant.dequantize(k_cache, q.dtype), quant.dequantize(v_cache, q.dtype)
-    if use_cpu_kernel(q, k_cache):
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        out, _, weights = torch.ops.kvserve.paged_decode(
-            q, k_cache, v_cache, block_tables, starts, ends, scale, want_weights, softcap
-        )
+    if _use_kernel(q, k_cache, quant):
+        out, _, weights = _kernel(q, k_cache, v_cache, block_tables, starts, ends, want_weights, softcap, quant)
         return out, (weights if want_weights else None)
-    return paged_decode_reference(q, k_cache, v_cache, block_tables, starts, ends, want_weights, softcap)
+    return paged_decode_reference(q, k_cache, v_cache, block_tables, starts, ends, want_weights, softcap, quant)
 
 
 def paged_decode_lse(
@@ -57,18 +90,16 @@ def paged_decode_lse(
     starts: torch.Tensor,
     ends: torch.Tensor,
     softcap: float = 0.0,
+    quant: KVQuant | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``paged_decode`` (same arguments) returning the output (B, H, D) and each query head's log-sum-exp of its
     scaled logits (B, H) float32: -inf, with a zero output, for an empty range. Two ranges attended apart merge
     by it (``merge_attention``)."""
     q = q.contiguous()
-    if use_cpu_kernel(q, k_cache):
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        out, lse, _ = torch.ops.kvserve.paged_decode(
-            q, k_cache, v_cache, block_tables, starts, ends, scale, False, softcap
-        )
+    if _use_kernel(q, k_cache, quant):
+        out, lse, _ = _kernel(q, k_cache, v_cache, block_tables, starts, ends, False, softcap, quant)
         return out, lse
-    qg, keys, values, mask = _gather(q, k_cache, v_cache, block_tables, starts, ends)
+    qg, keys, values, mask = _gather(q, k_cache, v_cache, block_tables, starts, ends, quant)
     logits = torch.matmul(qg.float(), keys.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, Hkv, G, T)
     logits = cap_logits(logits, softcap)
     lse = torch.logsumexp(logits.masked_fill(~mask, float("-inf")), dim=-1)  # (B, Hkv, G)
@@ -91,15 +122,17 @@ def _gather(
     block_tables: torch.Tensor,
     starts: torch.Tensor,
     ends: torch.Tensor,
+    quant: KVQuant | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's blocks gathered for the torch paths: queries (B, Hkv, G, D) (query head h reads KV head h // G),
-    keys and values (B, Hkv, T, D) widened to q's dtype when the cache is narrower, visible (B, 1, 1, T)."""
+    keys and values (B, Hkv, T, D) widened to q's dtype when the cache is narrower (dequantised when it is
+    quantized), visible (B, 1, 1, T)."""
     batch, num_heads, head_dim = q.shape
     _, block_size, hkv, _ = k_cache.shape
     length = block_tables.shape[1] * block_size
     index = block_tables.long().view(-1)
-    keys = k_cache.index_select(0, index).view(batch, length, hkv, head_dim).transpose(1, 2).to(q.dtype)
-    values = v_cache.index_select(0, index).view(batch, length, hkv, head_dim).transpose(1, 2).to(q.dtype)
+    keys = widen(k_cache.index_select(0, index), q.dtype, quant).view(batch, length, hkv, head_dim).transpose(1, 2)
+    values = widen(v_cache.index_select(0, index), q.dtype, quant).view(batch, length, hkv, head_dim).transpose(1, 2)
     position = torch.arange(length, device=q.device)
     visible = (position >= starts.to(q.device).long()[:, None]) & (position < ends.to(q.device).long()[:, None])
     return q.reshape(batch, hkv, num_heads // hkv, head_dim), keys, values, visible[:, None, None, :]
@@ -114,10 +147,11 @@ def paged_decode_reference(
     ends: torch.Tensor,
     want_weights: bool = False,
     softcap: float = 0.0,
+    quant: KVQuant | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``paged_decode`` from torch ops: gather each row's blocks, mask its range, attend (same arguments)."""
     batch, num_heads, head_dim = q.shape
-    qg, keys, values, mask = _gather(q, k_cache, v_cache, block_tables, starts, ends)
+    qg, keys, values, mask = _gather(q, k_cache, v_cache, block_tables, starts, ends, quant)
     if not want_weights:
         out = sdpa(qg, keys, values, attn_mask=mask, softcap=softcap)
         return out.reshape(batch, num_heads, head_dim), None

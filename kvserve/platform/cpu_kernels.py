@@ -1,6 +1,7 @@
 """kvserve's compiled CPU kernels (``csrc/``), built once per machine and loaded as ``torch.ops.kvserve``.
 
-``paged_decode.cpp``: decode attention over paged KV (``attention/decode.py``); ``fused_ops.cpp``: RMSNorm,
+``paged_decode.cpp``: decode attention over paged KV (``attention/decode.py``); ``paged_decode_quant.cpp``: the same
+over an int8 or int4 KV cache's rows, read in place (``attention/kv_quant.py``); ``fused_ops.cpp``: RMSNorm,
 rotary embedding and SwiGLU's product, one op each (``models/fused.py``); ``speculate.cpp``: InfiniGen's
 speculation for a decode batch (``policies/infinigen.py``); ``quant_gemv.cpp``: products with GGUF's
 4-bit and 8-bit codes for decode-sized batches in float32, and both with activations rounded to int8
@@ -41,6 +42,7 @@ SOURCES = tuple(
     CSRC / name
     for name in (
         "paged_decode.cpp",
+        "paged_decode_quant.cpp",
         "fused_ops.cpp",
         "speculate.cpp",
         "quant_gemv.cpp",
@@ -53,6 +55,7 @@ SOURCES = tuple(
 HEADERS = (CSRC / "cpu_vec.h", CSRC / "ops.h")
 OPS = (
     "paged_decode",
+    "paged_decode_quant",
     "rms_norm",
     "rope_",
     "silu_mul",
