@@ -284,3 +284,15 @@ def test_parallel_prefill_passes_quantized_rows_and_equals_one_process(folder, n
 def test_unsupported_pairs_are_refused_with_the_reason(options, reason) -> None:
     with pytest.raises(ValueError, match=reason):
         EngineConfig(kv_cache_dtype="int8", **options)
+
+
+def test_generate_and_serve_take_the_option() -> None:
+    from kvserve.entrypoints.cli import _engine_config as generate_config
+    from kvserve.entrypoints.cli import build_parser
+    from kvserve.entrypoints.engine_args import engine_config_from_args
+
+    parser = build_parser()
+    assert generate_config(parser.parse_args(["generate", "--kv-cache-dtype", "int4", "hi"])).kv_quant == "int4"
+    assert engine_config_from_args(parser.parse_args(["serve", "--kv-cache-dtype", "int8"])).kv_quant == "int8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--kv-cache-dtype", "int3"])
