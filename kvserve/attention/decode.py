@@ -6,8 +6,8 @@ row's blocks and one masked SDPA call), which is also the kernel's exactness ora
 
 A quantized cache (``quant``, ``attention/kv_quant.py``) holds uint8 rows of int8 or int4 codes with their scales:
 the kernel ``csrc/paged_decode_quant.cpp`` reads them in place (float32 queries, the output cast back to q's
-dtype); the torch path dequantises the gathered blocks to q's dtype before the same SDPA. The queries come already
-rotated as the cache was; so does the output go back.
+dtype); the torch path dequantises the gathered blocks to q's dtype before the same SDPA. Rotation is the
+caller's: q rotated as the cache's rows were (``KVQuant.rotated``), the output rotated back.
 
 Every cache's decode goes through here: the paged cache with its block tables, the compressed cache with a
 table per layer, and the offloading cache with the rows it fetched (a dense (B, T, Hkv, D) buffer is B
