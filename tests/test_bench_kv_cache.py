@@ -211,3 +211,9 @@ def test_llamacpp_cells_from_its_worker(loaded, tmp_path, monkeypatch):
     text = kvc.markdown(report)
     assert "use_extra_bufts=False" in text and "| llama.cpp | q4_0 | 16 | 2 |" in text
     assert "Not run: capacity, accuracy." in text
+
+
+def test_contexts_past_the_model_are_refused_before_anything_runs(loaded):
+    b = bench(contexts=(loaded.config.max_position_embeddings,), decode_tokens=4)
+    with pytest.raises(ValueError, match="past the model's context"):
+        kvc.run(loaded, b, log=lambda line: None)

@@ -479,6 +479,12 @@ def run(loaded: LoadedModel, bench: KVCacheBench, log: Log, llamacpp: tuple[str,
     """The parts ``bench`` asks for, for every dtype; a dict of plain values for the report. ``llamacpp``: the
     interpreter with ``llama_cpp`` and the GGUF file it runs, or None for no peer."""
     results: dict = {"baseline": bench.baseline}
+    longest = max(bench.contexts) + bench.decode_tokens
+    if bench.speed and longest > loaded.config.max_position_embeddings:  # before minutes of other parts
+        raise ValueError(
+            f"--contexts {max(bench.contexts)} + --decode-tokens {bench.decode_tokens} is past the model's context of "
+            f"{loaded.config.max_position_embeddings} tokens"
+        )
     if bench.capacity:
         results["capacity"] = run_capacity(loaded, bench, log)
     if bench.speed:
