@@ -1,4 +1,5 @@
-"""Whole blocks copied between two paged caches (a swap to or from the host tier), in every layer, K and V."""
+"""Whole blocks copied between two paged caches (a swap to or from the host tier), in every layer, K and V; and
+single token slots read and written across every layer (Prompt Cache modules' host copies)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ class BlockPool(Protocol):
     k: torch.Tensor
     v: torch.Tensor
     layer_rows: tuple[int, ...]
+    num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
@@ -80,3 +82,27 @@ def runs(ids: list[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((i, block, 1))
     return runs
+
+
+def read_slots(pool: BlockPool, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of ``slots`` in every layer, each (L, n, Hkv, D), as new tensors; a quantized cache's rows as
+    they are stored, (L, n, Hkv, row_bytes) uint8 (``write_slots`` takes them back)."""
+    index, shape = _slot_index(pool, slots)
+    return pool.k.view(shape).index_select(1, index), pool.v.view(shape).index_select(1, index)
+
+
+def write_slots(pool: BlockPool, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write (L, n, Hkv, D) keys and values (a quantized cache: its stored rows, from ``read_slots``) into ``slots``
+    of every layer."""
+    if pool.kv_quant is not None and (k.dtype, v.dtype) != (torch.uint8, torch.uint8):
+        raise ValueError(f"a {pool.kv_quant.name} cache writes slots from its own rows (read_slots), got {k.dtype}")
+    index, shape = _slot_index(pool, slots)
+    pool.k.view(shape).index_copy_(1, index, k.to(pool.k.device, pool.k.dtype, non_blocking=True))
+    pool.v.view(shape).index_copy_(1, index, v.to(pool.v.device, pool.v.dtype, non_blocking=True))
+
+
+def _slot_index(pool: BlockPool, slots: Sequence[int]) -> tuple[torch.Tensor, tuple[int, ...]]:
+    if pool.layer_rows != tuple(range(pool.num_layers)):
+        raise ValueError("slots name one token of every layer only when each layer has a block row of its own")
+    index = torch.tensor(list(slots), dtype=torch.long, device=pool.k.device)
+    return index, (pool.num_layers, pool.num_blocks * pool.block_size, pool.num_kv_heads, pool.k.shape[-1])

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata, InPlaceDecode
-from kvserve.attention.block_moves import check_pairs, check_peers, transfer
+from kvserve.attention.block_moves import check_pairs, check_peers, read_slots, transfer, write_slots
 from kvserve.attention.decode import paged_decode
 from kvserve.attention.flash_prefill import flash_prefill, use_flash_prefill
 from kvserve.attention.kv_quant import KVQuant, widen
@@ -168,27 +168,12 @@ class PagedKVCache(AttentionBackend):
             flat.index_copy_(1, dst_t, flat.index_select(1, src_t))
 
     def read_slots(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of ``slots`` in every layer, each (L, n, Hkv, D), as new tensors; a quantized cache's
-        rows as they are stored, (L, n, Hkv, row_bytes) uint8 (``write_slots`` takes them back)."""
-        self._check_layer_per_row()
-        index = torch.tensor(list(slots), dtype=torch.long, device=self.k.device)
-        shape = (self.num_layers, self.num_slots, self.num_kv_heads, self.k.shape[-1])
-        return self.k.view(shape).index_select(1, index), self.v.view(shape).index_select(1, index)
+        """Keys and values of ``slots`` in every layer (``block_moves.read_slots``)."""
+        return read_slots(self, slots)
 
     def write_slots(self, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write (L, n, Hkv, D) keys and values (a quantized cache: its stored rows, from ``read_slots``) into
-        ``slots`` of every layer."""
-        self._check_layer_per_row()
-        if self.kv_quant is not None and (k.dtype, v.dtype) != (torch.uint8, torch.uint8):
-            raise ValueError(f"a {self.kv_quant.name} cache writes slots from its own rows (read_slots), got {k.dtype}")
-        index = torch.tensor(list(slots), dtype=torch.long, device=self.k.device)
-        shape = (self.num_layers, self.num_slots, self.num_kv_heads, self.k.shape[-1])
-        self.k.view(shape).index_copy_(1, index, k.to(self.k.device, self.k.dtype, non_blocking=True))
-        self.v.view(shape).index_copy_(1, index, v.to(self.v.device, self.v.dtype, non_blocking=True))
-
-    def _check_layer_per_row(self) -> None:
-        if self.layer_rows != tuple(range(self.num_layers)):
-            raise ValueError("slots name one token of every layer only when each layer has a block row of its own")
+        """Write keys and values into ``slots`` of every layer (``block_moves.write_slots``)."""
+        write_slots(self, slots, k, v)
 
     @property
     def num_slots(self) -> int:
@@ -277,23 +262,44 @@ class PagedKVCache(AttentionBackend):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         metadata = self._check_metadata(metadata)
-        group, row = metadata.group_of(layer), self.layer_rows[layer]
-        k_rows, v_rows = self._rows(k), self._rows(v)  # a narrower or quantized cache rounds them once, here
-        self._write(row, metadata.slot_mappings[group], k_rows, v_rows)
-        quant = self.kv_quant
-        if quant is None:
-            return self._attend(layer, q, k_rows.to(q.dtype), v_rows.to(q.dtype), metadata)
-        # Every query sees the keys as the cache holds them: the step's own read back from their rows.
-        out = self._attend(
-            layer, quant.rotated(q).to(q.dtype), quant.dequantize(k_rows, q.dtype), quant.dequantize(v_rows, q.dtype),
-            metadata,
-        )  # fmt: skip
+        slots = metadata.slot_mappings[metadata.group_of(layer)]
+        if self.kv_quant is not None:
+            return self._forward_quantized(layer, q, k, v, metadata, slots)
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)  # a narrower cache rounds them once, here
+        self._write(self.layer_rows[layer], slots, k, v)
+        return self._attend(layer, q, k.to(q.dtype), v.to(q.dtype), metadata)  # as the cache holds them
+
+    def _forward_quantized(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: PagedAttentionMetadata,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """``forward`` over quantized rows: one rotation of the step's queries, keys and values together and one
+        quantization of its keys and values (a decode step is bound by its count of small ops, not their size)."""
+        quant, heads, kv_heads = self.kv_quant, q.shape[1], k.shape[1]
+        rotated = quant.rotated(torch.cat((q, k, v), dim=1))  # (N, H + 2 Hkv, D) float32
+        rows = quant.quantize(rotated[:, heads:])  # (N, 2 Hkv, row_bytes)
+        self._write(self.layer_rows[layer], slots, rows[:, :kv_heads], rows[:, kv_heads:])
+        k_read = v_read = None  # decodes read every key from the cache, their own too
+        if not self._plan_of(meta).decode_only:  # prefills see the step's keys as the cache holds them
+            read = quant.dequantize(rows, q.dtype)
+            k_read, v_read = read[:, :kv_heads], read[:, kv_heads:]
+        out = self._attend(layer, rotated[:, :heads].to(q.dtype), k_read, v_read, meta)
         return quant.rotated(out).to(q.dtype)  # H v summed: H again is the output
 
     def _attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: PagedAttentionMetadata
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        metadata: PagedAttentionMetadata,
     ) -> torch.Tensor:
-        """q (N, H, D) over the step's keys k, v (N, Hkv, D), already in the cache, and the blocks before them."""
+        """q (N, H, D) over the step's keys k, v (N, Hkv, D; None: decodes read them cached) and the blocks before."""
         group, row = metadata.group_of(layer), self.layer_rows[layer]
         k_cache, v_cache = self.k[row], self.v[row]  # (num_blocks, block_size, Hkv, D or row_bytes)
         plan, window, softcap = self._plan_of(metadata), metadata.window_of(layer), metadata.softcap
