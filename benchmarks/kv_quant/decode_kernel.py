@@ -10,7 +10,7 @@ Two settings:
 Rounds alternate the formats (a shared VM's speed drifts); each round keeps a format's fastest of 3 passes of 30
 calls, and the table shows the median over rounds per call.
 
-    python benchmarks/kv_quant_decode.py [threads] [rounds]
+    python benchmarks/kv_quant/decode_kernel.py [threads] [rounds]
 """
 
 import gc
