@@ -87,11 +87,6 @@ class KVQuant:
         scale, low = _half_of(rows[..., d // 2 : d // 2 + 2]), _half_of(rows[..., d // 2 + 2 : d // 2 + 4])
         return (codes * scale + low).to(dtype)
 
-    def round_trip(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """x's rows as stored and as read back: (uint8 rows, values in ``dtype``)."""
-        rows = self.quantize(x)
-        return rows, self.dequantize(rows, dtype)
-
 
 def widen(rows: torch.Tensor, dtype: torch.dtype, quant: KVQuant | None) -> torch.Tensor:
     """Cache rows as values in ``dtype``: dequantised when the cache is quantized, else cast."""
