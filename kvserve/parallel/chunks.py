@@ -9,6 +9,9 @@ full KV of each layer to a ``sink`` (the engine writes it into its paged cache).
 Over a quantized cache (``ChunkJob.kv_quant``) a rank turns its keys and values into the cache's rows
 (``attention/kv_quant.py``) before anything else: the rows are what travels (half or a quarter of the bytes), what
 every rank attends over (read back, as the one-process engine's queries read its cache) and what the sink stores.
+
+A model's sliding-window layers (Gemma 3's) apply their window on every rank and pass only the rows it reaches
+(``window_kv.py``); its global layers go through the scheme's backend as above.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from kvserve.attention.paged import attend_prefill
 from kvserve.errors import ParallelPrefillError
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.parallel.votes import PromptVotes
+from kvserve.parallel.window_kv import WindowKV
 
 SCHEMES = ("runahead", "tsp")
 
@@ -73,6 +77,11 @@ class ChunkBackend(AttentionBackend):
         self.dtype = torch.uint8 if self.quant else model.norm.weight.dtype
         self.timeout = timedelta(seconds=timeout_s)
         self.sink = sink
+        self.windows = None
+        if any(w is not None for w in config.layer_windows):
+            if job.vote_weights:  # a compressing policy's votes assume every layer sees the whole prompt
+                raise ValueError("a parallel prefill does not score votes over a model with sliding-window layers")
+            self.windows = WindowKV(job.boundaries, rank, config.layer_windows, self.kv_shape, self.dtype, self.wait)
         self.votes = None
         if job.vote_weights:
             weights = torch.tensor(job.vote_weights, dtype=torch.float32)
@@ -86,14 +95,23 @@ class ChunkBackend(AttentionBackend):
             return stacked(k, v)
         return self.quant.quantize(self.quant.rotated(stacked(k, v)))
 
-    def attend(self, q: torch.Tensor, kv: torch.Tensor, ctx_len: int) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, ctx_len: int, window: int | None = None) -> torch.Tensor:
         """Causal attention of q (T, H, D) at positions ctx_len.. over ``kv`` (``own_kv``'s form, ctx_len + T
-        tokens)."""
+        tokens), each query seeing the last ``window`` of them (None: all)."""
         if self.quant is None:
-            return attend_prefill(q, kv[0], kv[1], ctx_len)
+            return attend_prefill(q, kv[0], kv[1], ctx_len, window)
         keys, values = self.quant.dequantize(kv, q.dtype)
-        out = attend_prefill(self.quant.rotated(q).to(q.dtype), keys, values, ctx_len)
+        out = attend_prefill(self.quant.rotated(q).to(q.dtype), keys, values, ctx_len, window)
         return self.quant.rotated(out).to(q.dtype)
+
+    def window_of(self, layer: int) -> int | None:
+        return self.windows.window_of(layer) if self.windows is not None else None
+
+    def attend_window(self, layer: int, q: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        """A sliding-window layer: this rank's rows ``own`` out to the ranks whose windows reach them, the rows its
+        own window reaches in, attention over those (the last rank's sink gets the layer after the pass)."""
+        kv, first = self.windows.exchange(layer, own)
+        return self.attend(q, kv, self.start - first, self.windows.window_of(layer))
 
     def deliver(self, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """A layer's part once this rank has the keys (C, Hkv, D) of its whole context: its votes go out, and
@@ -117,6 +135,8 @@ class ChunkBackend(AttentionBackend):
 
     def finish(self) -> None:
         """Called after the forward pass: wait for whatever this rank still has in flight."""
+        if self.windows is not None:
+            self.windows.finish(self.sink)
         if self.votes is None:
             return
         self.votes.finish()

@@ -68,6 +68,7 @@ class ParallelPrefill:
     ) -> None:
         """``kv_quant``: the engine's quantized cache format (int8, int4), in which the ranks pass KV."""
         self.num_procs, self.kv_quant = num_procs, kv_quant
+        self.windowed = any(w is not None for w in model.config.layer_windows)
         self.table: PartitionTable | None = None
         self.set_partition(partition)
         self.searched: dict[int, tuple[int, ...]] = {}  # context length -> boundaries found by measuring
@@ -130,14 +131,20 @@ class ParallelPrefill:
     def takes(self, out: SchedulerOutput, rows_from: Mapping[int, int]) -> bool:
         """Whether the step ``out`` runs over the group: one sequence's whole prompt (a Prompt Cache module's
         too), nothing cached, no prompt logprobs, long enough (``qualifies``), and not under a per-head policy
-        (SnapKV: the ranks' votes are summed per slot, not per KV head; such a prompt runs in this process)."""
+        (SnapKV: the ranks' votes are summed per slot, not per KV head; such a prompt runs in this process). On a
+        model with sliding-window layers, positions must run one by one: the ranks count windows in tokens."""
         if len(out.scheduled) != 1:
             return False
         seq = out.scheduled[0]
         per_head = seq.kv_policy is not None and seq.kv_policy.per_head
+        gapped = (
+            self.windowed
+            and bool(seq.positions)
+            and tuple(seq.positions) != tuple(range(seq.positions[0], seq.positions[0] + len(seq.positions)))
+        )
         return (
             seq.num_computed_tokens == 0 and seq.ends_prompt and seq.seq_id not in rows_from
-            and self.qualifies(len(seq.token_ids)) and not per_head
+            and self.qualifies(len(seq.token_ids)) and not per_head and not gapped
         )  # fmt: skip
 
     def run(

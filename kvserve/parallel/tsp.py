@@ -3,7 +3,8 @@
 The prompt is split evenly; per layer every rank all-gathers every other rank's keys and values and
 attends its own queries over the keys up to its chunk's end. Every rank receives the whole context's
 KV at every layer, and the ranks wait for the slowest one (the last chunk attends over the most keys)
-at each layer's collective: what the uneven, point-to-point KV-Runahead avoids.
+at each layer's collective: what the uneven, point-to-point KV-Runahead avoids. Sliding-window layers skip
+the all-gather: each rank gets only the rows its window reaches, point-to-point (``window_kv.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ class TSPBackend(ChunkBackend):
         self.padded = max(self.sizes)  # all_gather wants equal shapes: chunks are padded to the longest
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: object) -> torch.Tensor:
+        if self.window_of(layer) is not None:
+            return self.attend_window(layer, q, self.own_kv(k, v))
         own = self.own_kv(k, v).cpu()
         if own.shape[1] < self.padded:
             own = torch.cat((own, own.new_zeros(2, self.padded - own.shape[1], *self.kv_shape)), dim=1)
