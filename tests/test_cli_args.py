@@ -188,7 +188,7 @@ def test_what_needs_the_models_facts_is_checked_on_its_metadata_before_the_weigh
     _refuse_loading(monkeypatch)
     pool_limit = ["--kv-policy", "infinigen", "--kv-pool-limit", "0.5"]  # in place: windows could not find positions
     cases = [
-        (["serve", windowed, "--prefill-parallel", "2"], "has sliding-window layers: parallel prefill (KV-Runahead)"),
+        (["serve", windowed, "--prefill-parallel", "2", "--kv-policy", "pyramid"], "prefill (KV-Runahead) windows its"),
         (["generate", "--model", windowed, "--kv-offload", "host", *pool_limit, "hi"], "kv_pool_limit=0.5 overwrites"),
         (["serve", "--kv-cache-memory", "1KiB"], "kv_cache_memory='1KiB' holds no block; one block of 16 tokens"),
         (["eval", "ppl", "--model", windowed, "--kv-cache-memory", "100"], "kv_cache_memory='100' holds no block"),

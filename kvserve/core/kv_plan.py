@@ -168,8 +168,11 @@ def windowed_model_refusal(config: EngineConfig, policy: KVPolicy) -> str | None
             f"kv_pool_limit={config.kv_pool_limit} overwrites slots in place, so a window layer could no longer find "
             "its window by position; use kv_pool_limit=1"
         )
-    if config.prefill_parallel > 1:
-        return "parallel prefill (KV-Runahead) passes whole caches between processes without windows; use 1"
+    if config.prefill_parallel > 1 and (policy.per_layer_groups or config.kv_offload != "none"):
+        return (
+            "parallel prefill (KV-Runahead) windows its processes' attention over the paged cache only; a compressing "
+            "kv_policy or kv_offload stores the prompt's window layers by rules of its own: use prefill_parallel=1"
+        )
     return None
 
 
