@@ -114,12 +114,9 @@ def test_generate_offloaded_prints_the_plain_continuation(model, tmp_path, capsy
 
 BAD_FLAGS = [
     pytest.param(
-        ["--kv-policy", "infinigen"],
-        "kv_policy='infinigen' fetches from an offloaded cache: set kv_offload to 'host' or 'disk'",
-        id="infinigen-without-offload",
-    ),
-    pytest.param(
-        ["--kv-policy", "int4"], "kv_policy='int4' fetches from an offloaded cache", id="int4-without-offload"
+        ["--kv-policy", "int4"],
+        "kv_policy='int4' fetches from an offloaded cache: set kv_offload to 'host' or 'disk'",
+        id="int4-without-offload",
     ),
     pytest.param(
         ["--kv-offload", "host", "--kv-policy", "infinigen", "--kv-pool-limit", "0"],
@@ -167,7 +164,7 @@ def test_bad_offload_flags_are_errors_on_the_other_commands(model, tmp_path, cap
     text = tmp_path / "text.txt"
     text.write_text(PROMPT)
     missing = tmp_path / "missing"
-    assert main(["eval", "ppl", "--model", model, "--data", str(text), *COMMON, "--kv-policy", "infinigen"]) == 2
+    assert main(["eval", "ppl", "--model", model, "--data", str(text), *COMMON, "--kv-policy", "int4"]) == 2
     assert "set kv_offload to 'host' or 'disk'" in capsys.readouterr().err
     argv = ["eval", "ppl", "--model", model, "--data", str(text), *COMMON, "--kv-offload", "disk"]
     assert main([*argv, "--kv-offload-path", str(missing)]) == 2
