@@ -181,3 +181,35 @@ def test_windowed_model_sparse_in_global_layers_only(windowed) -> None:
     stats = small.engine.runner.cache.stats
     assert all(0 < stats.read_fraction()[layer] < 1 for layer in cache.sparse_layers)
     assert stats.cached_rows == cache.stats.cached_rows
+
+
+@pytest.mark.parametrize(("mode", "alpha"), [("swap", 0.5), ("recompute", 1e9)])
+def test_preemption_keeps_the_tokens(loaded, mode, alpha) -> None:  # noqa: F811
+    """Swapped-in blocks get their partial keys back (recomputed from their keys): a small alpha's tokens are a roomy
+    cache's. Recompute prefills a sequence's generated rows again, attending to everything (as the offloaded cache
+    does), so only a selection of everything keeps them exactly there.
+    10 blocks hold 40 tokens: the 23-token prompt plus 16 outputs fits alone, not beside the others."""
+    prompts = [PROMPTS[0][:n] for n in (9, 5, 23, 2)]
+    options = {"kv_policy": "infinigen", "infinigen_alpha": alpha}
+    engine, _ = sparse_engine(loaded, **options)
+    roomy = tokens(run(engine, prompts, greedy(16)))
+    engine.close()
+    block = engine.runner.cache.k[:, 0].nbytes * 2 + engine.runner.cache.partial_keys[:, :, 0].nbytes
+    config = EngineConfig(
+        model=str(loaded.path), dtype="float32", block_size=4, kv_cache_memory=10 * block + block - 1,
+        swap_space=40 * block if mode == "swap" else 0, preemption_mode=mode, **options,
+    )  # fmt: skip
+    engine = LLMEngine(config, loaded)
+    assert engine.kv.pool.num_blocks == 10
+    cache, swapped = engine.runner.cache, []
+    swap_in = cache.swap_in
+
+    def spy(pairs, host_cache=None):  # noqa: ANN001, ANN202 - the cache's own
+        swapped.append(len(pairs))
+        return swap_in(pairs, host_cache)
+
+    cache.swap_in = spy
+    assert tokens(run(engine, prompts, greedy(16))) == roomy
+    assert engine.scheduler.num_preemptions > 0
+    assert (sum(swapped) > 0) == (mode == "swap")
+    engine.close()
