@@ -3,7 +3,8 @@ tiny random checkpoint in float32. Selecting everything is the paged engine, tok
 decodes beside chunks); a small alpha selects, layer by layer, the rows the offloaded InfiniGen fetches and
 generates its tokens; scored chunks select as the offloaded cache's do; the kernel over the (slot, KV head) view
 equals the torch reference; on sliding-window models (tiny Gemma 3 and Mistral) only the global layers are sparse,
-and selecting everything is the paged engine with window groups."""
+and selecting everything is the paged engine with window groups; the partial keys follow the blocks through
+preemption by swap, forks (copy-on-write) and prefix hits."""
 
 from __future__ import annotations
 
@@ -213,3 +214,19 @@ def test_preemption_keeps_the_tokens(loaded, mode, alpha) -> None:  # noqa: F811
     assert engine.scheduler.num_preemptions > 0
     assert (sum(swapped) > 0) == (mode == "swap")
     engine.close()
+
+
+def test_forks_and_prefix_hits_select_as_the_offloaded_infinigen(loaded) -> None:  # noqa: F811
+    """n=2 samples share their prompt's blocks and copy the partial one on write (with its partial keys); a repeated
+    prompt reuses cached blocks and their partial keys, and its last row, decoded after the hit, selects: a small
+    alpha's outputs are the offloaded InfiniGen's (whose prefix hits work the same way)."""
+    params = [SamplingParams(n=2, seed=7 + i, max_tokens=8, ignore_eos=True) for i in range(2)]
+    outputs = []
+    for options in ({}, {"kv_offload": "host"}):
+        engine = make_engine(loaded, kv_policy="infinigen", infinigen_alpha=0.5, **options)
+        forked = run(engine, PROMPTS[:2], params)
+        again = run(engine, [PROMPTS[1]], greedy())
+        engine.close()
+        assert again[0].num_cached_tokens > 0
+        outputs.append(([[c.token_ids for c in out.outputs] for out in forked], tokens(again)))
+    assert outputs[0] == outputs[1]
