@@ -128,7 +128,8 @@ class EngineConfig:
         if self.kv_policy not in KV_POLICY_NAMES:
             raise ValueError(f"kv_policy must be one of {list(KV_POLICY_NAMES)}, got {self.kv_policy!r}")
         policy = make_policy(self.kv_policy, self.kv_budget, **self.kv_policy_knobs)  # raises on a bad knob
-        self._check_offload(policy.offload_only)
+        # A rehearsed policy (InfiniGen) also runs without kv_offload: sparse decode over the device cache.
+        self._check_offload(policy.offload_only and not policy.rehearsed)
         if policy.head_budgets and self.tensor_parallel_size > 1:
             raise ValueError(
                 f"kv_policy={self.kv_policy!r} allocates a layer's budget across its KV heads, which tensor "

@@ -73,7 +73,7 @@ SCHEMA = "<schema name='s'><module name='m'>text</module></schema>"
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["generate", "--kv-policy", "infinigen", "hi"], "kv_policy='infinigen' fetches from an offloaded cache"),
+        (["generate", "--kv-policy", "int4", "hi"], "kv_policy='int4' fetches from an offloaded cache"),
         (
             ["generate", "--kv-offload", "host", "--kv-policy", "h2o", "--kv-offload-path", ".", "hi"],
             "kv_offload_path is the disk tier's folder",
@@ -135,7 +135,7 @@ SCHEMA = "<schema name='s'><module name='m'>text</module></schema>"
         (["serve", "a.gguf", "--model", "b.gguf"], "two models given: 'a.gguf' (MODEL) and 'b.gguf' (--model)"),
         (["eval", "ppl", "--kv-budget", "1.5", "--kv-policy", "h2o"], "budget"),
         (["eval", "mc", "--task", "piqa", "--swap-space", "lots"], "memory size 'lots'"),
-        (["bench", "throughput", "--kv-policy", "infinigen"], "kv_policy='infinigen' fetches from an offloaded"),
+        (["bench", "throughput", "--kv-policy", "int4"], "kv_policy='int4' fetches from an offloaded"),
     ],
 )
 def test_invalid_options_are_refused_before_the_model_loads(argv, message, monkeypatch, capsys, tmp_path):

@@ -114,12 +114,9 @@ def test_generate_offloaded_prints_the_plain_continuation(model, tmp_path, capsy
 
 BAD_FLAGS = [
     pytest.param(
-        ["--kv-policy", "infinigen"],
-        "kv_policy='infinigen' fetches from an offloaded cache: set kv_offload to 'host' or 'disk'",
-        id="infinigen-without-offload",
-    ),
-    pytest.param(
-        ["--kv-policy", "int4"], "kv_policy='int4' fetches from an offloaded cache", id="int4-without-offload"
+        ["--kv-policy", "int4"],
+        "kv_policy='int4' fetches from an offloaded cache: set kv_offload to 'host' or 'disk'",
+        id="int4-without-offload",
     ),
     pytest.param(
         ["--kv-offload", "host", "--kv-policy", "infinigen", "--kv-pool-limit", "0"],
@@ -167,7 +164,7 @@ def test_bad_offload_flags_are_errors_on_the_other_commands(model, tmp_path, cap
     text = tmp_path / "text.txt"
     text.write_text(PROMPT)
     missing = tmp_path / "missing"
-    assert main(["eval", "ppl", "--model", model, "--data", str(text), *COMMON, "--kv-policy", "infinigen"]) == 2
+    assert main(["eval", "ppl", "--model", model, "--data", str(text), *COMMON, "--kv-policy", "int4"]) == 2
     assert "set kv_offload to 'host' or 'disk'" in capsys.readouterr().err
     argv = ["eval", "ppl", "--model", model, "--data", str(text), *COMMON, "--kv-offload", "disk"]
     assert main([*argv, "--kv-offload-path", str(missing)]) == 2
@@ -292,3 +289,28 @@ def test_eval_ppl_offloaded_with_infinigen(model, tmp_path, capsys) -> None:
         model, text, tmp_path / "everything.json", "--kv-offload", "host", "--kv-policy", "infinigen", *EVERYTHING
     )
     assert everything["results"]["perplexity"] == pytest.approx(plain["results"]["perplexity"], rel=1e-5)
+
+
+def test_eval_ppl_infinigen_on_the_device_is_the_offloaded_one(model, tmp_path) -> None:
+    """Without --kv-offload, InfiniGen's scored chunks select as the offloaded cache's: the same perplexity."""
+    text = tmp_path / "text.txt"
+    text.write_text(f"{PROMPT}. " * 12)
+    offloaded = perplexity(model, text, tmp_path / "offloaded.json", "--kv-offload", "host", "--kv-policy", "infinigen")
+    device = perplexity(model, text, tmp_path / "device.json", "--kv-policy", "infinigen")
+    plain = perplexity(model, text, tmp_path / "plain.json")
+    assert device["engine"]["kv_offload"] == "none"
+    assert device["results"]["perplexity"] == pytest.approx(offloaded["results"]["perplexity"], rel=1e-5)
+    assert device["results"]["perplexity"] != plain["results"]["perplexity"]
+
+
+@pytest.mark.slow
+def test_bench_offload_device_tier_is_sparse_decode_by_context(model, tmp_path) -> None:
+    out = tmp_path / "sd"
+    argv = ["bench", "offload", "--model", model, *COMMON, "--contexts", "64,128", "--steps", "2", "--tiers", "device"]
+    assert main([*argv, "--kv-cache-memory", "16MiB", "--output", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["benchmark"] == "sparse-decode" and [c["context"] for c in report["results"]] == [64, 128]
+    for cell in report["results"]:
+        assert cell["steps"] == 2 and cell["full_ms"] > 0 and cell["sparse_ms"] > 0 and 0 < cell["read_fraction"] <= 1
+    assert "| 128 |" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").stat().st_size > 1000

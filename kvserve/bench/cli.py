@@ -155,7 +155,10 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     off.add_argument("--contexts", default="2048,4096,8000", help="prompt lengths in tokens (below the context)")
     off.add_argument("--batches", default="8,4,1", help="batch sizes (the first prefills the prompts)")
     off.add_argument("--policies", default="full,infinigen,int4,h2o", help="comma-separated; h2o is not offloaded")
-    off.add_argument("--tiers", default="host,disk", help="slower tiers: host, disk")
+    off.add_argument("--tiers", default="host,disk",
+                     help="slower tiers: host, disk; or 'device' alone: the workload 'sparse decode by context length' "
+                     "(no offload; full attention against InfiniGen's sparse decode, batch 1, their steps alternating; "
+                     "--policies and --batches do not apply)")  # fmt: skip
     off.add_argument("--steps", type=int, default=8, help="measured decode steps per cell")
     off.add_argument("--kv-cache-memory", default="4GiB", help="the slower tier's size")
     off.add_argument("--kv-offload-path", default=None, help="disk tier folder (default: the temp dir)")
@@ -844,7 +847,51 @@ def _budgets(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected budgets such as 0.25,0.5, got {text!r}") from None
 
 
+def cmd_bench_sparse_decode(args: argparse.Namespace) -> int:
+    """``kvserve bench offload --tiers device``: sparse decode by context length (``bench/sparse_decode.py``)."""
+    from kvserve.bench import sparse_decode
+    from kvserve.bench.plots import plot_sparse_decode
+    from kvserve.config import EngineConfig
+    from kvserve.core.engine import LLMEngine
+    from kvserve.entrypoints.cli_common import load_from_args
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    loaded = load_from_args(args)
+    contexts = [int(n) for n in args.contexts.split(",")]
+    text = loaded.tokenizer.encode(AUSTEN.read_text(errors="replace"), add_special_tokens=False)
+    if len(text) < max(contexts):
+        raise ValueError(f"the sample text has {len(text)} tokens, too few for a {max(contexts)}-token prompt")
+    options = dict(dtype=args.dtype, device=args.device, weights=args.weights, kv_cache_memory=args.kv_cache_memory,
+                   swap_space=0, max_num_batched_tokens=max(contexts), enable_prefix_caching=False)  # fmt: skip
+    full = LLMEngine(EngineConfig(**options), loaded)
+    sparse = LLMEngine(EngineConfig(**options, kv_policy="infinigen"), loaded)
+    log(f"bench offload --tiers device: full ({full.kv_summary}) against infinigen ({sparse.kv_summary})")
+    cells = []
+    try:
+        for context in contexts:
+            log(f"  context {context}")
+            cells.append(sparse_decode.measure(full, sparse, text[:context], args.steps, log))
+    finally:
+        full.close()
+        sparse.close()
+    report = new_report(
+        "sparse-decode", model=loaded.path.name, dtype=args.dtype, weights=args.weights,
+        threads=torch.get_num_threads(), kv_cache_memory=args.kv_cache_memory,
+        note="Prompt: the first tokens of Jane Austen's Emma; greedy, EOS ignored; KV on the device, no offload; "
+        "infinigen_alpha auto; the two engines' decode steps alternate (medians of each).",
+        results=sparse_decode.as_rows(cells),
+    )  # fmt: skip
+    out = output_path(args, "sparse-decode")
+    write_report(out, report, sparse_decode.markdown(report))
+    plot_sparse_decode(report, out.with_suffix(".png"))
+    return 0
+
+
 def cmd_bench_offload(args: argparse.Namespace) -> int:
+    if args.tiers == "device":
+        return cmd_bench_sparse_decode(args)
     from kvserve.bench import offload
     from kvserve.bench.plots import plot_offload
     from kvserve.config import EngineConfig

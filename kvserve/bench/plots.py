@@ -222,6 +222,29 @@ def plot_offload(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_sparse_decode(report: dict, path: Path) -> None:
+    """Sparse decode by context length: ms per token of full attention and InfiniGen's sparse decode, and the
+    share of the rows the sparse layers read."""
+    plt = pyplot()
+
+    cells = sorted(report["results"], key=lambda c: c["context"])
+    contexts = [c["context"] for c in cells]
+    fig, (speed, read) = plt.subplots(1, 2, figsize=(9, 3.6))
+    speed.plot(contexts, [c["full_ms"] for c in cells], marker="o", label="full attention")
+    speed.plot(contexts, [c["sparse_ms"] for c in cells], marker="o", label="infinigen (sparse decode)")
+    speed.set_xlabel("context (tokens)")
+    speed.set_ylabel("ms per token (batch 1)")
+    speed.legend(fontsize=8)
+    read.plot(contexts, [100 * c["read_fraction"] for c in cells], marker="o", color="#d8733b")
+    read.set_xlabel("context (tokens)")
+    read.set_ylabel("% of rows read (sparse layers)")
+    read.set_ylim(0, 100)
+    fig.suptitle(f"{report['model']}, {report['dtype']}, {report['threads']} threads", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def plot_window(report: dict, path: Path) -> None:
     """Window KV groups vs every layer full: KV per sequence at a long context, sequences at once in one KV memory."""
     plt = pyplot()

@@ -9,6 +9,7 @@ from kvserve.attention.compressed import CompressedKVCache
 from kvserve.attention.kv_quant import KVQuant
 from kvserve.attention.offloaded import OffloadedKVCache
 from kvserve.attention.paged import PagedKVCache
+from kvserve.attention.sparse_decode import SparseDecodeKVCache
 from kvserve.log import get_logger
 from kvserve.policies.infinigen import AUTO, InfiniGen, Rehearsal
 from kvserve.policies.skewing import skewing_for
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 def make_kv_cache(config: EngineConfig, plan: KVPlan, loaded: LoadedModel) -> AttentionBackend:
     """Per-layer groups for a compressing policy (in the offloaded tier when ``kv_offload`` is set), the offloaded
     cache for ``kv_offload`` with the full cache, INT4 or InfiniGen, else the paged cache (with KV groups for
-    sliding-window layers and a host tier for swapping)."""
+    sliding-window layers and a host tier for swapping), InfiniGen's sparse decode over it without ``kv_offload``."""
     # The model's own config: under tensor parallelism, this rank's KV heads only.
     cfg, dtype = loaded.model.config, config.kv_dtype(loaded.dtype)
     shape = (cfg.num_layers, plan.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, config.device)
@@ -33,11 +34,14 @@ def make_kv_cache(config: EngineConfig, plan: KVPlan, loaded: LoadedModel) -> At
         )  # fmt: skip
     if plan.offload == "none":
         quant = KVQuant(config.kv_quant, cfg.head_dim) if config.kv_quant is not None else None
-        return PagedKVCache(
-            *shape, layer_rows=plan.layout.layer_rows, batch_invariant=config.batch_invariant,
+        paged = dict(
+            layer_rows=plan.layout.layer_rows, batch_invariant=config.batch_invariant,
             num_host_blocks=plan.num_host_blocks, layer_to_group=plan.layout.layer_to_group,
             layer_windows=cfg.layer_windows, softcap=cfg.attention_softcap, kv_quant=quant,
         )  # fmt: skip
+        if plan.policy.rehearsed:  # InfiniGen on the device: sparse decode over the paged cache
+            return SparseDecodeKVCache(*infinigen_rehearsal(plan.policy, loaded), *shape, **paged)
+        return PagedKVCache(*shape, **paged)
     policy, rehearsal = plan.policy, None
     if policy.rehearsed:  # InfiniGen selects rows by a rehearsal of the model's next layer
         policy, rehearsal = infinigen_rehearsal(policy, loaded)

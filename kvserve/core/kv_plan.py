@@ -112,6 +112,10 @@ def plan_kv(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> KVP
     else:
         dtype_size = torch.empty((), dtype=dtype).element_size()
         block_bytes = kv_block_bytes(block_layers, model.num_kv_heads, model.head_dim, dtype_size, config.block_size)
+    if policy.rehearsed and config.kv_offload == "none":  # InfiniGen's partial keys beside the device cache
+        dtype_size = torch.empty((), dtype=dtype).element_size()
+        partial = policy.partial_dims(model.head_dim)
+        block_bytes += kv_block_bytes(block_layers, model.num_kv_heads, partial, dtype_size, config.block_size) // 2
     num_blocks = config.kv_cache_bytes // block_bytes
     if num_blocks < 1:
         raise ValueError(
@@ -208,6 +212,11 @@ def _requested_policy(plan: KVPlan, config: EngineConfig, params: SamplingParams
     if plan.offload != "none" and not plan.per_layer_groups and policy != plan.policy:
         raise ValueError(
             f"this engine offloads its KV and fetches it by kv_policy={plan.policy.name!r} for every request; "
+            f"a request cannot pick kv_policy={policy.name!r}"
+        )
+    if (policy.rehearsed or plan.policy.rehearsed) and policy != plan.policy:
+        raise ValueError(
+            f"this engine's decodes read the rows kv_policy={plan.policy.name!r} selects for every request; "
             f"a request cannot pick kv_policy={policy.name!r}"
         )
     # What this engine's configuration would refuse at start-up (EngineConfig's rules, not a copy of them),

@@ -346,7 +346,6 @@ def test_infinigen_sizes() -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"kv_policy": "infinigen"}, "kv_policy='infinigen' fetches from an offloaded cache"),
         ({"kv_policy": "int4"}, "kv_policy='int4' fetches from an offloaded cache"),
         ({"kv_offload": "host", "kv_policy": "h2o", "kv_pool_limit": 0.5}, "kv_pool_limit evicts by InfiniGen's"),
         ({"kv_offload": "host", "kv_pool_limit": 0.5}, "it needs kv_policy='infinigen', got 'full'"),

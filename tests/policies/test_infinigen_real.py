@@ -1,7 +1,7 @@
 """InfiniGen on the real default model (SmolLM2-135M-Instruct, float32): its skewing (computed once into a
 temporary folder) leaves attention scores unchanged, offloading with every row selected generates the
 device engine's tokens on a prose prompt, and the default settings (alpha "auto": calibrated per layer) fetch
-fewer rows past layer 0."""
+fewer rows past layer 0, and without kv_offload (sparse decode) read the rows the offloaded one fetches."""
 
 from __future__ import annotations
 
@@ -90,3 +90,18 @@ def test_default_infinigen_fetches_fewer_rows_past_layer_zero(default_model, ske
     assert fractions[0] == 1.0 and all(0 < f <= 1 for f in fractions)
     deeper = fractions[1:]
     assert sum(deeper) / len(deeper) < 1
+
+
+def test_device_infinigen_reads_what_the_offloaded_one_fetches(default_model, skewing, prose) -> None:
+    """Without kv_offload (sparse decode over the paged cache): selecting everything generates the device engine's
+    tokens; the default reads, layer by layer, the rows the offloaded InfiniGen fetches, and generates its tokens."""
+    everything, engine = generate(default_model, prose, 16, kv_policy="infinigen", infinigen_alpha=1e9)
+    stats = engine.runner.cache.stats
+    assert stats.read_fraction()[1:] == [1.0] * (default_model.config.num_layers - 1)
+    assert everything == generate(default_model, prose, 16)[0]
+    tokens, sparse = generate(default_model, prose, 8, kv_policy="infinigen")
+    fetched, offloaded = generate(default_model, prose, 8, kv_offload="host", kv_policy="infinigen")
+    stats = sparse.runner.cache.stats
+    assert stats.selected_rows[1:] == offloaded.runner.cache.stats.fetched_rows[1:]
+    assert 0 < sum(stats.selected_rows) < sum(stats.cached_rows)
+    assert tokens == fetched
