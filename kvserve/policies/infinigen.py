@@ -140,6 +140,54 @@ class InfiniGen(KVPolicy):
             return Selection(index, chosen, counts), slots
         return speculate_paged(partial_q, partial_keys, candidates, head_dim, alpha, rank_mean)
 
+    def select_decode_blocks(
+        self,
+        layer: int,
+        partial_q: torch.Tensor,
+        partial_keys: torch.Tensor,
+        candidates: PagedCandidates,
+        head_dim: int,
+        rank_mean: RankMean | None = None,
+    ) -> torch.Tensor:
+        """The blocks (pages) each decode sequence's layer ``layer`` reads from a tier read in whole blocks (the
+        direct-I/O disk tier): (B, W) bool over its candidates' table, its own row's block always among them.
+
+        Each row's speculated attention is the softmax of its speculated logits (partial queries (B, Hkv, G, r)
+        against the candidates' partial keys); a block's predicted mass is the *sum* of its rows', averaged over
+        the query heads, since a read brings every row of the block for every head (Quest's max of q.k bounds is
+        for when only per-block key bounds are known; here every row has a speculated score). The budget is the
+        mass InfiniGen's own rows would keep: per query head, the rows within ``alpha`` of its best. Blocks are
+        taken by mass, highest first, until they cover it; a budget of every candidate row takes every block."""
+        batch, hkv = partial_q.shape[:2]
+        c = candidates
+        width, bs = c.block_tables.shape[1], c.block_size
+        blocks = partial_keys.index_select(1, c.block_tables.long().view(-1)).transpose(-1, -2)
+        partial_k = blocks.reshape(hkv, batch, width * bs, -1)
+        position = torch.arange(width * bs, device=partial_q.device)[None, :]
+        valid = (position >= c.starts.long()[:, None]) & (position < c.ends.long()[:, None])  # (B, T)
+        logits = partial_logits(partial_q.transpose(0, 1), partial_k, head_dim).transpose(0, 1)  # (B, Hkv, G, T)
+        logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
+        peak = logits.amax(dim=-1, keepdim=True)
+        probs = torch.softmax(logits, dim=-1)
+        kept = (logits >= peak - self.layer_alpha(layer)).float()
+        target = (probs * kept).sum(dim=-1).mean(dim=(1, 2))  # (B,) the mass InfiniGen's rows keep
+        mass = probs.view(batch, hkv, -1, width, bs).sum(dim=-1).mean(dim=(1, 2))  # (B, W)
+        everything = kept.sum(dim=-1).amin(dim=(1, 2)) >= valid.sum(dim=-1)  # every head keeps every row
+        if rank_mean is not None:  # every rank reads the same blocks: the mean over every rank's heads
+            target, mass = rank_mean(target), rank_mean(mass)
+            everything = rank_mean(everything.float()) >= 1
+        own = c.ends.long() // bs  # (B,) the block the new row goes in (at position ends): read whatever its mass
+        block = torch.arange(width, device=partial_q.device)[None, :]
+        real = block <= own[:, None]
+        key = mass.masked_fill(block == own[:, None], float("inf")).masked_fill(~real, float("-inf"))
+        order = key.argsort(dim=-1, descending=True)
+        ranked = mass.gather(1, order).masked_fill(~real.gather(1, order), 0)
+        before = ranked.cumsum(dim=-1) - ranked  # mass of the blocks taken before each
+        take = (before < target[:, None]) & real.gather(1, order)
+        take[:, 0] = True  # the own block
+        chosen = torch.zeros_like(take).scatter_(1, order, take)
+        return chosen | (everything[:, None] & real)
+
     def rows_allowed(
         self,
         layer: int,
