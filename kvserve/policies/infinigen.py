@@ -155,38 +155,43 @@ class InfiniGen(KVPolicy):
         Each row's speculated attention is the softmax of its speculated logits (partial queries (B, Hkv, G, r)
         against the candidates' partial keys); a block's predicted mass is the *sum* of its rows', averaged over
         the query heads, since a read brings every row of the block for every head (Quest's max of q.k bounds is
-        for when only per-block key bounds are known; here every row has a speculated score). The budget is the
-        mass InfiniGen's own rows would keep: per query head, the rows within ``alpha`` of its best. Blocks are
-        taken by mass, highest first, until they cover it; a budget of every candidate row takes every block."""
-        batch, hkv = partial_q.shape[:2]
+        for when only per-block key bounds are known; here every row has a speculated score, and a block of one
+        sharp row and a block of many middling ones are told apart by their sums). The budget is InfiniGen's own
+        count of rows (those within ``alpha`` of the best, the mean over heads): blocks are taken by mass, highest
+        first, until their cached rows cover it, so a page read moves about the bytes the rows would; a budget of
+        every candidate row takes every block."""
+        batch, hkv, group = partial_q.shape[:3]
         c = candidates
         width, bs = c.block_tables.shape[1], c.block_size
-        blocks = partial_keys.index_select(1, c.block_tables.long().view(-1)).transpose(-1, -2)
-        partial_k = blocks.reshape(hkv, batch, width * bs, -1)
+        # Each block's (r, bs) partial keys as they lie: one small matmul per block, no transposed copy.
+        blocks = partial_keys.index_select(1, c.block_tables.long().view(-1)).float()  # (Hkv, B * W, r, bs)
+        q = partial_q.transpose(0, 1).float()[:, :, None]  # (Hkv, B, 1, G, r)
+        logits = torch.matmul(q, blocks.view(hkv, batch, width, -1, bs)).mul_(1 / math.sqrt(head_dim))
+        logits = logits.permute(1, 0, 3, 2, 4).reshape(batch, hkv, group, width * bs)  # (B, Hkv, G, T)
         position = torch.arange(width * bs, device=partial_q.device)[None, :]
         valid = (position >= c.starts.long()[:, None]) & (position < c.ends.long()[:, None])  # (B, T)
-        logits = partial_logits(partial_q.transpose(0, 1), partial_k, head_dim).transpose(0, 1)  # (B, Hkv, G, T)
         logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
         peak = logits.amax(dim=-1, keepdim=True)
-        probs = torch.softmax(logits, dim=-1)
-        kept = (logits >= peak - self.layer_alpha(layer)).float()
-        target = (probs * kept).sum(dim=-1).mean(dim=(1, 2))  # (B,) the mass InfiniGen's rows keep
-        mass = probs.view(batch, hkv, -1, width, bs).sum(dim=-1).mean(dim=(1, 2))  # (B, W)
-        everything = kept.sum(dim=-1).amin(dim=(1, 2)) >= valid.sum(dim=-1)  # every head keeps every row
-        if rank_mean is not None:  # every rank reads the same blocks: the mean over every rank's heads
-            target, mass = rank_mean(target), rank_mean(mass)
-            everything = rank_mean(everything.float()) >= 1
+        per_head = (logits >= peak - self.layer_alpha(layer)).sum(dim=-1)  # (B, Hkv, G)
+        mass = torch.softmax(logits, dim=-1).view(batch, hkv, group, width, bs).sum(dim=-1).mean(dim=(1, 2))
+        heads = hkv * group
+        if rank_mean is None:
+            counts = per_head.sum(dim=(1, 2)) // heads  # InfiniGen's count: the mean over heads, truncated
+        else:  # every rank reads the same blocks: counts and masses over every rank's heads
+            counts = (rank_mean(per_head.sum(dim=(1, 2)).float()) / heads).floor().long()
+            mass = rank_mean(mass)
+        counts = counts.clamp(min=1)
+        rows = valid.view(batch, width, bs).sum(dim=-1)  # (B, W) cached rows of each block
         own = c.ends.long() // bs  # (B,) the block the new row goes in (at position ends): read whatever its mass
         block = torch.arange(width, device=partial_q.device)[None, :]
         real = block <= own[:, None]
         key = mass.masked_fill(block == own[:, None], float("inf")).masked_fill(~real, float("-inf"))
         order = key.argsort(dim=-1, descending=True)
-        ranked = mass.gather(1, order).masked_fill(~real.gather(1, order), 0)
-        before = ranked.cumsum(dim=-1) - ranked  # mass of the blocks taken before each
-        take = (before < target[:, None]) & real.gather(1, order)
+        ranked = rows.gather(1, order).masked_fill(~real.gather(1, order), 0)
+        before = ranked.cumsum(dim=-1) - ranked  # rows of the blocks taken before each
+        take = (before < counts[:, None]) & real.gather(1, order)
         take[:, 0] = True  # the own block
-        chosen = torch.zeros_like(take).scatter_(1, order, take)
-        return chosen | (everything[:, None] & real)
+        return torch.zeros_like(take).scatter_(1, order, take)
 
     def rows_allowed(
         self,
