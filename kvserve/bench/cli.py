@@ -161,6 +161,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     off.add_argument("--steps", type=int, default=8, help="measured decode steps per cell")
     off.add_argument("--kv-cache-memory", default="4GiB", help="the slower tier's size")
     off.add_argument("--kv-offload-path", default=None, help="disk tier folder (default: the temp dir)")
+    off.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a disk-direct page)")
     add_output_arg(off, "offload", "decode")
     off.set_defaults(func=cmd_bench_offload)
 
@@ -872,6 +873,7 @@ def cmd_bench_offload(args: argparse.Namespace) -> int:
             config = EngineConfig(
                 dtype=args.dtype, device=args.device, weights=args.weights, kv_cache_memory=args.kv_cache_memory,
                 max_num_batched_tokens=max(contexts), kv_policy=policy, kv_budget=0.2 if policy == "h2o" else None,
+                block_size=args.block_size,
                 kv_offload=tier.removesuffix("-direct") if offloaded else "none",
                 kv_offload_path=args.kv_offload_path if offloaded and tier.startswith("disk") else None,
                 kv_disk_io="direct" if offloaded and tier == "disk-direct" else "mmap",
@@ -890,6 +892,7 @@ def cmd_bench_offload(args: argparse.Namespace) -> int:
     report = new_report(
         "offload", model=loaded.path.name, dtype=args.dtype, weights=args.weights,
         threads=torch.get_num_threads(), kv_cache_memory=args.kv_cache_memory, policies=args.policies.split(","),
+        block_size=args.block_size,
         note="Prompts: Jane Austen's Emma cut into distinct pieces; greedy, EOS ignored; h2o at a 20% budget, "
         "not offloaded (its KV is gathered from host memory each step).",
         results=offload.as_rows(cells),
