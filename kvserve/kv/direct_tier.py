@@ -32,6 +32,7 @@ import mmap
 import os
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -64,14 +65,19 @@ class AlignedBuffer:
 
 
 class DirectRead:
-    """Reads in flight on the pool; ``wait`` returns once every one has landed (or raises its ``KVTierError``)."""
+    """Reads in flight on the pool; ``wait`` returns once every one has landed (or raises its ``KVTierError``), and
+    adds the seconds it blocked to ``stats["wait_s"]`` (the time the device, not compute, held the step up)."""
 
-    def __init__(self, futures: list[Future]) -> None:
-        self._futures = futures
+    def __init__(self, futures: list[Future], stats: dict[str, float]) -> None:
+        self._futures, self._stats = futures, stats
 
     def wait(self) -> None:
-        for future in self._futures:
-            future.result()
+        start = time.perf_counter()
+        try:
+            for future in self._futures:
+                future.result()
+        finally:
+            self._stats["wait_s"] += time.perf_counter() - start
         self._futures = []
 
 
@@ -119,7 +125,7 @@ class DirectTier:
         self._spare: list[AlignedBuffer] = []
         self._inflight: list[Future] = []
         self._max_tails = max(1, max_buffered_bytes // self.extent)
-        self.stats = {"disk_read": 0, "buffer_read": 0, "disk_written": 0, "reads": 0}
+        self.stats = {"disk_read": 0, "buffer_read": 0, "disk_written": 0, "reads": 0, "wait_s": 0.0}
         self.moved = {"fetched": 0, "stored": 0}
 
     # ----- the file -----
@@ -209,7 +215,7 @@ class DirectTier:
             self.stats["reads"] += len(runs)
         futures = [self._pool.submit(self._read_runs, layer, t, dest, parts, pad) for t in tasks]
         self._inflight = [f for f in self._inflight if not f.done()] + futures
-        return DirectRead(futures)
+        return DirectRead(futures, self.stats)
 
     def drain(self) -> None:
         """Wait for every read in flight, whatever it raised (a failed step's reads are given up)."""

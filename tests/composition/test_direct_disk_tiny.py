@@ -2,7 +2,8 @@
 checkpoint in float32: fetch-everything read through O_DIRECT generates exactly what fetch-everything from the
 host tier does (batched prompts of different lengths, chunked prefill beside decodes, forks, prefix hits), and
 reads it from the device; InfiniGen choosing blocks with a budget that covers every block is fetch-everything,
-and with a small alpha reads fewer blocks past layer 0; bad options and an unwritable folder are clear errors."""
+and with a small alpha reads fewer blocks past layer 0; bad options and an unwritable folder are clear errors; I/O
+errors recompute the step or end the request with the fault."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kvserve.core.engine import LLMEngine
 from kvserve.errors import KVTierError
 from kvserve.kv import direct_tier
 from kvserve.models import LoadedModel, load_model
+from kvserve.platform.faults import FAULT_MARK, faults
 from kvserve.sampling.sampling_params import SamplingParams
 from tests.tiny_models import (  # noqa: F401 - autouse fixtures
     TinySpec,
@@ -153,3 +155,23 @@ def test_an_unwritable_folder_is_a_tier_error_naming_it(loaded, folder, monkeypa
     monkeypatch.setattr(direct_tier.tempfile, "mkstemp", read_only)  # root writes anywhere: what a read-only mount says
     with pytest.raises(KVTierError, match=f"cannot create its file in '{folder}'.*EROFS"):
         make_engine(loaded, **direct(folder))
+
+
+def test_armed_disk_faults_end_each_request_right_or_with_the_fault(loaded, folder) -> None:
+    """EIO at the direct tier's reads and writes: a step's requests compute again (exactly), or end in error."""
+    reference, _ = run(loaded, kv_offload="host")
+    engine = make_engine(loaded, **direct(folder))
+    ids = [engine.add_request(p, greedy()) for p in PROMPTS]
+    done = {}
+    with faults({"kv-disk": 0.1}, seed=2) as injected:
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert injected["kv-disk"] > 0
+    for i, request_id in enumerate(ids):
+        output = done[request_id]
+        if output.error is None:
+            assert output.outputs[0].token_ids == reference[i][0]
+        else:
+            assert FAULT_MARK in output.error and output.outputs[0].finish_reason == "error"
+    assert engine.kv_usage().used_blocks == 0
+    engine.close()
