@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.attention.kv_quant import KV_QUANT_BITS
+from kvserve.kv.direct_tier import DISK_IO_MODES
 from kvserve.kv.sizing import parse_memory_size
 from kvserve.kv.tiers import KV_OFFLOAD_MODES
 from kvserve.models.dtype import DTYPE_CHOICES, DTYPES, resolve_dtype
@@ -78,6 +79,8 @@ class EngineConfig:
     # what kv_policy fetches (full: everything; int4: everything, quantised; infinigen: the predicted rows).
     kv_offload: str = "none"  # none | host | disk
     kv_offload_path: str | None = None  # disk: the folder of the memory-mapped file (default: the temp dir)
+    # disk: mmap (through the page cache) | direct (O_DIRECT, whole blocks; InfiniGen picks blocks: kv/direct_tier.py)
+    kv_disk_io: str = "mmap"
     # Fetch tokens whose speculated logit is within alpha of the best; "auto": each layer's alpha calibrated on the
     # model (kvserve infinigen-setup, policies/calibration.py); a number: that alpha for every layer.
     infinigen_alpha: float | str = "auto"
@@ -337,6 +340,7 @@ class EngineConfig:
             raise ValueError(f"kv_offload must be one of {list(KV_OFFLOAD_MODES)}, got {self.kv_offload!r}")
         if self.kv_offload_path is not None and self.kv_offload != "disk":
             raise ValueError(f"kv_offload_path is the disk tier's folder; kv_offload is {self.kv_offload!r}")
+        self._check_disk_io()
         if self.kv_offload == "none":
             if offload_only:
                 raise ValueError(
@@ -362,6 +366,25 @@ class EngineConfig:
             raise ValueError(
                 f"kv_pool_limit={self.kv_pool_limit} picks each evicted row by InfiniGen's selection as the prompt is "
                 "stored row by row, which a parallel prefill does not run; prefill_parallel must be 1"
+            )
+
+    def _check_disk_io(self) -> None:
+        if self.kv_disk_io not in DISK_IO_MODES:
+            raise ValueError(f"kv_disk_io must be one of {list(DISK_IO_MODES)}, got {self.kv_disk_io!r}")
+        if self.kv_disk_io == "mmap":
+            return
+        if self.kv_offload != "disk":
+            raise ValueError(f"kv_disk_io='direct' is how the disk tier is read: set kv_offload='disk', not "
+                             f"{self.kv_offload!r}")  # fmt: skip
+        if self.kv_policy not in ("full", "infinigen"):
+            raise ValueError(
+                f"kv_disk_io='direct' reads whole blocks of K and V rows for kv_policy 'full' or 'infinigen', not "
+                f"{self.kv_policy!r}: use kv_disk_io='mmap'"
+            )
+        if self.kv_pool_limit != 1:
+            raise ValueError(
+                f"kv_pool_limit={self.kv_pool_limit} overwrites single rows in place, and kv_disk_io='direct' writes "
+                "whole blocks: use kv_pool_limit=1 or kv_disk_io='mmap'"
             )
 
     @property

@@ -34,6 +34,8 @@ class Fetch:
 class TierTransfers:
     """Fetches and stores between ``store`` (the tier) and ``device``, queued on ``queue``, in ``codec``'s rows."""
 
+    pages = False  # InfiniGen selects rows (``DirectTransfers`` reads blocks)
+
     def __init__(self, store: TierStore, queue: TransferQueue, codec: PlainRows, device: torch.device) -> None:
         self.store, self.queue, self.codec, self.device = store, queue, codec, device
         self.names = tuple(store.rows)
@@ -110,3 +112,9 @@ class TierTransfers:
                 scatter_rows(self.store.by_head(name, layer), flat, rows)
 
         self.queue.store(copy, flat.numel() * self.row_bytes // self.num_kv_heads)
+
+    def close(self) -> None:
+        """Nothing of its own to release (the queue is the cache's)."""
+
+    def drain(self) -> None:
+        """Nothing in flight of its own (the cache drains the queue)."""

@@ -41,12 +41,13 @@ import torch
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata, UnsupportedKVOperation
 from kvserve.attention.decode import paged_decode
 from kvserve.attention.offload_chunk import OffloadChunks
-from kvserve.attention.offload_fetch import Fetch, TierTransfers
+from kvserve.attention.offload_direct import make_transfers
+from kvserve.attention.offload_fetch import Fetch
 from kvserve.attention.offload_metadata import OffloadAttentionMetadata
 from kvserve.attention.offload_step import OffloadStep, plan_step
 from kvserve.attention.step_layout import row_starts, slot_ids
 from kvserve.core.step import StepReport
-from kvserve.kv.tiers import TierStore, TransferQueue
+from kvserve.kv.tiers import TransferQueue
 from kvserve.policies.base import KVPolicy
 from kvserve.policies.infinigen import Rehearsal
 
@@ -86,8 +87,10 @@ class OffloadedKVCache(AttentionBackend):
         queue: TransferQueue | None = None,
         layer_windows: Sequence[int | None] = (),
         softcap: float = 0.0,
+        disk_io: str = "mmap",
     ) -> None:
-        """``softcap``: the attention-logit soft cap of every layer (0: none). InfiniGen selects rows by its
+        """``disk_io``: how the disk tier is read, ``mmap`` or ``direct`` (O_DIRECT, whole blocks: ``offload_direct``).
+        ``softcap``: the attention-logit soft cap of every layer (0: none). InfiniGen selects rows by its
         speculated logits as they are, uncapped: its threshold is calibrated on those against the capped exact
         weights (``policies/calibration.py``), so selection and calibration agree."""
         if policy.name not in ("full", "infinigen", "int4"):
@@ -106,10 +109,10 @@ class OffloadedKVCache(AttentionBackend):
         self.num_slots = num_blocks * block_size
         self.codec = policy.row_codec(num_kv_heads, head_dim, dtype)
         self.rows = self.codec.specs()
-        pin = self.device.type == "cuda"
-        self.tier = TierStore(tier_kind, num_layers, num_blocks, block_size, self.rows, pin, path)
         self.queue = queue or TransferQueue(self.device, fault="kv-disk" if tier_kind == "disk" else None)
-        self.transfers = TierTransfers(self.tier, self.queue, self.codec, self.device)
+        self.tier, self.transfers = make_transfers(
+            tier_kind, disk_io, num_layers, num_blocks, block_size, self.rows, path, self.queue, self.codec, self.device
+        )
         self.chunks = OffloadChunks(self)
         self.stats = OffloadStats([0] * num_layers, [0] * num_layers)
         self._step: OffloadStep | None = None  # the step of ``_step_metadata``, the metadata built last
@@ -175,6 +178,7 @@ class OffloadedKVCache(AttentionBackend):
 
     def close(self) -> None:
         self.queue.close()
+        self.transfers.close()
 
     def report(self, metadata: AttentionMetadata) -> StepReport:
         self.queue.check()  # a failed store leaves rows missing from the tier: the step must not count as done
@@ -182,6 +186,7 @@ class OffloadedKVCache(AttentionBackend):
 
     def recover(self) -> None:
         self.queue.drain()
+        self.transfers.drain()
 
     # ----- a step -----
 
@@ -313,6 +318,11 @@ class OffloadedKVCache(AttentionBackend):
         """The rows layer ``layer``'s rehearsal selects for each decode sequence (InfiniGen)."""
         partial_q = step.partial_queries[layer].index_select(0, step.rows)  # (B, Hkv, G, r)
         view = step.views[self.window(layer)]  # a window layer selects among its window's rows
+        if self.transfers.pages:  # the direct-I/O disk tier: whole blocks, by their predicted attention mass
+            chosen = self.speculation.select_decode_blocks(layer, partial_q, view.candidates)
+            fetch, rows = self.transfers.fetch_pages(layer, view.block_index, chosen, view.candidates.starts, view.own)
+            self.count(layer, rows, step.cached)
+            return fetch
         selection, slots = self.speculation.select_decode(layer, partial_q, view.candidates, step.tokens)
         self.count(layer, int(selection.counts.sum()), step.cached)
         return self.transfers.fetch_selected(layer, slots, selection.counts)

@@ -156,12 +156,14 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
     off.add_argument("--batches", default="8,4,1", help="batch sizes (the first prefills the prompts)")
     off.add_argument("--policies", default="full,infinigen,int4,h2o", help="comma-separated; h2o is not offloaded")
     off.add_argument("--tiers", default="host,disk",
-                     help="slower tiers: host, disk; or 'device' alone: the workload 'sparse decode by context length' "
+                     help="slower tiers: host, disk (memory-mapped), disk-direct (O_DIRECT reads of whole blocks; "
+                     "InfiniGen picks blocks); or 'device' alone: the workload 'sparse decode by context length' "
                      "(no offload; full attention against InfiniGen's sparse decode, batch 1, their steps alternating; "
                      "--policies and --batches do not apply)")  # fmt: skip
     off.add_argument("--steps", type=int, default=8, help="measured decode steps per cell")
     off.add_argument("--kv-cache-memory", default="4GiB", help="the slower tier's size")
     off.add_argument("--kv-offload-path", default=None, help="disk tier folder (default: the temp dir)")
+    off.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a disk-direct page)")
     add_output_arg(off, "offload", "decode")
     off.set_defaults(func=cmd_bench_offload)
 
@@ -917,8 +919,10 @@ def cmd_bench_offload(args: argparse.Namespace) -> int:
             config = EngineConfig(
                 dtype=args.dtype, device=args.device, weights=args.weights, kv_cache_memory=args.kv_cache_memory,
                 max_num_batched_tokens=max(contexts), kv_policy=policy, kv_budget=0.2 if policy == "h2o" else None,
-                kv_offload=tier if offloaded else "none",
-                kv_offload_path=args.kv_offload_path if offloaded and tier == "disk" else None,
+                block_size=args.block_size,
+                kv_offload=tier.removesuffix("-direct") if offloaded else "none",
+                kv_offload_path=args.kv_offload_path if offloaded and tier.startswith("disk") else None,
+                kv_disk_io="direct" if offloaded and tier == "disk-direct" else "mmap",
             )  # fmt: skip
             engine = LLMEngine(config, loaded)
             log(f"bench offload: {policy} ({engine.kv_summary})")
@@ -926,14 +930,15 @@ def cmd_bench_offload(args: argparse.Namespace) -> int:
                 for context in contexts:
                     log(f"  context {context}")
                     for batch in batches:
-                        ms, per_token, steps = offload.measure(engine, prompts[context][:batch], args.steps, log)
+                        cell = offload.measure(engine, prompts[context][:batch], args.steps, log)
                         where = tier if offloaded else "memory"
-                        cells.append(offload.DecodeCell(where, policy, context, batch, ms, per_token, steps))
+                        cells.append(offload.DecodeCell(where, policy, context, batch, *cell))
             finally:
                 engine.close()
     report = new_report(
         "offload", model=loaded.path.name, dtype=args.dtype, weights=args.weights,
         threads=torch.get_num_threads(), kv_cache_memory=args.kv_cache_memory, policies=args.policies.split(","),
+        block_size=args.block_size,
         note="Prompts: Jane Austen's Emma cut into distinct pieces; greedy, EOS ignored; h2o at a 20% budget, "
         "not offloaded (its KV is gathered from host memory each step).",
         results=offload.as_rows(cells),

@@ -47,7 +47,7 @@ def make_kv_cache(config: EngineConfig, plan: KVPlan, loaded: LoadedModel) -> At
         policy, rehearsal = infinigen_rehearsal(policy, loaded)
     return OffloadedKVCache(
         policy, plan.offload, *shape, path=config.kv_offload_path, rehearsal=rehearsal, layer_windows=cfg.layer_windows,
-        softcap=cfg.attention_softcap,
+        softcap=cfg.attention_softcap, disk_io=config.kv_disk_io,
     )  # fmt: skip
 
 

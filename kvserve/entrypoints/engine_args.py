@@ -18,6 +18,7 @@ from kvserve.config import (
     PROMPT_CACHE_TIERS,
     EngineConfig,
 )
+from kvserve.kv.direct_tier import DISK_IO_MODES
 from kvserve.models.dtype import DTYPE_NAMES
 from kvserve.policies import KV_POLICY_NAMES
 from kvserve.policies.infinigen import parse_alpha
@@ -258,6 +259,11 @@ def add_kv_policy_args(parser: argparse.ArgumentParser) -> None:
     offload.add_argument(
         "--kv-offload-path", default=None, help="disk tier: folder of the mapped file (default: the temp dir)"
     )
+    offload.add_argument(
+        "--kv-disk-io", choices=DISK_IO_MODES, default="mmap",
+        help="disk tier: mmap (read through the page cache) or direct (O_DIRECT reads of whole blocks, from the "
+        "device; InfiniGen then picks blocks by predicted attention mass)",
+    )  # fmt: skip
     offload.add_argument("--infinigen-alpha", type=_alpha_arg, default="auto", metavar="auto|ALPHA",
                          help="fetch tokens whose speculated logit is within alpha of the best; auto (default): "
                          "each layer's alpha calibrated on the model (kvserve infinigen-setup)")  # fmt: skip
@@ -281,7 +287,7 @@ def kv_policy_options(args: argparse.Namespace) -> dict[str, object]:
         "kv_policy": args.kv_policy, "kv_budget": args.kv_budget, "recent_ratio": args.recent_ratio,
         "observation_window": args.observation_window, "layer_schedule": args.layer_schedule,
         "adakv_safeguard": args.adakv_safeguard,
-        "kv_offload": args.kv_offload, "kv_offload_path": args.kv_offload_path,
+        "kv_offload": args.kv_offload, "kv_offload_path": args.kv_offload_path, "kv_disk_io": args.kv_disk_io,
         "infinigen_alpha": args.infinigen_alpha, "infinigen_partial_ratio": args.infinigen_partial_ratio,
         "kv_pool_limit": args.kv_pool_limit, "kv_pool_eviction": args.kv_pool_eviction,
     }  # fmt: skip

@@ -4,8 +4,9 @@ The *device* tier is where attention reads (GPU memory, or CPU memory on a CPU-o
 offloading engine (``kv_offload``) keeps every sequence's full KV in a slower tier instead:
 
 - ``host``: CPU memory, pinned when the device is CUDA so copies run asynchronously;
-- ``disk``: a memory-mapped file (``torch.from_file``), for contexts beyond RAM. The file is unlinked
-  as soon as it is mapped, so it disappears with the process. Its space is reserved at creation
+- ``disk``: a memory-mapped file (``torch.from_file``), for contexts beyond RAM (``kv_disk_io="mmap"``; with
+  ``"direct"``, ``direct_tier.py``: a file read and written with O_DIRECT, so reads come from the device).
+  The file is unlinked as soon as it is mapped, so it disappears with the process. Its space is reserved at creation
   (``posix_fallocate``): a full disk, or a missing, read-only or unwritable folder, is a ``KVTierError`` at
   start naming the folder and the bytes, never a fault later. A write to a mapped page cannot fail for
   space then; a disk's I/O error on a mapped page is a SIGBUS, which no handler in Python can catch (the
@@ -287,6 +288,14 @@ class TransferQueue:
             self.stats.bytes_stored += nbytes
             self.stats.stores += 1
         return self._submit(self._noting_failure(self._at_fault_point(copy)))
+
+    def count(self, fetched: int = 0, stored: int = 0) -> None:
+        """Count bytes a tier moved without this queue (the direct-I/O disk tier's own reads and writes)."""
+        with self._lock:
+            self.stats.bytes_fetched += fetched
+            self.stats.fetches += bool(fetched)
+            self.stats.bytes_stored += stored
+            self.stats.stores += bool(stored)
 
     def _at_fault_point(self, copy: Callable[[], object]) -> Callable[[], object]:
         if self.fault is None:

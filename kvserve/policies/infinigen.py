@@ -140,6 +140,59 @@ class InfiniGen(KVPolicy):
             return Selection(index, chosen, counts), slots
         return speculate_paged(partial_q, partial_keys, candidates, head_dim, alpha, rank_mean)
 
+    def select_decode_blocks(
+        self,
+        layer: int,
+        partial_q: torch.Tensor,
+        partial_keys: torch.Tensor,
+        candidates: PagedCandidates,
+        head_dim: int,
+        rank_mean: RankMean | None = None,
+    ) -> torch.Tensor:
+        """The blocks (pages) each decode sequence's layer ``layer`` reads from a tier read in whole blocks (the
+        direct-I/O disk tier): (B, W) bool over its candidates' table, its own row's block always among them.
+
+        Each row's speculated attention is the softmax of its speculated logits (partial queries (B, Hkv, G, r)
+        against the candidates' partial keys); a block's predicted mass is the *sum* of its rows', averaged over
+        the query heads, since a read brings every row of the block for every head (Quest's max of q.k bounds is
+        for when only per-block key bounds are known; here every row has a speculated score, and a block of one
+        sharp row and a block of many middling ones are told apart by their sums). The budget is InfiniGen's own
+        count of rows (those within ``alpha`` of the best, the mean over heads): blocks are taken by mass, highest
+        first, until their cached rows cover it, so a page read moves about the bytes the rows would; a budget of
+        every candidate row takes every block."""
+        batch, hkv, group = partial_q.shape[:3]
+        c = candidates
+        width, bs = c.block_tables.shape[1], c.block_size
+        # Each block's (r, bs) partial keys as they lie: one small matmul per block, no transposed copy.
+        blocks = partial_keys.index_select(1, c.block_tables.long().view(-1)).float()  # (Hkv, B * W, r, bs)
+        q = partial_q.transpose(0, 1).float()[:, :, None]  # (Hkv, B, 1, G, r)
+        logits = torch.matmul(q, blocks.view(hkv, batch, width, -1, bs)).mul_(1 / math.sqrt(head_dim))
+        logits = logits.permute(1, 0, 3, 2, 4).reshape(batch, hkv, group, width * bs)  # (B, Hkv, G, T)
+        position = torch.arange(width * bs, device=partial_q.device)[None, :]
+        valid = (position >= c.starts.long()[:, None]) & (position < c.ends.long()[:, None])  # (B, T)
+        logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
+        peak = logits.amax(dim=-1, keepdim=True)
+        per_head = (logits >= peak - self.layer_alpha(layer)).sum(dim=-1)  # (B, Hkv, G)
+        mass = torch.softmax(logits, dim=-1).view(batch, hkv, group, width, bs).sum(dim=-1).mean(dim=(1, 2))
+        heads = hkv * group
+        if rank_mean is None:
+            counts = per_head.sum(dim=(1, 2)) // heads  # InfiniGen's count: the mean over heads, truncated
+        else:  # every rank reads the same blocks: counts and masses over every rank's heads
+            counts = (rank_mean(per_head.sum(dim=(1, 2)).float()) / heads).floor().long()
+            mass = rank_mean(mass)
+        counts = counts.clamp(min=1)
+        rows = valid.view(batch, width, bs).sum(dim=-1)  # (B, W) cached rows of each block
+        own = c.ends.long() // bs  # (B,) the block the new row goes in (at position ends): read whatever its mass
+        block = torch.arange(width, device=partial_q.device)[None, :]
+        real = block <= own[:, None]
+        key = mass.masked_fill(block == own[:, None], float("inf")).masked_fill(~real, float("-inf"))
+        order = key.argsort(dim=-1, descending=True)
+        ranked = rows.gather(1, order).masked_fill(~real.gather(1, order), 0)
+        before = ranked.cumsum(dim=-1) - ranked  # rows of the blocks taken before each
+        take = (before < counts[:, None]) & real.gather(1, order)
+        take[:, 0] = True  # the own block
+        return torch.zeros_like(take).scatter_(1, order, take)
+
     def rows_allowed(
         self,
         layer: int,

@@ -30,6 +30,8 @@ class SelectingPolicy(Protocol):
 
     def select_decode_rows(self, *args: Any) -> tuple[Any, torch.Tensor]: ...  # (Selection, slots)
 
+    def select_decode_blocks(self, *args: Any) -> torch.Tensor: ...  # (B, W) bool
+
     def rows_allowed(self, *args: Any) -> torch.Tensor: ...
 
 
@@ -129,6 +131,13 @@ class InfiniGenState:
         if self.pool is not None:
             self.note_selected(layer, slots, selection.chosen, tokens)
         return selection, slots
+
+    def select_decode_blocks(self, layer: int, partial_q: torch.Tensor, candidates: Any) -> torch.Tensor:
+        """The blocks each decode sequence reads in ``layer`` from a tier read in whole blocks: (B, W) bool over
+        its ``candidates``' table (``InfiniGen.select_decode_blocks``)."""
+        return self.policy.select_decode_blocks(
+            layer, partial_q, self.partial_keys[layer], candidates, self.head_dim, self.rank_mean
+        )
 
     def rows_allowed(
         self, layer: int, slots: torch.Tensor, k: torch.Tensor, partial_q: torch.Tensor, token: int,
