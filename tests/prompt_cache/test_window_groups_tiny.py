@@ -162,12 +162,13 @@ def test_window_groups_give_blocks_back_and_all_are_free_at_the_end(folder):
     assert held[False] > 0 and held[True] == held[False]
 
 
-def test_refusals_name_what_window_groups_do_not_run(folder):
+def test_refusals_name_what_window_groups_do_not_run(folder, tmp_path):
     llm = make_llm(folder, groups=True)
     loaded = llm.engine.loaded
     for options, match in [
         ({"prompt_cache_recompute": 0.5}, "prompt_cache_recompute"),
         ({"prompt_cache_tier": "host"}, "prompt_cache_tier='host'"),
+        ({"prompt_cache_dir": str(tmp_path)}, "prompt_cache_dir"),
     ]:
         config = EngineConfig(model=str(folder), dtype="float32", block_size=BLOCK, **options)
         refusal = plan_kv(config, loaded.config, loaded.dtype).prompt_cache_refusal(config)
