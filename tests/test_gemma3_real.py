@@ -135,3 +135,29 @@ def test_prompt_cache_module_past_the_window_gives_the_plain_prompts_tokens(engi
     assert cached.num_cached_tokens > 3 * WINDOW  # the document came from the cache
     assert cached.outputs[0].token_ids == plain.outputs[0].token_ids
     full.engine.prompt_cache.remove("austen")
+
+
+def test_prompt_cache_over_window_groups_gives_the_tokens_of_full_layers(engines):
+    """Prompt Cache with window groups on: a module longer than the window (its blocks kept in every group and
+    shared per group) and a short one, imported in two prompts run together; each prompt's window groups give
+    module blocks back by position. The same greedy tokens as the engine keeping every layer full."""
+    document = PROMPTS[-1][:2600].replace("&", "and").replace("<", " ").replace(">", " ")
+    schema = (
+        f'<schema name="austen-groups">Read the story.<module name="doc">\n{document}</module>'
+        '<module name="note">\nAnswer in one sentence.</module></schema>'
+    )
+    prompts = [
+        '<prompt schema="austen-groups"><doc/><note/>\nWho is the story about? It is about</prompt>',
+        '<prompt schema="austen-groups"><doc/>\nWhere does Emma live? She lives</prompt>',
+    ]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    got = {}
+    for name, llm in zip(("windowed", "full"), engines, strict=True):
+        llm.engine.register_schema(schema)
+        doc = llm.engine.prompt_cache.store.modules[("austen-groups", "doc")]
+        assert doc.num_tokens > WINDOW
+        got[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.engine.prompt_cache.remove("austen-groups")
+        assert llm.engine.kv.leaked_blocks() == 0 and llm.engine.kv.num_request_sequences() == 0
+    assert len(engines[0].engine.kv.groups) == 6
+    assert got["windowed"] == got["full"]

@@ -95,7 +95,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Eng
                 plan.per_layer_groups,
                 layer_windows=plan.group_windows(cfg.layer_windows),
                 same_step_prefix_hits=plan.same_step_prefix_hits,
-                positioned_windows=plan.windowed and len(plan.layout.groups) == 1,
+                positioned_windows=plan.windowed,
             ),
             kv,
         )

@@ -65,13 +65,25 @@ class KVPlan:
                 "offloaded cache, and imported modules leave gaps in positions (and may not be evicted from a "
                 "window): use kv_policy='full' without kv_offload for Prompt Cache"
             )
-        if len(self.layout.groups) == 1:
+        if not self.layout.windowed:
             return None
-        return (
-            "Prompt Cache shares a module's blocks as the first blocks of one block table; this model's "
-            f"sliding-window layers keep their KV in {len(self.layout.groups)} groups that release blocks as "
-            "sequences grow: start the engine with kv_window_groups=False (--no-kv-window-groups)"
-        )
+        # Window groups: modules keep blocks in every group, and importers release theirs by position.
+        if config.prompt_cache_recompute > 0:
+            return (
+                "prompt_cache_recompute rewrites imported module tokens at their positions in the step a prompt is "
+                "admitted, and this model's sliding-window KV groups give back, by position, blocks of those same "
+                "module tokens as the prompt starts: start the engine with kv_window_groups=False "
+                "(--no-kv-window-groups) for selective recompute"
+            )
+        if len(self.layout.groups) > 1 and (config.prompt_cache_tier == "host" or config.prompt_cache_dir):
+            what = "prompt_cache_tier='host'" if config.prompt_cache_tier == "host" else "prompt_cache_dir"
+            return (
+                f"{what} reads and writes a module's tokens as one row per layer, and this model's sliding-window "
+                f"layers share rows of blocks across {len(self.layout.groups)} KV groups: use "
+                "prompt_cache_tier='device' without prompt_cache_dir, or start the engine with "
+                "kv_window_groups=False (--no-kv-window-groups)"
+            )
+        return None
 
     def summary(self, block_size: int, num_layers: int, dtype: torch.dtype | str) -> str:
         """One line for the log: the pool, where it lives, the policy and the host tier."""

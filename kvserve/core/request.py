@@ -6,7 +6,10 @@ sampled it forks into ``best_of`` sequences that share the prompt's KV blocks.
 
 from __future__ import annotations
 
+import bisect
 import enum
+import functools
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,6 +113,27 @@ class Request:
     def position_of(self, index: int) -> int:
         """The position token ``index`` of a sequence takes (the context length bounds it)."""
         return index + self._next_position - len(self.prompt_token_ids)
+
+    def leading_unseen(self, num_computed: int, window: int) -> int:
+        """How many leading slots of a sequence with ``num_computed`` tokens computed no query still to come sees in
+        a sliding window of ``window`` positions, its positions not being slot indices (Prompt Cache): the slots
+        before the first whose position is within the window of the earliest position still to compute. (A query
+        sees the slots before it whose position is within its window, ahead of it included: ``paged_plan``.)"""
+        prefix_max, suffix_min = self._position_bounds
+        num_prompt = len(prefix_max)
+        first = (suffix_min[num_computed] if num_computed < num_prompt else self.position_of(num_computed)) - window + 1
+        unseen = bisect.bisect_left(prefix_max, first)  # prompt slots whose every predecessor is before ``first``
+        if unseen == num_prompt:  # generated tokens take rising positions past every prompt position
+            unseen += max(0, first - self.position_of(num_prompt))
+        return min(unseen, num_computed)
+
+    @functools.cached_property
+    def _position_bounds(self) -> tuple[list[int], list[int]]:
+        """Per prompt slot, the largest position up to it and the smallest from it (generated tokens come after)."""
+        positions = self.prompt_positions or range(len(self.prompt_token_ids))
+        prefix_max = list(itertools.accumulate(positions, max))
+        suffix_min = list(itertools.accumulate(reversed(positions), min))[::-1]
+        return prefix_max, suffix_min
 
     @property
     def live_seqs(self) -> list[Sequence]:

@@ -20,7 +20,10 @@ they can hold the pool), the oldest waiting one is rejected.
 Sliding-window KV groups hold only what their window still sees: every step first gives back the
 blocks no query of a running sequence sees any more, and a window group gets blocks chunk by chunk
 (each sequence is grown to the token count its step reaches), so admission counts each group's real
-need, not the whole prompt in every group.
+need, not the whole prompt in every group. A Prompt Cache prompt's positions are not its slot indices: its
+window groups start with the modules' blocks of that group (shared) and give back, by position, the leading
+blocks no query still to come sees (``Request.leading_unseen``); a module's encoding keeps every block, since
+importers read it from positions of their own.
 """
 
 from __future__ import annotations
@@ -182,7 +185,18 @@ class Scheduler:
         bookkeeping. ``_reserve`` releases again for sequences admitted or swapped in (idempotent)."""
         for request in self.running:
             for seq in request.live_seqs:
-                self.kv.release_out_of_window(seq.seq_id, seq.num_computed_tokens)
+                self._release(request, seq)
+
+    def _release(self, request: Request, seq: Sequence) -> None:
+        """``KVCacheManager.release_out_of_window`` for one sequence: by slot, or by position for a Prompt Cache
+        prompt; never for a module's encoding (the module keeps every block, see the module docstring)."""
+        if request.encodes_module:
+            return
+        if not request.prompt_positions:
+            self.kv.release_out_of_window(seq.seq_id, seq.num_computed_tokens)
+            return
+        computed = seq.num_computed_tokens
+        self.kv.release_out_of_window(seq.seq_id, computed, lambda window: request.leading_unseen(computed, window))
 
     def _schedule_running(self, step: _Step) -> None:
         kept: list[Request] = []
@@ -281,15 +295,20 @@ class Scheduler:
     def _allocate(self, request: Request, seq: Sequence, step: _Step) -> int:
         """Blocks for an admitted sequence; returns its tokens already computed (prefix hits, Prompt Cache modules)."""
         cached, step_tokens = request.prompt_cache, step.tokens_left  # window groups: the first chunk only
+        keep = bool(request.prompt_positions)  # positioned: window groups release by position (see _release)
         if cached is None:
-            return self.kv.allocate(seq.seq_id, seq.token_ids, request.cache_salt, step_tokens=step_tokens)
-        computed = self.kv.allocate(seq.seq_id, seq.token_ids, request.cache_salt, cached.shared_blocks, step_tokens)
+            return self.kv.allocate(
+                seq.seq_id, seq.token_ids, request.cache_salt, step_tokens=step_tokens, keep_window=keep
+            )
+        shared = cached.group_shared or cached.shared_blocks  # several KV groups: each group's blocks
+        computed = self.kv.allocate(seq.seq_id, seq.token_ids, request.cache_salt, shared, step_tokens, keep)
         lead = len(cached.shared_blocks) * self.kv.block_size
         end = lead + len(cached.tail_slots)
         # A prefix hit past the shared blocks holds the copy already: copy only the tail slots after it.
         first = max(lead, computed)
-        dst = self.kv.slots(seq.seq_id, first, end)
-        step.slot_copies += zip(cached.tail_slots[first - lead :], dst, strict=True)
+        for group, tails in enumerate(cached.group_tails or (cached.tail_slots,)):
+            dst = self.kv.slots(seq.seq_id, first, end, group)
+            step.slot_copies += zip(tails[first - lead :], dst, strict=True)
         if cached.recompute_count:
             self._recompute(request, seq, computed, step)
         return max(computed, end)
@@ -344,9 +363,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens  # the most a step computes: a window group's chunk
         if request.prompt_cache and self._outgrows_modules(request, budget):
             return AllocationStatus.NEVER
+        keep = bool(request.prompt_positions)
         if len(seqs) == 1:
             seq = seqs[0]
-            return self.kv.can_allocate(seq.num_tokens, seq.token_ids, request.cache_salt, module_blocks, budget)
+            shared = request.prompt_cache.group_shared or module_blocks if request.prompt_cache else ()
+            return self.kv.can_allocate(seq.num_tokens, seq.token_ids, request.cache_salt, shared, budget, keep)
         # Forked sequences back after recompute are allocated one by one, each needing its own blocks
         # except the cached prompt blocks the first one holds by then. Counting no other hit keeps the
         # sum an upper bound, so allocation cannot run dry half way through the request.
@@ -354,7 +375,7 @@ class Scheduler:
         shared = min(cached, len(request.prompt_token_ids)) // self.kv.block_size
         return self.kv.device_status(
             sum(
-                self.kv.blocks_needed(s.num_tokens, budget, len(module_blocks) + (shared if i else 0))
+                self.kv.blocks_needed(s.num_tokens, budget, len(module_blocks) + (shared if i else 0), keep)
                 for i, s in enumerate(seqs)
             )
         )
@@ -364,18 +385,21 @@ class Scheduler:
         lives (the full ones it shares, and those holding the tails it copies), so only the rest of the pool is
         ever free for it, however long it waits."""
         cached, bs = request.prompt_cache, self.kv.block_size
-        kept = len(cached.shared_blocks) + len({slot // bs for slot in cached.tail_slots})
+        shared, tails = cached.group_shared or (cached.shared_blocks,), cached.group_tails or (cached.tail_slots,)
+        kept = sum(len(blocks) for blocks in shared) + sum(len({slot // bs for slot in t}) for t in tails)
+        num_shared = len(cached.shared_blocks)
         return any(
-            self.kv.blocks_needed(s.num_tokens, budget, len(cached.shared_blocks)) + kept > self.kv.pool.num_blocks
+            self.kv.blocks_needed(s.num_tokens, budget, num_shared, keep_window=True) + kept > self.kv.pool.num_blocks
             for s in request.live_seqs
         )
 
     def _blocks_unshared(self, request: Request) -> int:
         """Device blocks a request takes at most when each sequence holds its tokens on its own, as after
         a swap-in (a swap copies shared blocks once per sequence), with room for its next step."""
-        budget = self.config.max_num_batched_tokens
+        budget, keep = self.config.max_num_batched_tokens, bool(request.prompt_positions)
         return sum(
-            self.kv.blocks_needed(s.num_tokens, min(budget, max(1, s.num_uncomputed_tokens))) for s in request.live_seqs
+            self.kv.blocks_needed(s.num_tokens, min(budget, max(1, s.num_uncomputed_tokens)), keep_window=keep)
+            for s in request.live_seqs
         )
 
     def _tokens_this_step(self, request: Request, seq: Sequence, tokens_left: int) -> int:
@@ -401,7 +425,7 @@ class Scheduler:
             else:
                 # Window groups give back what this step's queries no longer see first, so it is reused
                 # at once; then every group grows to the step's end (a window group holds only a chunk).
-                self.kv.release_out_of_window(seq.seq_id, seq.num_computed_tokens)
+                self._release(request, seq)
                 end = seq.num_computed_tokens + n
                 if not self.kv.reserve(seq.seq_id, [end] * len(self.kv.groups)):
                     return False

@@ -34,6 +34,12 @@ which attention masks. Freed, they keep their hash like any freed cached block.
 - A prefix hit of L blocks holds for a window group when the blocks the first uncomputed token sees
   (positions L*bs-W+1 .. L*bs-1) are cached; the group takes only those. The hit is the longest L that
   holds for every group (vLLM v1's ``SlidingWindowManager.find_longest_cache_hit``).
+- ``keep_window=True`` (Prompt Cache): a sequence whose positions are not its slot indices, or a module that
+  importers read from any position. Its window groups are allocated as global groups are (every hit block, a
+  hit needing the whole chain; blocks for the whole prompt at once) and count as global groups in
+  ``blocks_needed``; what they release is the caller's to say (``release_out_of_window(unseen=)``: by
+  position), or nothing (a module's encoding keeps every block: allocating it whole means it never runs dry
+  half way, where it could only preempt itself).
 """
 
 from __future__ import annotations
@@ -168,8 +174,9 @@ class KVCacheManager:
         num_tokens: int,
         token_ids: Sequence[int] | None = None,
         extra: tuple = (),
-        shared: Sequence[int] = (),
+        shared: Sequence = (),
         step_tokens: int | None = None,
+        keep_window: bool = False,
     ) -> AllocationStatus:
         """Whether a new sequence of ``num_tokens`` fits; pass its ``token_ids`` to count cached prefix blocks
         (and its ``shared`` leading blocks, see ``allocate``). ``step_tokens``: the most tokens one step
@@ -177,24 +184,29 @@ class KVCacheManager:
         takes for the first step; NEVER, the most blocks the sequence ever holds (``blocks_needed``)."""
         if not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
-        if self.blocks_needed(num_tokens, step_tokens) > self.pool.num_blocks:
+        if self.blocks_needed(num_tokens, step_tokens, keep_window=keep_window) > self.pool.num_blocks:
             return AllocationStatus.NEVER
-        num_hit, hits = self._lookup(token_ids, extra, len(shared))[1:] if token_ids else (0, self._no_hits())
-        covers = self._covers(num_tokens, (len(shared) + num_hit) * self.block_size, step_tokens)
-        return self._status(self._free_needed(covers, len(shared), num_hit, hits), self.pool)
+        num_lead = self._num_lead(shared)
+        found = self._lookup(token_ids, extra, num_lead, keep_window)[1:] if token_ids else (0, self._no_hits())
+        num_hit, hits = found
+        covers = self._covers(num_tokens, (num_lead + num_hit) * self.block_size, None if keep_window else step_tokens)
+        return self._status(self._free_needed(covers, num_lead, num_hit, hits), self.pool)
 
-    def blocks_needed(self, num_tokens: int, step_tokens: int | None = None, num_shared: int = 0) -> int:
+    def blocks_needed(
+        self, num_tokens: int, step_tokens: int | None = None, num_shared: int = 0, keep_window: bool = False
+    ) -> int:
         """The most device blocks a sequence of ``num_tokens`` holds at once, summed over groups, while it
         is computed in steps of at most ``step_tokens`` (None: all at once). A window group holds what
         its window sees plus one step's tokens; a global group every block, less ``num_shared`` leading
-        blocks another sequence holds already."""
+        blocks another sequence holds already (in every group with ``keep_window``, which makes window groups
+        count as global ones: an upper bound whatever the caller releases)."""
         if not isinstance(num_tokens, int) or num_tokens < 0:
             raise ValueError(f"num_tokens must be an integer >= 0, got {num_tokens!r}")
         step = num_tokens if step_tokens is None else min(self._check_step(step_tokens), num_tokens)
-        return sum(self._group_peak(spec, num_tokens, step, num_shared) for spec in self.groups)
+        return sum(self._group_peak(spec, num_tokens, step, num_shared, keep_window) for spec in self.groups)
 
-    def _group_peak(self, spec: KVGroupSpec, num_tokens: int, step: int, num_shared: int) -> int:
-        if spec.sliding_window is None:
+    def _group_peak(self, spec: KVGroupSpec, num_tokens: int, step: int, num_shared: int, keep_window: bool) -> int:
+        if spec.sliding_window is None or keep_window:
             return self.blocks_for(num_tokens) - num_shared
         span = spec.sliding_window - 1 + step  # tokens a step's queries see, from the first one's window start
         return min(self.blocks_for(num_tokens), (span + self.block_size - 2) // self.block_size + 1)
@@ -208,8 +220,9 @@ class KVCacheManager:
         seq_id: int,
         token_ids: Sequence[int],
         extra: tuple = (),
-        shared: Sequence[int] = (),
+        shared: Sequence = (),
         step_tokens: int | None = None,
+        keep_window: bool = False,
     ) -> int:
         """Blocks for a new sequence's prompt, reusing cached prefix blocks; returns the prompt tokens
         already computed (whole blocks, never the last token). ``extra`` salts the hashes (LoRA, modules).
@@ -220,31 +233,35 @@ class KVCacheManager:
 
         ``shared``: full device blocks another holder keeps (Prompt Cache modules) that become this
         sequence's first blocks as they are; they count as computed and are not hashed: the hash chain
-        starts after them, so ``extra`` must identify what they hold. One KV group only, without a window."""
+        starts after them, so ``extra`` must identify what they hold. With several KV groups, one sequence of
+        block ids per group (each group's blocks of the same tokens). A group with a window shares them only with
+        ``keep_window`` (see the module docstring)."""
         if seq_id in self._seqs:
             raise KVCacheError(f"sequence {seq_id} already has KV blocks; free it before allocating again")
         if not token_ids:
             raise ValueError(f"sequence {seq_id}: cannot allocate KV blocks for an empty prompt")
-        lead = self._shared_blocks(shared, len(token_ids))
-        hashes, num_hit, hits = self._lookup(token_ids, extra, len(lead))
-        computed = (len(lead) + num_hit) * self.block_size
-        covers = self._covers(len(token_ids), computed, step_tokens)
-        needed = self._free_needed(covers, len(lead), num_hit, hits)
+        leads = self._leads(shared, len(token_ids), keep_window)
+        num_lead = len(leads[0])
+        hashes, num_hit, hits = self._lookup(token_ids, extra, num_lead, keep_window)
+        computed = (num_lead + num_hit) * self.block_size
+        covers = self._covers(len(token_ids), computed, None if keep_window else step_tokens)
+        needed = self._free_needed(covers, num_lead, num_hit, hits)
         if needed > self.pool.num_free:
             raise NoFreeBlocksError(
                 f"sequence {seq_id} needs {needed} free blocks; {self.pool.num_free} of {self.pool.num_blocks} are free"
             )
-        self.pool.touch(lead)
+        for lead in leads:
+            self.pool.touch(lead)
         for group_hits in hits:  # take every hit before allocating, so allocation cannot evict one
             self.pool.touch(group_hits)
         tables = []
-        for group_hashes, group_hits, cover in zip(hashes, hits, covers, strict=True):
-            new = self.pool.allocate(self.blocks_for(cover) - len(lead) - num_hit)
-            released = num_hit - len(group_hits)  # hit blocks out of a window group's sight
-            cached = len(lead) + num_hit
+        for lead, group_hashes, group_hits, cover in zip(leads, hashes, hits, covers, strict=True):
+            new = self.pool.allocate(self.blocks_for(cover) - num_lead - num_hit)
+            released = num_hit - len(group_hits)  # hit blocks out of a window group's sight (none with a lead)
+            cached = num_lead + num_hit
             tables.append(_GroupTable(lead + group_hits + new, cover, group_hashes, cached, released))
         self._seqs[seq_id] = _Sequence(tables, tuple(extra))
-        self._query_tokens += len(token_ids) - len(lead) * self.block_size
+        self._query_tokens += len(token_ids) - num_lead * self.block_size
         self._hit_tokens += num_hit * self.block_size
         return computed
 
@@ -266,16 +283,31 @@ class KVCacheManager:
             raise ValueError(f"step_tokens must be an integer >= 1 or None, got {step_tokens!r}")
         return step_tokens
 
-    def _shared_blocks(self, shared: Sequence[int], num_tokens: int, per_group: bool = False) -> list[Block]:
+    def _num_lead(self, shared: Sequence) -> int:
+        """How many leading blocks ``shared`` (one group's ids, or one sequence of ids per group) names per group."""
+        return len(shared) if len(self.groups) == 1 or not shared else len(shared[0])
+
+    def _leads(self, shared: Sequence, num_tokens: int, keep_window: bool) -> list[list[Block]]:
+        """Per group, the shared leading blocks (see ``allocate``)."""
+        if not shared:
+            return [[] for _ in self.groups]
+        per_group = [shared] if len(self.groups) == 1 else list(shared)
+        if len(per_group) != len(self.groups) or len({len(s) for s in per_group}) != 1:
+            raise KVCacheError(
+                f"shared leading blocks need one sequence of block ids per KV group ({len(self.groups)}), "
+                "each as long as the others"
+            )
+        windows = [g.sliding_window for g in self.groups if g.sliding_window is not None]
+        if windows and not keep_window:
+            raise KVCacheError(
+                f"shared leading blocks in a KV group with a sliding window (sliding_window={windows[0]}) need "
+                "keep_window=True: the caller releases what the window no longer sees, by position"
+            )
+        return [self._shared_blocks(s, num_tokens) for s in per_group]
+
+    def _shared_blocks(self, shared: Sequence[int], num_tokens: int) -> list[Block]:
         if not shared:
             return []
-        if len(self.groups) != 1 and not per_group:
-            raise KVCacheError(f"shared leading blocks need a single KV group; this manager has {len(self.groups)}")
-        if self.groups[0].sliding_window is not None:
-            raise KVCacheError(
-                f"shared leading blocks need a KV group without a sliding window; "
-                f"this one has sliding_window={self.groups[0].sliding_window}"
-            )
         if len(shared) * self.block_size > num_tokens:
             raise KVCacheError(f"{len(shared)} shared blocks hold more than the sequence's {num_tokens} tokens")
         blocks = [self.pool.blocks[b] for b in shared]
@@ -288,27 +320,29 @@ class KVCacheManager:
         return [[] for _ in self.groups]
 
     def _lookup(
-        self, token_ids: Sequence[int], extra: tuple, skip: int = 0
+        self, token_ids: Sequence[int], extra: tuple, skip: int = 0, keep_window: bool = False
     ) -> tuple[list[list[int | None]], int, list[list[Block]]]:
         """Per group, the hashes of all full prompt blocks; the longest hit (in blocks after ``skip``) valid
-        for every group; per group, the hit blocks it takes (a window group only those its window sees).
-        The first ``skip`` blocks (shared as they are) get no hash (None); the chain starts after them."""
+        for every group; per group, the hit blocks it takes (a window group only those its window sees, unless
+        ``keep_window``: then every group is looked up as a global one). The first ``skip`` blocks (shared as
+        they are) get no hash (None); the chain starts after them."""
         if not self.enable_prefix_caching:
             return self._no_hits(), 0, self._no_hits()
+        specs = [KVGroupSpec() for _ in self.groups] if keep_window else self.groups
         rest = token_ids[skip * self.block_size :]
         hashes = [
             [None] * skip + hash_prompt_blocks(rest, self.block_size, (g, *extra)) for g in range(len(self.groups))
         ]
         bound = max(0, (len(token_ids) - 1) // self.block_size - skip)
         found: list[list[Block | None]] = [[] for _ in self.groups]
-        for g in sorted(range(len(self.groups)), key=lambda g: self.groups[g].sliding_window is not None):
-            found[g] = self._find_cached(hashes[g][skip : skip + bound], self.groups[g])
-            if self.groups[g].sliding_window is None:  # global groups first: a hit needs their whole chain
+        for g in sorted(range(len(self.groups)), key=lambda g: specs[g].sliding_window is not None):
+            found[g] = self._find_cached(hashes[g][skip : skip + bound], specs[g])
+            if specs[g].sliding_window is None:  # global groups first: a hit needs their whole chain
                 bound = len(found[g])
-        num_hit = self._longest_hit(found, bound)
+        num_hit = self._longest_hit(found, bound, specs)
         hits = [
             blocks[:num_hit] if spec.sliding_window is None else blocks[num_hit - self._seen(spec, num_hit) : num_hit]
-            for blocks, spec in zip(found, self.groups, strict=True)
+            for blocks, spec in zip(found, specs, strict=True)
         ]
         return hashes, num_hit, hits
 
@@ -322,10 +356,10 @@ class KVCacheManager:
             blocks.append(block)
         return blocks
 
-    def _longest_hit(self, found: list[list[Block | None]], bound: int) -> int:
+    def _longest_hit(self, found: list[list[Block | None]], bound: int, specs: Sequence[KVGroupSpec]) -> int:
         """The longest hit, at most ``bound`` blocks, each window group can take: one whose next query
         sees only cached blocks."""
-        windows = [(spec, blocks) for spec, blocks in zip(self.groups, found, strict=True) if spec.sliding_window]
+        windows = [(spec, blocks) for spec, blocks in zip(specs, found, strict=True) if spec.sliding_window]
         runs = [(spec, _cached_runs(blocks)) for spec, blocks in windows]
         for num_hit in range(bound, 0, -1):
             if all(run[num_hit - 1] >= self._seen(spec, num_hit) for spec, run in runs):
@@ -352,7 +386,7 @@ class KVCacheManager:
             raise ValueError(f"need shared blocks per KV group ({len(self.groups)}), got {len(shared)}")
         tables = []
         for group_shared in shared:
-            lead = self._shared_blocks(group_shared, len(group_shared) * self.block_size, per_group=True)
+            lead = self._shared_blocks(group_shared, len(group_shared) * self.block_size)
             self.pool.touch(lead)
             tables.append(_GroupTable(lead, len(lead) * self.block_size, num_cached=len(lead)))
         self._seqs[seq_id] = _Sequence(tables, ())
@@ -427,17 +461,28 @@ class KVCacheManager:
         table.num_slots += num_new
         table.blocks += self.pool.allocate(self.blocks_for(table.num_slots) - table.num_entries)
 
-    def release_out_of_window(self, seq_id: int, num_computed_tokens: int) -> int:
+    def release_out_of_window(
+        self, seq_id: int, num_computed_tokens: int, unseen: Callable[[int], int] | None = None
+    ) -> int:
         """Give back, in each window group, the blocks no query at a position >= ``num_computed_tokens``
         sees (their last token is before ``num_computed_tokens - W + 1``); returns the table entries
-        released. Freed blocks keep their hash. Idempotent; groups without a window keep everything."""
+        released. Freed blocks keep their hash. Idempotent; groups without a window keep everything.
+
+        ``unseen(W)``: for a sequence whose positions are not its slot indices (a Prompt Cache prompt), how many
+        of its leading slots no query still to come sees in a window of W positions; the full blocks among them
+        go. A block shared with another holder (a module) only loses this sequence's reference."""
         if not isinstance(num_computed_tokens, int) or num_computed_tokens < 0:
             raise ValueError(f"num_computed_tokens must be an integer >= 0, got {num_computed_tokens!r}")
         released = 0
         for spec, table in zip(self.groups, self._resident(seq_id).tables, strict=True):
-            if spec.sliding_window is not None:
-                unseen = max(0, (num_computed_tokens - spec.sliding_window + 1) // self.block_size)
-                released += self._release(table, min(unseen, table.num_slots // self.block_size))
+            window = spec.sliding_window
+            if window is not None:
+                before = (
+                    num_computed_tokens - window + 1 if unseen is None else min(unseen(window), num_computed_tokens)
+                )
+                released += self._release(
+                    table, min(max(0, before) // self.block_size, table.num_slots // self.block_size)
+                )
         return released
 
     def _release(self, table: _GroupTable, num_released: int) -> int:

@@ -243,7 +243,12 @@ def _assemble(
     shared = tuple(b for blocks in pinned for b in blocks.full_blocks)
     # The sequences whose encodings the prompt waits for: a module encoded after a context runs in a scratch one.
     module_seqs = tuple(blocks.module.encode_seq_id or blocks.module.seq_id for blocks in pinned)
-    cached = CachedPrompt(shared, tuple(tail_slots), module_seqs, num_tokens=sum(m.module.num_tokens for m in pinned))
+    num_tokens = sum(m.module.num_tokens for m in pinned)
+    # Sliding-window KV groups: the same order in each group's blocks (all modules' full blocks, then the tails).
+    num_groups = max((len(b.group_blocks) for b in pinned), default=0)
+    group_shared = tuple(tuple(x for b in pinned for x in b.group_blocks[g]) for g in range(num_groups))
+    group_tails = tuple(tuple(x for b in pinned for x in b.group_tails[g]) for g in range(num_groups))
+    cached = CachedPrompt(shared, tuple(tail_slots), module_seqs, group_shared, group_tails, num_tokens)
     # ``schema``: its qualified name and text, so another namespace's copy of the schema never shares the blocks.
     digest = hashlib.sha256(repr((schema, tuple(token_ids), tuple(positions))).encode()).hexdigest()
     return PreparedPrompt(

@@ -17,7 +17,9 @@ class CachedPrompt:
     With one KV group per layer (a compressing policy), each layer holds the slots its policy kept of the
     modules, known once they are encoded: the scheduler fills in ``group_shared[g]`` and ``group_tails[g]``,
     layer g's, when the request is admitted; the prompt's first ``num_tokens`` tokens are the modules'
-    (however many slots each layer keeps of them)."""
+    (however many slots each layer keeps of them). With sliding-window KV groups, ``group_shared[g]`` and
+    ``group_tails[g]`` are group g's blocks and slots of the same tokens (``shared_blocks`` and ``tail_slots``
+    are group 0's), known when the modules are pinned."""
 
     shared_blocks: tuple[int, ...] = ()
     tail_slots: tuple[int, ...] = ()

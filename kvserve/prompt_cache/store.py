@@ -26,6 +26,11 @@ encoding is written to one.
 
 Memory: the stored modules' bytes in their tier stay under ``budget_bytes``; past it the least
 recently used module is evicted (a pinned one keeps its device blocks until its last pin goes).
+
+Sliding-window KV groups (Gemma 3): a module sequence holds blocks in every group and keeps all of them, the
+window groups' too (``KVCacheManager`` ``keep_window``). Which of them an importer's window still sees depends on
+where the importer's queries sit (an argument inside a module sees the module around it), so the module keeps
+them all and each importer releases its own references by position as it goes.
 """
 
 from __future__ import annotations
@@ -83,6 +88,9 @@ class ModuleBlocks:
     module: CachedModule
     full_blocks: tuple[int, ...]
     tail_slots: tuple[int, ...]
+    # With several KV groups of one table each (sliding-window groups): the same per group, group 0's first.
+    group_blocks: tuple[tuple[int, ...], ...] = ()
+    group_tails: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -186,9 +194,14 @@ class ModuleStore:
         self._enforce_budget(keep=module)
         if self.per_layer_groups:
             return ModuleBlocks(module, (), ())
-        num_full = module.num_tokens // self.kv.block_size
-        tail = self.kv.slots(module.seq_id, num_full * self.kv.block_size, module.num_tokens)
-        return ModuleBlocks(module, tuple(self.kv.block_table(module.seq_id)[:num_full]), tuple(tail))
+        num_full, groups = module.num_tokens // self.kv.block_size, range(len(self.kv.groups))
+        blocks = tuple(tuple(self.kv.block_table(module.seq_id, g)[:num_full]) for g in groups)
+        tails = tuple(
+            tuple(self.kv.slots(module.seq_id, num_full * self.kv.block_size, module.num_tokens, g)) for g in groups
+        )
+        if len(groups) == 1:
+            return ModuleBlocks(module, blocks[0], tails[0])
+        return ModuleBlocks(module, blocks[0], tails[0], blocks, tails)
 
     def unpin(self, module: CachedModule) -> None:
         module.pins -= 1
@@ -221,7 +234,8 @@ class ModuleStore:
         its own: a later encoding of the same module finds them while the pool keeps them). ``found``: the
         module sequence's first tokens found by prefix hash, which are not copied over."""
         token_ids = module.context_ids + module.token_ids
-        if self.kv.blocks_for(len(token_ids)) + len(self.kv.held_blocks(module.seq_id)) > self.kv.pool.num_blocks:
+        scratch = self.kv.blocks_needed(len(token_ids), keep_window=True)  # every group keeps every block
+        if scratch + len(self.kv.held_blocks(module.seq_id)) > self.kv.pool.num_blocks:
             self._drop_device(module)
             raise PromptCacheError(
                 f"module {module.key[1]!r} ({module.num_tokens} tokens) is encoded after the schema's "
@@ -242,7 +256,7 @@ class ModuleStore:
             return 0
         while True:
             try:
-                return self.kv.allocate(seq_id, token_ids, salt)
+                return self.kv.allocate(seq_id, token_ids, salt, keep_window=True)
             except NoFreeBlocksError as error:
                 # Only device-tier modules hold blocks while unpinned; evicting host-tier ones frees none.
                 if self.tier == "host" or not self._evict_one(keep=module, pinned_ok=False):
@@ -257,9 +271,11 @@ class ModuleStore:
         module = job.module
         module.encoding = False
         if job.num_context:
-            src = self.kv.slots(job.seq_id, job.num_context + job.found, len(job.token_ids))
-            dst = self.kv.slots(module.seq_id, job.found, module.num_tokens)
-            self.cache.copy_slots(list(zip(src, dst, strict=True)))
+            pairs = []
+            for g in range(len(self.kv.groups)):  # each group's slots (a slot copy moves every row of its block)
+                src = self.kv.slots(job.seq_id, job.num_context + job.found, len(job.token_ids), g)
+                pairs += zip(src, self.kv.slots(module.seq_id, job.found, module.num_tokens, g), strict=True)
+            self.cache.copy_slots(pairs)
             self.kv.free(job.seq_id)
             module.encode_seq_id = None
         self.kv.cache_full_blocks(module.seq_id, module.token_ids)

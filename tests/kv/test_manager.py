@@ -408,8 +408,12 @@ def test_shared_blocks_must_be_held_and_fit_the_sequence():
         m.allocate(1, list(range(6)), shared=m.block_table(-1))
     grouped = _manager(groups=[KVGroupSpec((0,)), KVGroupSpec((1,))])
     grouped.allocate(-1, list(range(4)))
-    with pytest.raises(KVCacheError, match="single KV group"):
+    with pytest.raises(KVCacheError, match=r"one sequence of block ids per KV group \(2\)"):
         grouped.allocate(1, list(range(6)), shared=grouped.block_table(-1)[:1])
+    # One sequence of block ids per group: each group's own blocks of the same tokens.
+    shared = [grouped.block_table(-1, g)[:1] for g in range(2)]
+    assert grouped.allocate(1, list(range(4)) + [9, 9], shared=shared) == 4
+    assert [grouped.block_table(1, g)[0] for g in range(2)] == [s[0] for s in shared]
 
 
 def test_slots_follow_the_block_table():

@@ -174,7 +174,7 @@ def test_window_only_manager_and_errors():
     m = KVCacheManager(8, 4, groups=[KVGroupSpec(sliding_window=8)])
     assert m.can_allocate(400, step_tokens=4) is OK  # (8 - 1 + 4) tokens span at most 4 blocks
     m.allocate(-1, list(range(8)))
-    with pytest.raises(KVCacheError, match="shared leading blocks need a KV group without a sliding window"):
+    with pytest.raises(KVCacheError, match="sliding window .* need keep_window=True"):
         m.allocate(1, list(range(10)), shared=m.block_table(-1)[:1])
     with pytest.raises(KVCacheError, match="KV group 0 has a sliding window; only groups without one can shrink"):
         m.shrink(-1, 0, 4)
