@@ -238,6 +238,28 @@ def test_real_model_bfloat16_prefill_matches_torch_kernel(monkeypatch, shared_re
     assert kernel_tokens == torch_tokens
 
 
+@pytest.mark.real_model
+@needs_kernel
+def test_real_model_pyramid_prefill_on_the_votes_kernel_matches_the_float32_votes(monkeypatch, shared_real_loads):
+    """A 2,000-token prompt under PyramidInfer at 50% in bfloat16 (two chunks, each compacting): the votes kernel's
+    prompt log-probabilities and greedy tokens against the float32 voting rows'."""
+    llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", swap_space=0, kv_policy="pyramid", kv_budget=0.5)
+    ids = llm.engine.tokenizer.encode(" ".join(f"item {i} costs {i * 7 % 97} coins;" for i in range(400)))[:2000]
+    params = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=1)
+
+    def run():
+        (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        logprobs = [entry[token] for entry, token in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
+        return torch.tensor(logprobs), out.outputs[0].token_ids
+
+    kernel_lp, kernel_tokens = run()
+    monkeypatch.setattr(compressed_prefill, "use_flash_prefill", lambda q, k: False)
+    torch_lp, torch_tokens = run()
+    assert (kernel_lp - torch_lp).abs().mean().item() < 0.03
+    assert abs(kernel_lp.mean().item() - torch_lp.mean().item()) < 0.005
+    assert kernel_tokens == torch_tokens
+
+
 @needs_kernel
 def test_recompute_window_attention_on_the_kernel_equals_the_masked_chunks(monkeypatch):
     """Selective recompute in a sliding-window layer (``blend._attend_window``): the kernel over runs of the keys in
