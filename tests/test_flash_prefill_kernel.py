@@ -1,7 +1,9 @@
 """The bfloat16 prefill kernel (``csrc/flash_prefill.cpp``) against float32 attention over the same bfloat16
 inputs: odd lengths, key-block and tile boundaries, cached context, sliding windows, GQA ratios and head sizes;
 ``attend_prefill`` taking it for bfloat16 and keeping SDPA otherwise; and on the real default model, a
-2,000-token bfloat16 prefill through the engine against the same prefill with torch's kernel."""
+2,000-token bfloat16 prefill through the engine against the same prefill with torch's kernel. Its voting form
+(``flash_prefill_votes``: a compressing cache's chunk) against ``scoring.head_column_sums`` and the policies'
+choices from it."""
 
 from __future__ import annotations
 
@@ -11,11 +13,14 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.attention import blend
+from kvserve.attention import blend, compressed_prefill
 from kvserve.attention import flash_prefill as flash_module
 from kvserve.attention import paged as paged_module
-from kvserve.attention.flash_prefill import flash_prefill, flash_prefill_available
+from kvserve.attention.flash_prefill import flash_prefill, flash_prefill_available, flash_prefill_votes
 from kvserve.attention.paged import PagedKVCache, attend_prefill
+from kvserve.policies.pyramid import PyramidInfer
+from kvserve.policies.scoring import head_column_sums
+from kvserve.policies.snapkv import SnapKV
 
 needs_kernel = pytest.mark.skipif(
     not flash_prefill_available(), reason="the kernel is built only on CPUs with AVX512-BF16 and without AMX"
@@ -137,6 +142,45 @@ def test_kernel_refuses_what_it_cannot_take():
         torch.ops.kvserve.flash_prefill(q, k, v, 0, 0, 0.125)
 
 
+@needs_kernel
+@pytest.mark.parametrize(
+    ("tokens", "ctx_len", "heads", "kv_heads", "dim", "first", "softcap"),
+    [
+        (100, 0, 9, 3, 64, 60, 0.0),  # a first chunk: the last 40 vote
+        (257, 130, 9, 3, 64, 0, 0.0),  # cached candidates, every row votes, tile and key-block edges
+        (300, 77, 4, 1, 256, 299, 0.0),  # one voting row, Gemma 3's head size
+        (200, 50, 8, 8, 128, 10, 30.0),  # soft-capped logits, no grouping
+        (65, 0, 2, 2, 64, 65, 0.0),  # no voting row: zero sums
+    ],
+)
+def test_votes_kernel_matches_head_column_sums(tokens, ctx_len, heads, kv_heads, dim, first, softcap):
+    """The kernel's output is ``flash_prefill``'s to the bit, and its sums are the float32 reference's (bfloat16
+    products are exact in float32: only the order of additions differs)."""
+    q, k, v = _inputs(tokens, ctx_len, heads, kv_heads, dim)
+    weights = torch.linspace(1.0, 1.2, tokens - first)
+    out, sums = flash_prefill_votes(q, k, v, ctx_len, first, weights, softcap)
+    assert torch.equal(out, torch.ops.kvserve.flash_prefill(q, k, v, ctx_len, 0, dim**-0.5, None, None, softcap))
+    want = head_column_sums(q, k, ctx_len, first, weights, softcap)
+    assert sums.shape == want.shape == (ctx_len + tokens, kv_heads)
+    assert (sums - want).abs().max().item() <= 1e-5 * max(want.abs().max().item(), 1e-30)
+
+
+@needs_kernel
+@pytest.mark.parametrize("policy", [PyramidInfer(budget=0.5), SnapKV(budget=0.5)], ids=["pyramid", "snapkv"])
+def test_votes_kernel_keeps_what_the_float32_scores_keep(policy, monkeypatch):
+    """A bfloat16 chunk of 600 rows over 500 cached candidates: the tokens each policy keeps from the kernel's sums
+    are the ones it keeps from the float32 voting pass (``attend_voting`` with the kernel off)."""
+    q, k, v = _inputs(600, 500, 9, 3, 64, seed=3)
+    num_tokens, keep = 1100, 550
+    votes = policy.votes(600, num_tokens)
+    got = compressed_prefill.attend_voting(q, k, v, 500, *votes)
+    monkeypatch.setattr(compressed_prefill, "use_flash_prefill", lambda q, k: False)
+    want = compressed_prefill.attend_voting(q, k, v, 500, *votes)
+    assert (got[0].float() - want[0].float()).abs().max().item() <= 2 * TOLERANCE
+    kept = [policy.select(policy.scores_from(sums, 500, None), 1100, keep, num_tokens) for sums in (got[1], want[1])]
+    assert torch.equal(kept[0], kept[1])
+
+
 def test_attend_prefill_takes_the_kernel_for_bfloat16_only(monkeypatch):
     """Where the kernel is built it serves bfloat16 and nothing else; where it is not, SDPA serves everything."""
     calls = []
@@ -189,6 +233,28 @@ def test_real_model_bfloat16_prefill_matches_torch_kernel(monkeypatch, shared_re
     torch_lp, torch_tokens = run()
     assert len(kernel_lp) == len(ids) - 1
     # bfloat16 rounding differs between the two kernels; the model's predictions must not.
+    assert (kernel_lp - torch_lp).abs().mean().item() < 0.03
+    assert abs(kernel_lp.mean().item() - torch_lp.mean().item()) < 0.005
+    assert kernel_tokens == torch_tokens
+
+
+@pytest.mark.real_model
+@needs_kernel
+def test_real_model_pyramid_prefill_on_the_votes_kernel_matches_the_float32_votes(monkeypatch, shared_real_loads):
+    """A 2,000-token prompt under PyramidInfer at 50% in bfloat16 (two chunks, each compacting): the votes kernel's
+    prompt log-probabilities and greedy tokens against the float32 voting rows'."""
+    llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", swap_space=0, kv_policy="pyramid", kv_budget=0.5)
+    ids = llm.engine.tokenizer.encode(" ".join(f"item {i} costs {i * 7 % 97} coins;" for i in range(400)))[:2000]
+    params = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=1)
+
+    def run():
+        (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        logprobs = [entry[token] for entry, token in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
+        return torch.tensor(logprobs), out.outputs[0].token_ids
+
+    kernel_lp, kernel_tokens = run()
+    monkeypatch.setattr(compressed_prefill, "use_flash_prefill", lambda q, k: False)
+    torch_lp, torch_tokens = run()
     assert (kernel_lp - torch_lp).abs().mean().item() < 0.03
     assert abs(kernel_lp.mean().item() - torch_lp.mean().item()) < 0.005
     assert kernel_tokens == torch_tokens

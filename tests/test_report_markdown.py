@@ -69,7 +69,7 @@ def prefix_table() -> str:
 def compression_table() -> str:
     result = {"policy": "full", "budget": 1.0, "kv_bytes_per_seq": 3e7 + X, "prefill_reserved_bytes_per_seq": 4e7 + X,
               "peak_running": 9, "preemptions": 2, "output_tokens_per_s": 40 + X,
-              "decode_tokens_per_s": 50 + X}  # fmt: skip
+              "decode_tokens_per_s": 50 + X, "seconds": 60 + X, "decode_seconds": 20 + X}  # fmt: skip
     report = {**HEAD, "kv_cache_memory": "400MiB", "workload": "32 requests", "results": [result, {**result,
               "policy": "pyramid", "budget": 0.5}]}  # fmt: skip
     return compression.markdown(report)
@@ -162,3 +162,4 @@ def test_the_fixed_writers_print_words_and_tables():
     assert "Machine: Test CPU, 2 vCPU, 15.6 GiB, torch 2.13.0+cpu." in offload_table()
     assert "| KVR-S | 384 + 616 | 1120 + 880 |" in prefill()
     assert "Processes left after stopping the server: 4321, 4322." in soak_table()
+    assert "| 9 | 2 | 40.0 | 40.1 | 50.1 | 1.00x / 1.00x / 1.00x |" in compression_table()  # prompt steps: 60 - 20 s

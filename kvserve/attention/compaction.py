@@ -23,23 +23,43 @@ class Compaction:
 
     def compress_decoded(
         self, layer: int, meta: CompressedAttentionMetadata, seq: int,
-        candidates: Callable[[], tuple[torch.Tensor, torch.Tensor]], scores: torch.Tensor | None,
+        candidates: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], scores: torch.Tensor | None,
     ) -> None:  # fmt: skip
         """After a decode row: keep everything while the group is within its target, else the policy's choice
-        among its ``candidates()`` (keys and values, read only then)."""
+        among its candidates, every one in its slot (the new key included). ``candidates(index)`` reads the keys
+        and values of candidates ``index`` (k,): only those that move are read and written, since the kept ones
+        before the first dropped candidate are already where compaction puts them (with their scores)."""
         c = self.cache
         n = c.step.held_after[seq][layer] + 1
         target = meta.group_targets[seq][layer]
         if n <= target:
             c.step.held_after[seq][layer] = n
             return
-        keys, values = candidates()
         scores = None if scores is None else scores[:n]
         frozen = meta.group_frozen[seq][layer] if meta.group_frozen[seq] else 0
         policy, num_tokens = meta.policies[seq], meta.context_lens[seq] + 1
-        kept = self.choose(layer, policy, scores, n, target, num_tokens, frozen).to(keys.device)
-        self.write_kept(meta.block_tables[seq][layer], keys[:n], values[:n], scores, kept, frozen)
+        kept = self.choose(layer, policy, scores, n, target, num_tokens, frozen)
         c.step.held_after[seq][layer] = target
+        if kept.dim() == 2:  # per-head choices: each head's tokens move apart
+            keys, values = candidates(torch.arange(n))
+            self.write_kept(meta.block_tables[seq][layer], keys, values, scores, kept, frozen)
+            return
+        # kept is ascending, so kept[j] == j holds exactly for a prefix: those slots stay.
+        stay = int((kept == torch.arange(target, device=kept.device)).sum())
+        moved = kept[stay:]
+        keys, values = candidates(moved)
+        dst = c.slot_ids(meta.block_tables[seq][layer], stay, target, keys.device)
+        c.write(dst, keys, values)
+        if scores is not None:
+            c.scores.index_copy_(0, dst, self.slot(scores.index_select(0, moved.to(scores.device))))
+
+    def candidates(
+        self, table: tuple[int, ...], count: int
+    ) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """A reader of the keys and values of a group's first ``count`` slots, by candidate index (for
+        ``compress_decoded``)."""
+        c = self.cache
+        return lambda index: c.read(c.slot_ids(table, 0, count, c.device).index_select(0, index.to(c.device)))
 
     def write_kept(
         self,
@@ -59,9 +79,15 @@ class Compaction:
         dst = c.slot_ids(table, frozen, frozen + kept.shape[0], keys.device)
         if kept.dim() == 1:
             c.write(dst, keys.index_select(0, kept), values.index_select(0, kept))
-        else:
-            rows = kept[:, :, None].expand(-1, -1, keys.shape[-1])  # (k, Hkv, D)
-            c.write(dst, keys.gather(0, rows), values.gather(0, rows))
+        else:  # each head's rows picked from the (n * Hkv, D) rows: index_select copies whole rows of D
+            heads = kept.shape[1]
+            rows = (kept * heads + torch.arange(heads, device=kept.device)).view(-1)  # (k * Hkv,)
+            shape = (kept.shape[0], heads, keys.shape[-1])
+            c.write(
+                dst,
+                keys.flatten(0, 1).index_select(0, rows).view(shape),
+                values.flatten(0, 1).index_select(0, rows).view(shape),
+            )
         if scores is not None:
             chosen = scores.index_select(0, kept) if kept.dim() == 1 else scores.gather(0, kept)
             c.scores.index_copy_(0, dst, self.slot(chosen))

@@ -325,7 +325,3 @@ class CompressedKVCache(AttentionBackend):
 
     def slot_ids(self, table: tuple[int, ...], begin: int, end: int, device: torch.device) -> torch.Tensor:
         return slot_ids(table, begin, end, self.block_size, device)
-
-    def group_kv(self, table: tuple[int, ...], count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of a group's first ``count`` slots, (count, Hkv, D) each (copies)."""
-        return self.read(self.slot_ids(table, 0, count, self.device))

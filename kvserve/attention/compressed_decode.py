@@ -71,14 +71,17 @@ class CompressedDecode:
             else (k_slab.view(batch, length, *k.shape[1:]), v_slab.view(batch, length, *v.shape[1:]))
         )
 
-        def candidates(b: int) -> tuple[torch.Tensor, torch.Tensor]:  # row b's keys and values, (held + 1, Hkv, D)
-            if fetched is not None:  # already fetched from the tier for the attention above
-                return fetched[0][b, : held[b] + 1], fetched[1][b, : held[b] + 1]
-            return c.group_kv(tables[b], held[b] + 1)
+        def fetched_rows(b: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # row b's candidates
+            index = index.to(fetched[0].device)  # already fetched from the tier for the attention above
+            return fetched[0][b].index_select(0, index), fetched[1][b].index_select(0, index)
 
         for b, seq in enumerate(seqs):
             row_scores = None if scores is None else scores[b]
-            c.compaction.compress_decoded(layer, meta, seq, lambda b=b: candidates(b), row_scores)
+            if fetched is None:
+                rows = c.compaction.candidates(tables[b], held[b] + 1)
+            else:
+                rows = partial(fetched_rows, b)
+            c.compaction.compress_decoded(layer, meta, seq, rows, row_scores)
         return out
 
     def decode_heads(
@@ -237,7 +240,7 @@ class CompressedDecode:
         for layer, b in zip(*np.nonzero(ends > targets), strict=True):  # only these groups compact
             table, h = meta.block_tables[b][layer], c.step.held_after[b][layer]
             row = scores[layer][b] if layer in scores else None
-            c.compaction.compress_decoded(layer, meta, b, partial(c.group_kv, table, h + 1), row)
+            c.compaction.compress_decoded(layer, meta, b, c.compaction.candidates(table, h + 1), row)
         c.step.held_after = np.minimum(ends, targets).T.tolist()
 
     def scored_layers(self, meta: CompressedAttentionMetadata) -> list[int]:

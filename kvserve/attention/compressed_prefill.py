@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.attention.backend import UnsupportedKVOperation
+from kvserve.attention.flash_prefill import flash_prefill_votes, use_flash_prefill
 from kvserve.attention.head_budgets import head_candidates, pack, packed_slots
 from kvserve.attention.paged import attend_prefill
 from kvserve.policies.scoring import attend_voting_rows
@@ -44,14 +45,8 @@ class CompressedPrefill:
         votes = policy.votes(m, num_tokens) if window is None else None
         if votes is None:
             out, scores = attend_prefill(q, keys, values, held, window, c.softcap), None  # a window's: its latest
-        else:  # the voting rows' attention weights are formed once, for their output and for the scores
-            first, row_weights = votes
-            out = torch.empty_like(q)
-            if first:
-                out[:first] = attend_prefill(
-                    q[:first], keys[: held + first], values[: held + first], held, softcap=c.softcap
-                )
-            out[first:], head_sums = attend_voting_rows(q, keys, values, held, first, row_weights, c.softcap)
+        else:
+            out, head_sums = attend_voting(q, keys, values, held, *votes, c.softcap)
             previous = c.scores.index_select(0, ctx) if held else None
             scores = policy.scores_from(head_sums, held, previous)
         if scores is not None and scores.dim() == 1 and c.rank_mean is not None:  # the same on every rank
@@ -97,13 +92,7 @@ class CompressedPrefill:
         for h in range(heads):
             qh, kh, vh = q[:, h * group : (h + 1) * group], keys[h][:, None], values[h][:, None]
             before = kh.shape[0] - m
-            if first:
-                out[:first, h * group : (h + 1) * group] = attend_prefill(
-                    qh[:first], kh[: before + first], vh[: before + first], before, softcap=c.softcap
-                )
-            out[first:, h * group : (h + 1) * group], sums = attend_voting_rows(
-                qh, kh, vh, before, first, row_weights, c.softcap
-            )
+            out[:, h * group : (h + 1) * group], sums = attend_voting(qh, kh, vh, before, first, row_weights, c.softcap)
             votes.append(sums[:, 0])
         if held + m <= target:  # a chunk that fits: appended as later slots, every head the same token
             later = torch.stack([votes[h][counts[h] if counts else 0 :] for h in range(heads)], dim=1).mean(dim=1)
@@ -120,3 +109,26 @@ class CompressedPrefill:
         c.step.heads_after[i][layer] = tuple(kept.numel() for kept in chosen)
         c.step.held_after[i][layer] = target
         return out
+
+
+def attend_voting(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    held: int,
+    first: int,
+    row_weights: torch.Tensor,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's causal attention, q (m, H, D) over its h cached candidates and its own keys/values (h + m, Hkv, D),
+    and its voting rows first..'s attention summed per KV head (h + m, Hkv) float32 (``scoring.head_column_sums``):
+    in bfloat16 every row through the prefill kernel, which sums the votes from the same logits; otherwise the rows
+    before the votes through ``attend_prefill`` and the voting rows' weights formed once, for their output and the
+    sums (``scoring.attend_voting_rows``)."""
+    if use_flash_prefill(q, keys):
+        return flash_prefill_votes(q, keys, values, held, first, row_weights, softcap)
+    out = torch.empty_like(q)
+    if first:
+        out[:first] = attend_prefill(q[:first], keys[: held + first], values[: held + first], held, softcap=softcap)
+    out[first:], head_sums = attend_voting_rows(q, keys, values, held, first, row_weights, softcap)
+    return out, head_sums

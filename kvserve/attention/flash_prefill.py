@@ -7,6 +7,11 @@ kernel's ``vdpbf16ps`` products ran the same shape at 280 GFLOP/s. With AMX, tor
 on the tiles and the kernel is not built (``flash_prefill_available()`` is false there, as on CPUs without
 AVX512-BF16): ``attend_prefill`` then keeps SDPA. float32 and float16 always keep SDPA, so the float32
 exactness of every lossless path is untouched.
+
+``flash_prefill_votes`` is the same attention for a compressing cache's prefill chunk, which also needs how much
+attention its voting queries pay each key (``policies/scoring.py``): the kernel takes it from the same logits in a
+second pass over K for those queries only, in float32 (bfloat16 products are exact in float32), so every row keeps
+this kernel instead of the voting rows attending in float32 through torch.
 """
 
 from __future__ import annotations
@@ -54,3 +59,22 @@ def flash_prefill(
     (0: none; ``attention/softcap.py``)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     return torch.ops.kvserve.flash_prefill(q, k, v, ctx_len, window or 0, scale, key_ends, key_starts, softcap)
+
+
+def flash_prefill_votes(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx_len: int,
+    first: int,
+    row_weights: torch.Tensor,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flash_prefill``'s causal attention of q (T, H, D) over k, v (ctx_len + T, Hkv, D), and the votes of its
+    queries first..: the attention each key receives from them, weighted by ``row_weights`` (T - first,) and
+    averaged over the query heads that read its KV head, summed -> (output (T, H, D), sums (ctx_len + T, Hkv)
+    float32): ``scoring.head_column_sums`` of the same queries, without a float32 pass over their rows."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    weights = row_weights.to(torch.float32).contiguous()
+    out, sums = torch.ops.kvserve.flash_prefill_votes(q, k, v, ctx_len, scale, first, weights, softcap)
+    return out, sums.T

@@ -9,7 +9,8 @@ batch at that memory. Measured per policy:
   its prompt ran) and during that step (the blocks reserved for it: a compressing policy never reserves
   the whole prompt);
 - peak sequences running at once;
-- output tokens/s end to end (prefills included) and in decode-only steps;
+- output tokens/s end to end (prefills included) and in decode-only steps, and the seconds spent in the other steps
+  (those that computed prompt tokens): what the prefills cost;
 - preemptions: a sequence that outgrows the pool while decoding is preempted, and later recomputed (or, with
   ``--preemption-mode swap``, swapped back in): time that shows in the end-to-end figure, not in the decode-only one.
 """
@@ -145,15 +146,21 @@ def markdown(report: dict) -> str:
         f"KV memory {report['kv_cache_memory']} for every policy.",
         "",
         "| policy | budget | KV/seq after prefill (MB) | KV reserved in prefill (MB) | peak batch | "
-        "preemptions | output tok/s | decode tok/s | vs full (out / decode) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "preemptions | prompt steps (s) | output tok/s | decode tok/s | vs full (prompt s / out / decode) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         lines.append(
             f"| {r['policy']} | {r['budget']:g} | {r['kv_bytes_per_seq'] / 1e6:.1f} | "
             f"{r['prefill_reserved_bytes_per_seq'] / 1e6:.1f} | {r['peak_running']} | {r.get('preemptions', '')} | "
-            f"{r['output_tokens_per_s']:.1f} | {r['decode_tokens_per_s']:.1f} | "
+            f"{_prompt_seconds(r):.1f} | {r['output_tokens_per_s']:.1f} | {r['decode_tokens_per_s']:.1f} | "
+            f"{_prompt_seconds(r) / max(_prompt_seconds(full), 1e-9):.2f}x / "
             f"{r['output_tokens_per_s'] / full['output_tokens_per_s']:.2f}x / "
             f"{r['decode_tokens_per_s'] / max(full['decode_tokens_per_s'], 1e-9):.2f}x |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _prompt_seconds(result: dict) -> float:
+    """Seconds in steps that computed prompt tokens (decodes batched with them included): the run's prefill cost."""
+    return result.get("seconds", 0.0) - result.get("decode_seconds", 0.0)

@@ -144,6 +144,10 @@ def plot_compression(report: dict, path: Path) -> None:
     panels = [
         ("KV per sequence after prefill (MB)", [r["kv_bytes_per_seq"] / 1e6 for r in results]),
         ("peak sequences running at once", [r["peak_running"] for r in results]),
+        (
+            "seconds in steps with prompt tokens",
+            [r.get("seconds", 0.0) - r.get("decode_seconds", 0.0) for r in results],
+        ),
         ("output tokens/s (end to end)", [r["output_tokens_per_s"] for r in results]),
         ("decode tokens/s (decode-only steps)", [r["decode_tokens_per_s"] for r in results]),
     ]

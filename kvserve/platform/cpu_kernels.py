@@ -7,7 +7,8 @@ speculation for a decode batch (``policies/infinigen.py``); ``quant_gemv.cpp``: 
 4-bit and 8-bit codes for decode-sized batches in float32, and both with activations rounded to int8
 (``models/quant_linear.py``); ``decode_layers.cpp``:
 a plain decode step's decoder layers as one call of the above (``models/decode_chain.py``); ``flash_prefill.cpp``:
-causal prefill attention in bfloat16 with AVX512-BF16 products (``attention/flash_prefill.py``); ``gguf_gemv.cpp``:
+causal prefill attention in bfloat16 with AVX512-BF16 products, and with a compressing cache's votes summed from
+the same logits (``attention/flash_prefill.py``); ``gguf_gemv.cpp``:
 products with GGUF's K-quant, Q5_0 and Q8_0 weights in their file's block format (``models/gguf_linear.py``).
 
 The build uses ``torch.utils.cpp_extension`` (g++ and ninja) with ``-march=native``, so it is keyed by a hash
@@ -66,6 +67,7 @@ OPS = (
     "q8_linear_q8",
     "decode_layers",
     "flash_prefill",
+    "flash_prefill_votes",
     "fold_slot_scores",
     "gguf_linear",
     "gguf_dequantize",

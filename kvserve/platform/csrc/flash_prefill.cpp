@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
@@ -91,6 +92,11 @@ struct Problem {
   const uint16_t* vp;  // per KV head: [NP / 2][D][2]
   int64_t kp_head, vp_head;
   uint16_t* out;  // (T, H, D) contiguous
+  // Votes (flash_prefill_votes): tokens vote_first.. weigh each key's probability by vote_w[t - vote_first] / G
+  // into a per-thread (Hkv, NP) float32 sum; vote_w null: no votes.
+  const float* vote_w = nullptr;
+  int64_t vote_first = 0;
+  int64_t sums_head = 0;
 };
 
 // The key after the last one query token t sees, and its first.
@@ -157,9 +163,52 @@ inline void for_subtiles(int64_t n, Fn&& fn) {
   }
 }
 
+// The votes of tokens [v0, t1) of a tile starting at t0 (rows r of the tile: token t0 + r / G, query head
+// h * G + r % G), once their softmax is known (m, l: each row's max and sum): a second pass over the keys they
+// see forms each probability exp(s - m) / l in float32 from the same logits and adds it, weighted by the token's
+// vote / G, to sums[h] (a float32 per key). Only the products with K run again; V is not read.
+void vote_tile(const Problem& p, int64_t h, int64_t v0, int64_t t0, int64_t t1, const uint32_t* const* qrows, float* S,
+               const float* m, const float* l, float* sums) {
+  const int64_t r0 = (v0 - t0) * p.G, rows = (t1 - t0) * p.G, D = p.D;
+  std::vector<float> coef(rows, 0.f);
+  for (int64_t r = r0; r < rows; ++r) {
+    const int64_t t = t0 + r / p.G;
+    coef[r] = l[r] > 0.f ? p.vote_w[t - p.vote_first] / (static_cast<float>(p.G) * l[r]) : 0.f;
+  }
+  const uint16_t* kp = p.kp + h * p.kp_head;
+  float* sum = sums + h * p.sums_head;
+  int64_t first = key_lo(p, v0), last = key_hi(p, v0);
+  for (int64_t t = v0 + 1; t < t1; ++t) first = std::min(first, key_lo(p, t)), last = std::max(last, key_hi(p, t));
+  first = first / KB * KB;
+  for (int64_t k0 = first; k0 < last; k0 += KB) {
+    const uint16_t* kblock = kp + (k0 / 16) * (D / 2) * 32;
+    for_subtiles(rows - r0, [&](int64_t r, auto R) {
+      scores<decltype(R)::value>(p, qrows + r0 + r, kblock, S + (r0 + r) * KB, KB);
+    });
+    __m512 acc[4];
+    for (int j = 0; j < 4; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t r = r0; r < rows; ++r) {
+      const int64_t t = t0 + r / p.G;
+      const int64_t a = std::max<int64_t>(key_lo(p, t) - k0, 0), b = std::min<int64_t>(key_hi(p, t) - k0, KB);
+      if (a >= b) continue;
+      const float* s = S + r * KB;
+      const __m512 shift = _mm512_set1_ps(m[r]), c = _mm512_set1_ps(coef[r]);
+      for (int j = 0; j < 4; ++j) {
+        const int64_t lo = std::clamp<int64_t>(a - 16 * j, 0, 16), hi = std::clamp<int64_t>(b - 16 * j, 0, 16);
+        const __mmask16 valid = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+        __m512 x = _mm512_loadu_ps(s + 16 * j);
+        if (p.softcap > 0.f) x = softcap16(x, p.softcap);
+        acc[j] = _mm512_mask3_fmadd_ps(exp16(_mm512_sub_ps(x, shift)), c, acc[j], valid);
+      }
+    }
+    for (int j = 0; j < 4; ++j)
+      _mm512_storeu_ps(sum + k0 + 16 * j, _mm512_add_ps(_mm512_loadu_ps(sum + k0 + 16 * j), acc[j]));
+  }
+}
+
 // One work item: tokens [t0, t1) of KV head h's query group.
 void attend_tile(const Problem& p, int64_t h, int64_t t0, int64_t t1, float* S, float* O, uint32_t* P, float* m,
-                 float* l) {
+                 float* l, float* sums) {
   const int64_t rows = (t1 - t0) * p.G, D = p.D;
   std::vector<const uint32_t*> qrows(rows);
   for (int64_t r = 0; r < rows; ++r) {
@@ -231,6 +280,7 @@ void attend_tile(const Problem& p, int64_t h, int64_t t0, int64_t t1, float* S, 
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)v);
     }
   }
+  if (p.vote_w && t1 > p.vote_first) vote_tile(p, h, std::max(t0, p.vote_first), t0, t1, qrows.data(), S, m, l, sums);
 }
 
 // K of KV head h as [N16 / 16][D / 2][16][2] and V as [NP / 2][D][2], zero past the N keys.
@@ -267,9 +317,12 @@ void pack(const at::Tensor& k, const at::Tensor& v, int64_t NP, at::Tensor& kp, 
 
 #endif  // KVSERVE_FLASH_PREFILL
 
-at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t ctx_len,
-                         int64_t window, double scale, const std::optional<at::Tensor>& key_ends,
-                         const std::optional<at::Tensor>& key_starts, double softcap) {
+// The op's checks and its run; with vote_w ((T - vote_first,) float32) also the votes' sums (Hkv, N) float32.
+std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                          int64_t ctx_len, int64_t window, double scale,
+                                          const std::optional<at::Tensor>& key_ends,
+                                          const std::optional<at::Tensor>& key_starts, double softcap,
+                                          bool voting, const float* vote_w, int64_t vote_first) {
   TORCH_CHECK(flash_prefill_available(), "flash_prefill: this build has no AVX512-BF16 kernel");
   TORCH_CHECK(softcap >= 0.0, "flash_prefill: softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "flash_prefill: q, k, v must be (tokens, heads, dim)");
@@ -303,8 +356,9 @@ at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k, const at::Ten
   }
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "flash_prefill: the head dim must be dense");
   at::Tensor out = at::empty({T, H, D}, q.options());
+  at::Tensor sums = at::zeros({voting ? Hkv : 0, N}, q.options().dtype(at::kFloat));
 #if defined(KVSERVE_FLASH_PREFILL)
-  if (T == 0) return out;
+  if (T == 0) return {out, sums};
   const int64_t NP = (N + KB - 1) / KB * KB;
   at::Tensor kp = at::empty({Hkv, NP, D}, k.options()), vp = at::empty({Hkv, NP, D}, v.options());
   pack(k, v, NP, kp, vp);
@@ -327,24 +381,58 @@ at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k, const at::Ten
             reinterpret_cast<const uint16_t*>(vp.data_ptr<at::BFloat16>()),
             NP * D,
             NP * D,
-            reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())};
+            reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+            vote_first < T ? vote_w : nullptr,
+            vote_first,
+            NP};
   const int64_t tile_tokens = std::max<int64_t>(1, TILE_ROWS / p.G);
   const int64_t tiles = (T + tile_tokens - 1) / tile_tokens, items = tiles * Hkv;
   // Later tiles see more keys: hand them out first, one at a time, so the threads finish together.
   std::atomic<int64_t> next{0};
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  // Each thread adds its tiles' votes into its own (Hkv, NP) sums; they are added up after.
+  std::vector<float> thread_sums(p.vote_w ? threads * Hkv * NP : 0, 0.f);
+  at::parallel_for(0, threads, 1, [&](int64_t thread, int64_t) {
     const int64_t rows = tile_tokens * p.G;
     std::vector<float> S(rows * KB), O(rows * D), m(rows), l(rows);
     std::vector<uint32_t> P(rows * KB / 2);
+    float* own = p.vote_w ? thread_sums.data() + thread * Hkv * NP : nullptr;
     for (int64_t item = next++; item < items; item = next++) {
       const int64_t tile = tiles - 1 - item / Hkv, h = item % Hkv;
       const int64_t t0 = tile * tile_tokens, t1 = std::min(T, t0 + tile_tokens);
-      attend_tile(p, h, t0, t1, S.data(), O.data(), P.data(), m.data(), l.data());
+      attend_tile(p, h, t0, t1, S.data(), O.data(), P.data(), m.data(), l.data(), own);
     }
   });
+  if (p.vote_w) {
+    float* dst = sums.data_ptr<float>();
+    for (int64_t t = 0; t < threads; ++t)
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int64_t n = 0; n < N; ++n) dst[h * N + n] += thread_sums[(t * Hkv + h) * NP + n];
+  }
 #endif
-  return out;
+  return {out, sums};
+}
+
+at::Tensor flash_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t ctx_len,
+                         int64_t window, double scale, const std::optional<at::Tensor>& key_ends,
+                         const std::optional<at::Tensor>& key_starts, double softcap) {
+  return std::get<0>(attend(q, k, v, ctx_len, window, scale, key_ends, key_starts, softcap, false, nullptr, 0));
+}
+
+// Causal attention of q (T, H, D) over k, v (ctx_len + T, Hkv, D) as flash_prefill, and the votes of its tokens
+// vote_first..: each key's probability under those queries, weighted by row_weights ((T - vote_first,) float32)
+// and averaged over the G query heads of its KV head, summed -> (out (T, H, D), sums (Hkv, ctx_len + T) float32).
+// A compressing cache's scores (policies/scoring.py's head_column_sums) without a float32 pass over every row.
+std::tuple<at::Tensor, at::Tensor> flash_prefill_votes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       int64_t ctx_len, double scale, int64_t vote_first,
+                                                       const at::Tensor& row_weights, double softcap) {
+  const int64_t T = q.dim() == 3 ? q.size(0) : 0;
+  TORCH_CHECK(vote_first >= 0 && vote_first <= T, "flash_prefill_votes: vote_first must lie in [0, ", T, "]");
+  TORCH_CHECK(row_weights.scalar_type() == at::kFloat && row_weights.dim() == 1 &&
+                  row_weights.size(0) == T - vote_first && row_weights.is_contiguous(),
+              "flash_prefill_votes: row_weights must be ", T - vote_first, " contiguous float32 values");
+  return attend(q, k, v, ctx_len, 0, scale, std::nullopt, std::nullopt, softcap, true,
+                row_weights.data_ptr<float>(), vote_first);
 }
 
 }  // namespace
@@ -353,7 +441,13 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def(
       "flash_prefill(Tensor q, Tensor k, Tensor v, int ctx_len, int window, float scale, Tensor? key_ends=None, "
       "Tensor? key_starts=None, float softcap=0.0) -> Tensor");
+  m.def(
+      "flash_prefill_votes(Tensor q, Tensor k, Tensor v, int ctx_len, float scale, int vote_first, "
+      "Tensor row_weights, float softcap=0.0) -> (Tensor, Tensor)");
   m.def("flash_prefill_available() -> bool", &flash_prefill_available);  // no tensors: one kernel for all
 }
 
-TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("flash_prefill", &flash_prefill); }
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("flash_prefill", &flash_prefill);
+  m.impl("flash_prefill_votes", &flash_prefill_votes);
+}
