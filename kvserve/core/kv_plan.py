@@ -226,10 +226,15 @@ def _requested_policy(plan: KVPlan, config: EngineConfig, params: SamplingParams
             f"this engine offloads its KV and fetches it by kv_policy={plan.policy.name!r} for every request; "
             f"a request cannot pick kv_policy={policy.name!r}"
         )
-    if (policy.rehearsed or plan.policy.rehearsed) and policy != plan.policy:
+    if plan.policy.rehearsed and policy != plan.policy:
         raise ValueError(
             f"this engine's decodes read the rows kv_policy={plan.policy.name!r} selects for every request; "
             f"a request cannot pick kv_policy={policy.name!r}"
+        )
+    if policy.rehearsed and policy != plan.policy:  # its partial keys are kept beside the cache from the start
+        raise ValueError(
+            f"kv_policy={policy.name!r} keeps partial keys beside the KV cache from the engine's start, and this "
+            f"engine was started with kv_policy={plan.policy.name!r}: a request cannot pick kv_policy={policy.name!r}"
         )
     # What this engine's configuration would refuse at start-up (EngineConfig's rules, not a copy of them),
     # a request cannot pick either: the server refuses what the command line refuses.

@@ -28,14 +28,24 @@ def refusal(client: openai.OpenAI, **extra) -> dict:
     return caught.value.body
 
 
-@pytest.mark.parametrize("policy", ["infinigen", "int4"])
-def test_a_policy_that_needs_an_offloaded_cache_is_refused_as_at_start_up(pyramid_server, policy):
+def test_a_policy_that_needs_an_offloaded_cache_is_refused_as_at_start_up(pyramid_server):
+    policy = "int4"
     error = refusal(pyramid_server.client(), kv_policy=policy)
     with pytest.raises(ValueError) as at_start:
         EngineConfig(kv_policy=policy)
     assert error["param"] == "kv_policy"
     assert error["message"] == f"this engine cannot run kv_policy={policy!r} for a request: {at_start.value}"
     assert "kv_offload" in error["message"]
+    assert not pyramid_server.engine.engine.requests  # nothing was queued
+
+
+def test_infinigen_is_refused_on_an_engine_started_without_it(pyramid_server):
+    """InfiniGen runs without offload too (sparse decode), but only as the engine's own policy: its partial keys
+    are kept beside the cache from the start."""
+    error = refusal(pyramid_server.client(), kv_policy="infinigen")
+    assert error["param"] == "kv_policy"
+    assert "started with kv_policy='pyramid'" in error["message"]
+    assert "cannot pick kv_policy='infinigen'" in error["message"]
     assert not pyramid_server.engine.engine.requests  # nothing was queued
 
 
