@@ -55,7 +55,7 @@ class TierFaultRecovery:
             else:
                 self._faulted.add(request.request_id)
                 self.scheduler.recompute(request)
-        self.kv.pool.forget_free()  # a block the step wrote (or swapped in) may hold a failed copy: no prefix hits
+        self.kv.forget_free()  # a block the step wrote (or swapped in) may hold a failed copy: no prefix hits
         return outputs
 
     def forget(self, request_id: str) -> None:

@@ -34,12 +34,19 @@ class Block:
 
 
 class BlockPool:
-    """``num_blocks`` blocks, initially all free in id order 0..N-1."""
+    """``num_blocks`` blocks, initially all free in id order ``first_id`` .. ``first_id + num_blocks - 1``.
 
-    def __init__(self, num_blocks: int) -> None:
+    ``first_id`` keeps ids unique across pools (a second pool starts past the first one's last id); ``blocks``
+    is indexed by ``block_id - first_id`` (``block(block_id)`` does it).
+    """
+
+    def __init__(self, num_blocks: int, first_id: int = 0) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"a block pool needs num_blocks >= 1, got {num_blocks!r}")
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        if not isinstance(first_id, int) or isinstance(first_id, bool) or first_id < 0:
+            raise ValueError(f"a block pool's first_id must be an integer >= 0, got {first_id!r}")
+        self.first_id = first_id
+        self.blocks = [Block(first_id + i) for i in range(num_blocks)]
         # Head = next to reuse. An OrderedDict removes from the middle in O(1) (a touched cached block),
         # which is what vLLM's hand-made doubly linked list is for.
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
@@ -58,6 +65,18 @@ class BlockPool:
     def num_cached_free(self) -> int:
         """Free blocks that still hold a findable prefix."""
         return sum(1 for block in self._free.values() if block.block_hash is not None)
+
+    def owns(self, block_id: int) -> bool:
+        """Whether ``block_id`` is one of this pool's ids."""
+        return self.first_id <= block_id < self.first_id + len(self.blocks)
+
+    def block(self, block_id: int) -> Block:
+        """The block named ``block_id``; KVCacheError if this pool has no such id."""
+        if not self.owns(block_id):
+            raise KVCacheError(
+                f"block {block_id} is not in this pool (ids {self.first_id}..{self.first_id + len(self.blocks) - 1})"
+            )
+        return self.blocks[block_id - self.first_id]
 
     def free_block_ids(self) -> list[int]:
         """Free block ids in eviction order (the first is reused first)."""

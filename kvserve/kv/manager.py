@@ -40,6 +40,13 @@ which attention masks. Freed, they keep their hash like any freed cached block.
   ``blocks_needed``; what they release is the caller's to say (``release_out_of_window(unseen=)``: by
   position), or nothing (a module's encoding keeps every block: allocating it whole means it never runs dry
   half way, where it could only preempt itself).
+
+A second pool (``KVCacheManager(num_side_blocks=N)``, ``KVGroupSpec(pool=1)``): groups whose layers keep their KV
+elsewhere than the main pool's (an offloading engine keeps a sliding-window model's window layers on the device
+and its global layers in the tier). Block ids are unique across pools (the side pool's start at ``num_blocks``);
+a released entry reads as its pool's first id. Free-block checks are per pool, and an allocation waits if either
+pool lacks; ``blocks_needed`` counts the main pool (``pool``), which ``usage`` and ``device_status`` describe.
+No host pool with a side pool: an engine that offloads preempts by recompute.
 """
 
 from __future__ import annotations
@@ -65,11 +72,14 @@ class KVGroupSpec:
 
     layer_ids: tuple[int, ...] = ()  # () = every layer
     sliding_window: int | None = None  # keys a query sees, itself included; None = all before it
+    pool: int = 0  # where its blocks come from: 0 = the main pool, 1 = the side pool
 
     def __post_init__(self) -> None:
         w = self.sliding_window
         if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
             raise ValueError(f"sliding_window must be an integer >= 1 or None, got {w!r}")
+        if not isinstance(self.pool, int) or isinstance(self.pool, bool) or self.pool not in (0, 1):
+            raise ValueError(f"pool must be 0 (the main pool) or 1 (the side pool), got {self.pool!r}")
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,8 @@ class KVUsage:
     waste_slots: int  # allocated device slots holding no token, summed over sequences and groups
     prefix_query_tokens: int  # prompt tokens looked up by allocate
     prefix_hit_tokens: int  # of those, tokens found cached
+    side_total_blocks: int = 0  # the side pool (KVGroupSpec(pool=1)); 0 without one
+    side_used_blocks: int = 0
 
     @property
     def usage(self) -> float:
@@ -136,18 +148,32 @@ class KVCacheManager:
         groups: Sequence[KVGroupSpec] | None = None,
         num_host_blocks: int = 0,
         enable_prefix_caching: bool = True,
+        num_side_blocks: int = 0,
     ) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
         if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be an integer >= 0, got {num_host_blocks!r}")
+        if not isinstance(num_side_blocks, int) or isinstance(num_side_blocks, bool) or num_side_blocks < 0:
+            raise ValueError(f"num_side_blocks must be an integer >= 0, got {num_side_blocks!r}")
+        if num_side_blocks and num_host_blocks:
+            raise ValueError(
+                f"num_host_blocks={num_host_blocks} with num_side_blocks={num_side_blocks}: swapping is not supported "
+                "with a side pool (an engine that offloads preempts by recompute)"
+            )
         self.groups = tuple(groups) if groups is not None else (KVGroupSpec(),)
         if not self.groups:
             raise ValueError("a KV cache manager needs at least one KV group")
+        side = [g for g, spec in enumerate(self.groups) if spec.pool == 1]
+        if side and not num_side_blocks:
+            raise ValueError(f"KV groups {side} draw from the side pool (pool=1), but num_side_blocks=0")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks)  # the main pool
+        self.side_pool = BlockPool(num_side_blocks, first_id=self.pool.num_blocks) if num_side_blocks else None
         self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None
+        self._pools = (self.pool,) if self.side_pool is None else (self.pool, self.side_pool)
+        self._group_pools = tuple(self._pools[spec.pool] for spec in self.groups)  # each group's pool
         self._seqs: dict[int, _Sequence] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self._query_tokens = 0
@@ -181,16 +207,18 @@ class KVCacheManager:
         """Whether a new sequence of ``num_tokens`` fits; pass its ``token_ids`` to count cached prefix blocks
         (and its ``shared`` leading blocks, see ``allocate``). ``step_tokens``: the most tokens one step
         computes for it (the scheduler's token budget; None: all at once). OK/LATER counts what ``allocate``
-        takes for the first step; NEVER, the most blocks the sequence ever holds (``blocks_needed``)."""
+        takes for the first step; NEVER, the most blocks the sequence ever holds (``blocks_needed``; with a side
+        pool, also its side-pool groups' peak), in either pool."""
         if not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens must be an integer >= 1, got {num_tokens!r}")
-        if self.blocks_needed(num_tokens, step_tokens, keep_window=keep_window) > self.pool.num_blocks:
-            return AllocationStatus.NEVER
+        for pool in range(len(self._pools)):
+            if self._pool_peak(pool, num_tokens, step_tokens, 0, keep_window) > self._pools[pool].num_blocks:
+                return AllocationStatus.NEVER
         num_lead = self._num_lead(shared)
         found = self._lookup(token_ids, extra, num_lead, keep_window)[1:] if token_ids else (0, self._no_hits())
         num_hit, hits = found
         covers = self._covers(num_tokens, (num_lead + num_hit) * self.block_size, None if keep_window else step_tokens)
-        return self._status(self._free_needed(covers, num_lead, num_hit, hits), self.pool)
+        return self._pools_status(self._free_needed(covers, num_lead, num_hit, hits))
 
     def blocks_needed(
         self, num_tokens: int, step_tokens: int | None = None, num_shared: int = 0, keep_window: bool = False
@@ -199,11 +227,22 @@ class KVCacheManager:
         is computed in steps of at most ``step_tokens`` (None: all at once). A window group holds what
         its window sees plus one step's tokens; a global group every block, less ``num_shared`` leading
         blocks another sequence holds already (in every group with ``keep_window``, which makes window groups
-        count as global ones: an upper bound whatever the caller releases)."""
+        count as global ones: an upper bound whatever the caller releases). Main-pool groups only: a side-pool
+        group's blocks are not the main pool's (``can_allocate`` checks them against the side pool)."""
+        return self._pool_peak(0, num_tokens, step_tokens, num_shared, keep_window)
+
+    def _pool_peak(
+        self, pool: int, num_tokens: int, step_tokens: int | None, num_shared: int, keep_window: bool
+    ) -> int:
+        """``blocks_needed`` summed over the groups drawing from pool ``pool`` (0: main, 1: side)."""
         if not isinstance(num_tokens, int) or num_tokens < 0:
             raise ValueError(f"num_tokens must be an integer >= 0, got {num_tokens!r}")
         step = num_tokens if step_tokens is None else min(self._check_step(step_tokens), num_tokens)
-        return sum(self._group_peak(spec, num_tokens, step, num_shared, keep_window) for spec in self.groups)
+        return sum(
+            self._group_peak(spec, num_tokens, step, num_shared, keep_window)
+            for spec in self.groups
+            if spec.pool == pool
+        )
 
     def _group_peak(self, spec: KVGroupSpec, num_tokens: int, step: int, num_shared: int, keep_window: bool) -> int:
         if spec.sliding_window is None or keep_window:
@@ -245,18 +284,16 @@ class KVCacheManager:
         hashes, num_hit, hits = self._lookup(token_ids, extra, num_lead, keep_window)
         computed = (num_lead + num_hit) * self.block_size
         covers = self._covers(len(token_ids), computed, None if keep_window else step_tokens)
-        needed = self._free_needed(covers, num_lead, num_hit, hits)
-        if needed > self.pool.num_free:
-            raise NoFreeBlocksError(
-                f"sequence {seq_id} needs {needed} free blocks; {self.pool.num_free} of {self.pool.num_blocks} are free"
-            )
-        for lead in leads:
-            self.pool.touch(lead)
-        for group_hits in hits:  # take every hit before allocating, so allocation cannot evict one
-            self.pool.touch(group_hits)
+        self._check_free(self._free_needed(covers, num_lead, num_hit, hits), f"sequence {seq_id}")
+        for pool, lead in zip(self._group_pools, leads, strict=True):
+            pool.touch(lead)
+        for pool, group_hits in zip(self._group_pools, hits, strict=True):  # every hit before any allocation,
+            pool.touch(group_hits)  # so allocating cannot evict one
         tables = []
-        for lead, group_hashes, group_hits, cover in zip(leads, hashes, hits, covers, strict=True):
-            new = self.pool.allocate(self.blocks_for(cover) - num_lead - num_hit)
+        for pool, lead, group_hashes, group_hits, cover in zip(
+            self._group_pools, leads, hashes, hits, covers, strict=True
+        ):
+            new = pool.allocate(self.blocks_for(cover) - num_lead - num_hit)
             released = num_hit - len(group_hits)  # hit blocks out of a window group's sight (none with a lead)
             cached = num_lead + num_hit
             tables.append(_GroupTable(lead + group_hits + new, cover, group_hashes, cached, released))
@@ -272,10 +309,32 @@ class KVCacheManager:
         step = self._check_step(step_tokens)
         return [num_tokens if g.sliding_window is None else min(num_tokens, computed + step) for g in self.groups]
 
-    def _free_needed(self, covers: list[int], num_lead: int, num_hit: int, hits: list[list[Block]]) -> int:
-        """Free blocks an allocation takes: new blocks, and hit blocks no sequence holds."""
-        new = sum(self.blocks_for(cover) - num_lead - num_hit for cover in covers)
-        return new + sum(1 for group_hits in hits for block in group_hits if block.ref_count == 0)
+    def _free_needed(self, covers: list[int], num_lead: int, num_hit: int, hits: list[list[Block]]) -> list[int]:
+        """Free blocks an allocation takes in each pool: new blocks, and hit blocks no sequence holds."""
+        needed = [0] * len(self._pools)
+        for spec, cover, group_hits in zip(self.groups, covers, hits, strict=True):
+            unheld = sum(1 for block in group_hits if block.ref_count == 0)
+            needed[spec.pool] += self.blocks_for(cover) - num_lead - num_hit + unheld
+        return needed
+
+    def _pools_status(self, needed: Sequence[int]) -> AllocationStatus:
+        """``_status`` over the pools: the worst of each pool's."""
+        statuses = [self._status(n, pool) for n, pool in zip(needed, self._pools, strict=True)]
+        for status in (AllocationStatus.NEVER, AllocationStatus.LATER):
+            if status in statuses:
+                return status
+        return AllocationStatus.OK
+
+    def _has_free(self, needed: Sequence[int]) -> bool:
+        return all(n <= pool.num_free for n, pool in zip(needed, self._pools, strict=True))
+
+    def _check_free(self, needed: Sequence[int], what: str) -> None:
+        """NoFreeBlocksError naming the first pool with fewer free blocks than ``needed`` says."""
+        for n, pool, name in zip(needed, self._pools, ("", "side-pool "), strict=False):
+            if n > pool.num_free:
+                raise NoFreeBlocksError(
+                    f"{what} needs {n} free {name}blocks; {pool.num_free} of {pool.num_blocks} are free"
+                )
 
     @staticmethod
     def _check_step(step_tokens: int) -> int:
@@ -303,14 +362,15 @@ class KVCacheManager:
                 f"shared leading blocks in a KV group with a sliding window (sliding_window={windows[0]}) need "
                 "keep_window=True: the caller releases what the window no longer sees, by position"
             )
-        return [self._shared_blocks(s, num_tokens) for s in per_group]
+        return [self._shared_blocks(s, num_tokens, pool) for s, pool in zip(per_group, self._group_pools, strict=True)]
 
-    def _shared_blocks(self, shared: Sequence[int], num_tokens: int) -> list[Block]:
+    def _shared_blocks(self, shared: Sequence[int], num_tokens: int, pool: BlockPool) -> list[Block]:
+        """The blocks ``shared`` names in a group's ``pool``."""
         if not shared:
             return []
         if len(shared) * self.block_size > num_tokens:
             raise KVCacheError(f"{len(shared)} shared blocks hold more than the sequence's {num_tokens} tokens")
-        blocks = [self.pool.blocks[b] for b in shared]
+        blocks = [pool.block(b) for b in shared]
         unheld = [b.block_id for b in blocks if b.ref_count < 1]
         if unheld:
             raise KVCacheError(f"shared blocks {unheld} are free; their holder must keep them while they are shared")
@@ -336,7 +396,7 @@ class KVCacheManager:
         bound = max(0, (len(token_ids) - 1) // self.block_size - skip)
         found: list[list[Block | None]] = [[] for _ in self.groups]
         for g in sorted(range(len(self.groups)), key=lambda g: specs[g].sliding_window is not None):
-            found[g] = self._find_cached(hashes[g][skip : skip + bound], specs[g])
+            found[g] = self._find_cached(hashes[g][skip : skip + bound], specs[g], self._group_pools[g])
             if specs[g].sliding_window is None:  # global groups first: a hit needs their whole chain
                 bound = len(found[g])
         num_hit = self._longest_hit(found, bound, specs)
@@ -346,11 +406,12 @@ class KVCacheManager:
         ]
         return hashes, num_hit, hits
 
-    def _find_cached(self, group_hashes: list[int | None], spec: KVGroupSpec) -> list[Block | None]:
-        """A global group's cached blocks up to its first miss; a window group's per block (None: missing)."""
+    def _find_cached(self, group_hashes: list[int | None], spec: KVGroupSpec, pool: BlockPool) -> list[Block | None]:
+        """A global group's cached blocks in its ``pool`` up to its first miss; a window group's per block (None:
+        missing)."""
         blocks: list[Block | None] = []
         for block_hash in group_hashes:
-            block = self.pool.lookup(block_hash)
+            block = pool.lookup(block_hash)
             if block is None and spec.sliding_window is None:
                 break
             blocks.append(block)
@@ -384,10 +445,13 @@ class KVCacheManager:
             raise KVCacheError(f"sequence {seq_id} already has KV blocks; free it before allocating again")
         if len(shared) != len(self.groups):
             raise ValueError(f"need shared blocks per KV group ({len(self.groups)}), got {len(shared)}")
+        leads = [  # every group's resolved before any is touched: a bad id takes nothing
+            self._shared_blocks(group_shared, len(group_shared) * self.block_size, pool)
+            for group_shared, pool in zip(shared, self._group_pools, strict=True)
+        ]
         tables = []
-        for group_shared in shared:
-            lead = self._shared_blocks(group_shared, len(group_shared) * self.block_size)
-            self.pool.touch(lead)
+        for lead, pool in zip(leads, self._group_pools, strict=True):
+            pool.touch(lead)
             tables.append(_GroupTable(lead, len(lead) * self.block_size, num_cached=len(lead)))
         self._seqs[seq_id] = _Sequence(tables, ())
 
@@ -399,11 +463,18 @@ class KVCacheManager:
         With window groups, call ``release_out_of_window`` first, so the blocks it frees count."""
         tables = self._resident(seq_id).tables
         grow = [max(0, n - t.num_slots) for t, n in zip(tables, self._check_group_slots(group_slots), strict=True)]
-        if sum(self._blocks_needed(t, n) for t, n in zip(tables, grow, strict=True)) > self.pool.num_free:
+        if not self._has_free(self._grow_needed(range(len(tables)), tables, grow)):
             return False
-        for table, n in zip(tables, grow, strict=True):
-            self._grow(table, n)
+        for table, n, pool in zip(tables, grow, self._group_pools, strict=True):
+            self._grow(table, n, pool)
         return True
+
+    def _grow_needed(self, groups: Sequence[int], tables: list[_GroupTable], grow: Sequence[int]) -> list[int]:
+        """Free blocks, per pool, that growing group ``groups[i]`` by ``grow[i]`` slots takes."""
+        needed = [0] * len(self._pools)
+        for g, n in zip(groups, grow, strict=True):
+            needed[self.groups[g].pool] += self._blocks_needed(tables[g], n)
+        return needed
 
     def shrink(self, seq_id: int, group: int, num_slots: int) -> None:
         """Keep only the first ``num_slots`` slots of a group (a policy compacted the ones it keeps there)
@@ -418,7 +489,7 @@ class KVCacheManager:
         if num_slots == table.num_slots and not table.hashes and not table.num_cached:
             return  # nothing to give back, nothing hashed: most groups of a compressed decode step
         keep = self.blocks_for(num_slots)
-        self.pool.free(reversed(table.blocks[keep:]))
+        self._group_pools[group].free(reversed(table.blocks[keep:]))
         del table.blocks[keep:]
         table.num_slots = num_slots
         table.hashes, table.num_cached = table.hashes[:0], 0  # slots no longer match token blocks
@@ -436,12 +507,11 @@ class KVCacheManager:
         if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be an integer >= 0, got {num_new_tokens!r}")
         tables = self._resident(seq_id).tables
-        chosen = tables if group is None else [tables[self._group_index(group)]]
-        needed = sum(self._blocks_needed(table, num_new_tokens) for table in chosen)
-        if needed > self.pool.num_free:
+        chosen = range(len(tables)) if group is None else [self._group_index(group)]
+        if not self._has_free(self._grow_needed(chosen, tables, [num_new_tokens] * len(chosen))):
             return False
-        for table in chosen:
-            self._grow(table, num_new_tokens)
+        for g in chosen:
+            self._grow(tables[g], num_new_tokens, self._group_pools[g])
         return True
 
     def _blocks_needed(self, table: _GroupTable, num_new: int) -> int:
@@ -451,15 +521,16 @@ class KVCacheManager:
     def _must_copy(self, table: _GroupTable, num_new: int) -> bool:
         return num_new > 0 and table.num_slots % self.block_size != 0 and table.blocks[-1].ref_count > 1
 
-    def _grow(self, table: _GroupTable, num_new: int) -> None:
+    def _grow(self, table: _GroupTable, num_new: int, pool: BlockPool) -> None:
+        """Grow a table by ``num_new`` slots from its group's ``pool`` (copy-on-write included)."""
         if self._must_copy(table, num_new):
             src = table.blocks[-1]
-            dst = self.pool.allocate(1)[0]
-            self.pool.free([src])
+            dst = pool.allocate(1)[0]
+            pool.free([src])
             table.blocks[-1] = dst
             self._pending_copies.append((src.block_id, dst.block_id))
         table.num_slots += num_new
-        table.blocks += self.pool.allocate(self.blocks_for(table.num_slots) - table.num_entries)
+        table.blocks += pool.allocate(self.blocks_for(table.num_slots) - table.num_entries)
 
     def release_out_of_window(
         self, seq_id: int, num_computed_tokens: int, unseen: Callable[[int], int] | None = None
@@ -474,23 +545,25 @@ class KVCacheManager:
         if not isinstance(num_computed_tokens, int) or num_computed_tokens < 0:
             raise ValueError(f"num_computed_tokens must be an integer >= 0, got {num_computed_tokens!r}")
         released = 0
-        for spec, table in zip(self.groups, self._resident(seq_id).tables, strict=True):
+        tables = self._resident(seq_id).tables
+        for spec, table, pool in zip(self.groups, tables, self._group_pools, strict=True):
             window = spec.sliding_window
             if window is not None:
                 before = (
                     num_computed_tokens - window + 1 if unseen is None else min(unseen(window), num_computed_tokens)
                 )
                 released += self._release(
-                    table, min(max(0, before) // self.block_size, table.num_slots // self.block_size)
+                    table, min(max(0, before) // self.block_size, table.num_slots // self.block_size), pool
                 )
         return released
 
-    def _release(self, table: _GroupTable, num_released: int) -> int:
-        """Release the table's entries up to ``num_released`` (full blocks only), each batch back to front."""
+    def _release(self, table: _GroupTable, num_released: int, pool: BlockPool) -> int:
+        """Release the table's entries up to ``num_released`` (full blocks only) to its group's ``pool``, each
+        batch back to front."""
         n = num_released - table.released
         if n <= 0:
             return 0
-        self.pool.free(reversed(table.blocks[:n]))
+        pool.free(reversed(table.blocks[:n]))
         del table.blocks[:n]
         table.released = num_released
         return n
@@ -509,7 +582,7 @@ class KVCacheManager:
         for g, table in enumerate(seq.tables):
             num_full = min(len(token_ids), table.num_slots) // self.block_size
             self._extend_hashes(table, token_ids, num_full, (g, *seq.extra))
-            self._register(table, num_full)
+            self._register(table, num_full, self._group_pools[g])
 
     def _extend_hashes(self, table: _GroupTable, token_ids: Sequence[int], num_full: int, extra: tuple) -> None:
         bs = self.block_size
@@ -517,10 +590,10 @@ class KVCacheManager:
             parent = table.hashes[-1] if table.hashes else None
             table.hashes.append(hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], extra))
 
-    def _register(self, table: _GroupTable, num_full: int) -> None:
+    def _register(self, table: _GroupTable, num_full: int, pool: BlockPool) -> None:
         for i in range(max(table.num_cached, table.released), num_full):  # released blocks are not held
             if table.hashes[i] is not None:  # shared leading blocks have none
-                self.pool.cache(table.blocks[i - table.released], table.hashes[i])
+                pool.cache(table.blocks[i - table.released], table.hashes[i])
         table.num_cached = max(table.num_cached, num_full)
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
@@ -529,15 +602,15 @@ class KVCacheManager:
         if child_seq_id in self._seqs:
             raise KVCacheError(f"cannot fork sequence {parent_seq_id} into {child_seq_id}: {child_seq_id} exists")
         child = _Sequence([table.copy() for table in parent.tables], parent.extra)
-        for table in child.tables:
-            self.pool.touch(table.blocks)
+        for table, pool in zip(child.tables, self._group_pools, strict=True):
+            pool.touch(table.blocks)
         self._seqs[child_seq_id] = child
 
     def free(self, seq_id: int) -> None:
         """Release a sequence's blocks (device or host), each table back to front."""
         seq = self._get(seq_id)
-        pool = self._host() if seq.swapped else self.pool
-        for table in seq.tables:
+        pools = [self._host()] * len(seq.tables) if seq.swapped else self._group_pools
+        for table, pool in zip(seq.tables, pools, strict=True):
             pool.free(reversed(table.blocks))
         del self._seqs[seq_id]
 
@@ -568,9 +641,9 @@ class KVCacheManager:
         written the rest)."""
         seq = self._swapped(seq_id)
         plan = self._move(seq, self._host(), self.pool, seq_id)
-        for table in seq.tables:
+        for table in seq.tables:  # every group is the main pool's: a manager with a side pool has no host pool
             written, table.num_cached = table.num_cached, 0
-            self._register(table, min(written, len(table.hashes)))
+            self._register(table, min(written, len(table.hashes)), self.pool)
         seq.swapped = False
         return plan
 
@@ -591,15 +664,16 @@ class KVCacheManager:
     # ----- queries -----
 
     def block_table(self, seq_id: int, group: int = 0) -> list[int]:
-        """Block ids by position (entry j holds tokens j*block_size ..); released window entries read 0."""
+        """Block ids by position (entry j holds tokens j*block_size ..); released window entries read 0 (the
+        first id of the group's pool: ``num_blocks`` in a side-pool group)."""
         table = self._resident(seq_id).tables[self._group_index(group)]
-        return [0] * table.released + [block.block_id for block in table.blocks]
+        return [self._group_pools[group].first_id] * table.released + [block.block_id for block in table.blocks]
 
     def block_tables(self, seq_id: int) -> tuple[tuple[int, ...], ...]:
         """``block_table`` of every group, in group order (what a step hands the runner)."""
         return tuple(
-            (0,) * table.released + tuple(block.block_id for block in table.blocks)
-            for table in self._resident(seq_id).tables
+            (pool.first_id,) * table.released + tuple(block.block_id for block in table.blocks)
+            for table, pool in zip(self._resident(seq_id).tables, self._group_pools, strict=True)
         )
 
     def held_blocks(self, seq_id: int) -> list[int]:
@@ -629,7 +703,7 @@ class KVCacheManager:
 
     def usage(self) -> KVUsage:
         resident = [seq for seq in self._seqs.values() if not seq.swapped]
-        host = self.host_pool
+        host, side = self.host_pool, self.side_pool
         return KVUsage(
             total_blocks=self.pool.num_blocks,
             used_blocks=self.pool.num_blocks - self.pool.num_free,
@@ -641,16 +715,19 @@ class KVCacheManager:
             waste_slots=sum(t.num_entries * self.block_size - t.num_slots for seq in resident for t in seq.tables),
             prefix_query_tokens=self._query_tokens,
             prefix_hit_tokens=self._hit_tokens,
+            side_total_blocks=side.num_blocks if side else 0,
+            side_used_blocks=side.num_blocks - side.num_free if side else 0,
         )
 
     def leaked_blocks(self) -> int:
-        """Blocks (device and host) whose reference count differs from the block tables that hold them: 0 unless
-        a block was lost or freed twice. A walk over every table: for audits (an idle server, tests), not steps."""
+        """Blocks (both device pools and host) whose reference count differs from the block tables that hold them:
+        0 unless a block was lost or freed twice. A walk over every table: for audits (an idle server, tests), not
+        steps."""
         held: Counter[tuple[bool, int]] = Counter()
         for seq in self._seqs.values():
             for table in seq.tables:
                 held.update((seq.swapped, block.block_id) for block in table.blocks)
-        pools = [(False, self.pool), (True, self.host_pool)] if self.host_pool else [(False, self.pool)]
+        pools = [(False, pool) for pool in self._pools] + ([(True, self.host_pool)] if self.host_pool else [])
         return sum(block.ref_count != held[host, block.block_id] for host, pool in pools for block in pool.blocks)
 
     def num_request_sequences(self) -> int:
@@ -658,8 +735,13 @@ class KVCacheManager:
         return sum(seq_id >= 0 for seq_id in self._seqs)
 
     def device_status(self, num_blocks: int) -> AllocationStatus:
-        """Whether ``num_blocks`` device blocks are free now, may be later, or never can be."""
+        """Whether ``num_blocks`` blocks of the main pool are free now, may be later, or never can be."""
         return self._status(num_blocks, self.pool)
+
+    def forget_free(self) -> None:
+        """Free blocks of every pool stop serving prefix hits (``BlockPool.forget_free``): a tier failed a transfer."""
+        for pool in self._pools:
+            pool.forget_free()
 
     def blocks_for(self, num_slots: int) -> int:
         """Blocks that hold ``num_slots`` token slots."""
@@ -700,6 +782,11 @@ class KVCacheManager:
         return seq
 
     def _host(self) -> BlockPool:
+        if self.side_pool is not None:
+            raise KVCacheError(
+                "swapping is not supported with a side pool (num_side_blocks > 0): there is no host pool; "
+                "preempt by recompute"
+            )
         if self.host_pool is None:
             raise KVCacheError("swapping needs a host pool; this manager was built with num_host_blocks=0")
         return self.host_pool
