@@ -1,5 +1,5 @@
-"""Gemma 3 270M (float32) with its KV offloaded to the host tier: the full offload's window layers read only
-their window, and it generates the paged engine's greedy tokens after a prompt longer than the window;
+"""Gemma 3 270M (float32) with its KV offloaded to the host tier: the 3 global layers' KV in the tier and the 15
+window layers' on the device, generating the paged engine's greedy tokens after a prompt longer than the window;
 InfiniGen's calibrated default selects in every layer, window layers included."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.attention.offloaded import OffloadedKVCache
+from kvserve.attention.split_offload import SplitOffloadKVCache
 from kvserve.config import EngineConfig
 from kvserve.core.engine import LLMEngine
 from kvserve.eval.data import WIKITEXT2, require
@@ -31,10 +31,11 @@ def test_full_offload_generates_the_device_engines_tokens(gemma3_model):
         tokens[offload] = llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
         cache = llm.engine.runner.cache
         llm.engine.close()
-    assert isinstance(cache, OffloadedKVCache)
+    assert isinstance(cache, SplitOffloadKVCache)
     assert tokens["host"] == tokens["none"]
-    fractions = cache.stats.fetch_fraction()
-    assert [f == 1.0 for f in fractions] == [w is None for w in gemma3_model.config.layer_windows]
+    global_layers = [i for i, w in enumerate(gemma3_model.config.layer_windows) if w is None]
+    assert cache.offloaded.num_layers == len(global_layers) == 3
+    assert cache.stats.fetch_fraction() == [1.0] * 3  # a global layer reads every row
 
 
 def test_infinigen_selects_in_every_layer_window_layers_included(gemma3_model, tmp_path, monkeypatch):

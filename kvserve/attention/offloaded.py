@@ -88,8 +88,12 @@ class OffloadedKVCache(AttentionBackend):
         layer_windows: Sequence[int | None] = (),
         softcap: float = 0.0,
         disk_io: str = "mmap",
+        first_fetch_at_own_input: bool = True,
     ) -> None:
         """``disk_io``: how the disk tier is read, ``mmap`` or ``direct`` (O_DIRECT, whole blocks: ``offload_direct``).
+        ``first_fetch_at_own_input``: layer 0's whole cache is fetched at its own input, layer 0 being the model's
+        first; False when the caller calls ``observe_input(-1, ...)`` before it (a split offload's first global
+        layer, queued at the input of the model's layer before it).
         ``softcap``: the attention-logit soft cap of every layer (0: none). InfiniGen selects rows by its
         speculated logits as they are, uncapped: its threshold is calibrated on those against the capped exact
         weights (``policies/calibration.py``), so selection and calibration agree."""
@@ -102,7 +106,7 @@ class OffloadedKVCache(AttentionBackend):
             num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=self.device,
         )  # fmt: skip
         self.layer_windows = self._check_windows(layer_windows, num_layers)
-        self.softcap = softcap
+        self.softcap, self.first_fetch_at_own_input = softcap, first_fetch_at_own_input
         self.policy, self.rehearsal = policy, rehearsal
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
@@ -250,7 +254,7 @@ class OffloadedKVCache(AttentionBackend):
             step.partial_queries[nxt] = self.speculation.partial_query(nxt, x, rope)  # (N, Hkv, G, r)
         if not step.decodes:
             return
-        if layer == 0 and not self.speculates(0):
+        if layer == 0 and self.first_fetch_at_own_input and not self.speculates(0):
             step.pending[0] = self._fetch_blocks(0, step)
         if nxt < self.num_layers and not self.speculates(nxt):
             step.pending[nxt] = self._fetch_blocks(nxt, step)

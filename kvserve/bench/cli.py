@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import shlex
@@ -160,6 +161,11 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable) 
                      "InfiniGen picks blocks); or 'device' alone: the workload 'sparse decode by context length' "
                      "(no offload; full attention against InfiniGen's sparse decode, batch 1, their steps alternating; "
                      "--policies and --batches do not apply)")  # fmt: skip
+    off.add_argument("--window-layers", default="device",
+                     help="sliding-window models (Gemma 2/3): where window layers keep their KV, comma-separated: "
+                     "device (window groups on the device, only the global layers in the tier), tier (every "
+                     "layer's whole context in the tier, --no-kv-window-groups); cells of 'tier' are named "
+                     "'<tier>/all-layers'")  # fmt: skip
     off.add_argument("--steps", type=int, default=8, help="measured decode steps per cell")
     off.add_argument("--kv-cache-memory", default="4GiB", help="the slower tier's size")
     off.add_argument("--kv-offload-path", default=None, help="disk tier folder (default: the temp dir)")
@@ -910,8 +916,11 @@ def cmd_bench_offload(args: argparse.Namespace) -> int:
     prompts = {c: [text[i * c : (i + 1) * c] for i in range(batches[0])] for c in contexts}
     if len(prompts[max(contexts)][-1]) < max(contexts):
         raise ValueError(f"the sample text has {len(text)} tokens, too few for {batches[0]} x {max(contexts)}")
+    window_layers = args.window_layers.split(",")
+    if not set(window_layers) <= {"device", "tier"}:
+        raise ValueError(f"--window-layers takes device and/or tier, got {args.window_layers!r}")
     cells = []
-    for tier in args.tiers.split(","):
+    for tier, placement in itertools.product(args.tiers.split(","), window_layers):
         for policy in args.policies.split(","):
             if policy == "h2o" and cells and any(c.policy == "h2o" for c in cells):
                 continue  # not offloaded: once is enough
@@ -919,19 +928,19 @@ def cmd_bench_offload(args: argparse.Namespace) -> int:
             config = EngineConfig(
                 dtype=args.dtype, device=args.device, weights=args.weights, kv_cache_memory=args.kv_cache_memory,
                 max_num_batched_tokens=max(contexts), kv_policy=policy, kv_budget=0.2 if policy == "h2o" else None,
-                block_size=args.block_size,
+                block_size=args.block_size, max_num_seqs=batches[0], kv_window_groups=placement == "device",
                 kv_offload=tier.removesuffix("-direct") if offloaded else "none",
                 kv_offload_path=args.kv_offload_path if offloaded and tier.startswith("disk") else None,
                 kv_disk_io="direct" if offloaded and tier == "disk-direct" else "mmap",
             )  # fmt: skip
             engine = LLMEngine(config, loaded)
             log(f"bench offload: {policy} ({engine.kv_summary})")
+            where = (tier if placement == "device" else f"{tier}/all-layers") if offloaded else "memory"
             try:
                 for context in contexts:
                     log(f"  context {context}")
                     for batch in batches:
                         cell = offload.measure(engine, prompts[context][:batch], args.steps, log)
-                        where = tier if offloaded else "memory"
                         cells.append(offload.DecodeCell(where, policy, context, batch, *cell))
             finally:
                 engine.close()

@@ -75,6 +75,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Eng
         kv = KVCacheManager(
             plan.num_blocks, config.block_size, groups=list(plan.groups(cfg.num_layers)),
             num_host_blocks=plan.num_host_blocks, enable_prefix_caching=plan.prefix_caching,
+            num_side_blocks=plan.num_side_blocks,
         )  # fmt: skip
         prefill = _start_parallel_prefill(config, loaded) if config.prefill_parallel > 1 else None
         if prefill is not None:

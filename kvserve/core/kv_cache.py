@@ -10,6 +10,7 @@ from kvserve.attention.kv_quant import KVQuant
 from kvserve.attention.offloaded import OffloadedKVCache
 from kvserve.attention.paged import PagedKVCache
 from kvserve.attention.sparse_decode import SparseDecodeKVCache
+from kvserve.attention.split_offload import SplitOffloadKVCache
 from kvserve.log import get_logger
 from kvserve.policies.infinigen import AUTO, InfiniGen, Rehearsal
 from kvserve.policies.skewing import skewing_for
@@ -22,7 +23,8 @@ if TYPE_CHECKING:
 
 def make_kv_cache(config: EngineConfig, plan: KVPlan, loaded: LoadedModel) -> AttentionBackend:
     """Per-layer groups for a compressing policy (in the offloaded tier when ``kv_offload`` is set), the offloaded
-    cache for ``kv_offload`` with the full cache, INT4 or InfiniGen, else the paged cache (with KV groups for
+    cache for ``kv_offload`` with the full cache, INT4 or InfiniGen (split with the device on a sliding-window model:
+    ``split_offload_cache``), else the paged cache (with KV groups for
     sliding-window layers and a host tier for swapping), InfiniGen's sparse decode over it without ``kv_offload``."""
     # The model's own config: under tensor parallelism, this rank's KV heads only.
     cfg, dtype = loaded.model.config, config.kv_dtype(loaded.dtype)
@@ -42,6 +44,8 @@ def make_kv_cache(config: EngineConfig, plan: KVPlan, loaded: LoadedModel) -> At
         if plan.policy.rehearsed:  # InfiniGen on the device: sparse decode over the paged cache
             return SparseDecodeKVCache(*infinigen_rehearsal(plan.policy, loaded), *shape, **paged)
         return PagedKVCache(*shape, **paged)
+    if plan.layout.split:  # global layers in the tier, window layers on the device
+        return split_offload_cache(config, plan, loaded)
     policy, rehearsal = plan.policy, None
     if policy.rehearsed:  # InfiniGen selects rows by a rehearsal of the model's next layer
         policy, rehearsal = infinigen_rehearsal(policy, loaded)
@@ -49,6 +53,31 @@ def make_kv_cache(config: EngineConfig, plan: KVPlan, loaded: LoadedModel) -> At
         policy, plan.offload, *shape, path=config.kv_offload_path, rehearsal=rehearsal, layer_windows=cfg.layer_windows,
         softcap=cfg.attention_softcap, disk_io=config.kv_disk_io,
     )  # fmt: skip
+
+
+def split_offload_cache(config: EngineConfig, plan: KVPlan, loaded: LoadedModel) -> SplitOffloadKVCache:
+    """The global layers' KV in the offload tier (the main pool), the window layers' in a paged cache on the device
+    (the side pool), as ``split_offload_layout`` groups them."""
+    cfg, dtype, layout = loaded.model.config, config.kv_dtype(loaded.dtype), plan.layout
+    heads = (config.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, config.device)
+    tier_groups, device_groups = layout.pool_groups(0), layout.pool_groups(1)
+    global_layers = layout.groups[tier_groups[0]].layer_ids
+    policy, rehearsal = plan.policy, None
+    if policy.rehearsed:  # InfiniGen over the global layers: their alphas and rehearsal
+        policy, rehearsal = infinigen_rehearsal(policy, loaded)
+        policy, rehearsal = policy.of_layers(global_layers), rehearsal.of_layers(global_layers)
+    tier = OffloadedKVCache(
+        policy, plan.offload, len(global_layers), plan.num_blocks, *heads, path=config.kv_offload_path,
+        rehearsal=rehearsal, softcap=cfg.attention_softcap, disk_io=config.kv_disk_io, first_fetch_at_own_input=False,
+    )  # fmt: skip
+    device_group = {g: i for i, g in enumerate(device_groups)}
+    window_rows = [0 if g in tier_groups else r for g, r in zip(layout.layer_to_group, layout.layer_rows, strict=True)]
+    device = PagedKVCache(
+        cfg.num_layers, plan.num_side_blocks, *heads, layer_rows=window_rows,
+        layer_to_group=[device_group.get(g, 0) for g in layout.layer_to_group], layer_windows=cfg.layer_windows,
+        softcap=cfg.attention_softcap,
+    )  # fmt: skip
+    return SplitOffloadKVCache(tier, device, global_layers, tier_groups, device_groups)
 
 
 def infinigen_rehearsal(policy: InfiniGen, loaded: LoadedModel) -> tuple[InfiniGen, Rehearsal]:

@@ -13,7 +13,7 @@ import torch
 from kvserve.attention.kv_quant import KVQuant
 from kvserve.attention.offloaded import offload_block_bytes
 from kvserve.config import EngineConfig
-from kvserve.kv.layout import KVLayout, single_group_layout, window_group_layout
+from kvserve.kv.layout import KVLayout, single_group_layout, split_offload_layout, window_group_layout
 from kvserve.kv.manager import KVGroupSpec
 from kvserve.kv.sizing import kv_block_bytes
 from kvserve.models.config import ModelConfig
@@ -32,6 +32,9 @@ class KVPlan:
     num_host_blocks: int = 0  # host tier for preemption by swapping
     prefix_caching: bool = True  # full blocks findable by their tokens' hash
     windowed: bool = False  # the model has sliding-window layers
+    # A split layout (offloaded global layers, window layers on the device): the device's side pool.
+    num_side_blocks: int = 0
+    side_block_bytes: int = 0
 
     @property
     def per_layer_groups(self) -> bool:
@@ -93,6 +96,15 @@ class KVPlan:
         if self.layout.windowed and not self.per_layer_groups:
             groups = len(self.layout.groups)
             depth = f" ({self.block_layers} layers each, {groups} groups; window groups keep their window)"
+        if self.layout.split:
+            tier_layers, side_gib = self.layout.rows, self.num_side_blocks * self.side_block_bytes / 2**30
+            return (
+                f"KV cache: the {tier_layers} global layers' in {self.num_blocks} blocks x {block_size} tokens "
+                f"{where} ({self.num_blocks * self.block_bytes / 2**30:.2f} GiB, {dtype}); the "
+                f"{num_layers - tier_layers} window layers' on the device in {self.num_side_blocks} blocks "
+                f"({side_gib:.2f} GiB, {len(self.layout.groups) - 1} window groups); policy {self.policy.name} "
+                f"(budget {self.policy.budget:g})"
+            )
         return (
             f"KV cache: {self.num_blocks} blocks x {block_size} tokens{depth} = {tokens:,} full-cache tokens {where} "
             f"({self.num_blocks * self.block_bytes / 2**30:.2f} GiB, {dtype}); policy {self.policy.name} "
@@ -114,9 +126,10 @@ def plan_kv(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> KVP
     layout = kv_layout(config, model, policy)
     # A compressing policy keeps different slots per layer: one KV group (block table) per layer.
     block_layers = 1 if policy.per_layer_groups else layout.rows
-    if config.kv_offload != "none" and not policy.per_layer_groups:
+    if config.kv_offload != "none" and not policy.per_layer_groups:  # the tier's layers: the global ones if split
+        tier_layers = layout.rows if layout.split else model.num_layers
         block_bytes = offload_block_bytes(
-            policy, model.num_layers, model.num_kv_heads, model.head_dim, dtype, config.block_size
+            policy, tier_layers, model.num_kv_heads, model.head_dim, dtype, config.block_size
         )
     elif config.kv_quant is not None:  # byte rows of codes and scales (attention/kv_quant.py)
         row_bytes = KVQuant(config.kv_quant, model.head_dim).row_bytes
@@ -140,6 +153,7 @@ def plan_kv(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> KVP
     in_place = offloaded and config.kv_pool_limit < 1
     prefix_caching = config.enable_prefix_caching and not policy.per_layer_groups and not in_place
     windowed = any(w is not None for w in model.layer_windows)
+    side_blocks, side_bytes = side_pool(config, model, layout, dtype, num_blocks) if layout.split else (0, 0)
     return KVPlan(
         policy,
         layout,
@@ -150,7 +164,29 @@ def plan_kv(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> KVP
         num_host_blocks,
         prefix_caching,
         windowed,
+        side_blocks,
+        side_bytes,
     )
+
+
+def side_pool(
+    config: EngineConfig, model: ModelConfig, layout: KVLayout, dtype: torch.dtype, num_tier_blocks: int
+) -> tuple[int, int]:
+    """The device pool of a split layout's window groups: (blocks, bytes a block). Sized so that it rarely binds
+    before the tier does: each sequence that may be resident at once (at most ``max_num_seqs``, and at most one a
+    tier block) holds its window's blocks and one more, and a step's tokens (``max_num_batched_tokens``) take
+    blocks beside them; at most as many bytes as the tier's ``kv_cache_memory``. The KV manager checks each pool,
+    so a pool that does bind makes sequences wait or be preempted, never fail."""
+    dtype_size = torch.empty((), dtype=dtype).element_size()
+    block_bytes = kv_block_bytes(layout.side_rows, model.num_kv_heads, model.head_dim, dtype_size, config.block_size)
+    seqs, bs = min(config.max_num_seqs, num_tier_blocks), config.block_size
+    step_blocks = -(-config.max_num_batched_tokens // bs)
+    blocks = sum(
+        seqs * (-(-(spec.sliding_window - 1) // bs) + 2) + step_blocks
+        for spec in layout.groups
+        if spec.pool == 1 and spec.sliding_window is not None
+    )
+    return max(1, min(blocks, config.kv_cache_bytes // block_bytes)), block_bytes
 
 
 def one_request_config(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, num_tokens: int) -> EngineConfig:
@@ -172,8 +208,15 @@ def kv_layout(config: EngineConfig, model: ModelConfig, policy: KVPolicy) -> KVL
     refusal = windowed_model_refusal(config, policy)
     if refusal:
         raise ValueError(f"{model.architecture} has sliding-window layers: {refusal}")
-    if not config.kv_window_groups or config.kv_offload != "none":  # the tier keeps every layer's whole context
+    if not config.kv_window_groups:
         return single_group_layout(model.num_layers)
+    if config.kv_offload != "none":
+        # The tier keeps the global layers, the device the window layers (attention/split_offload.py); the tier
+        # keeps every layer's whole context where a compressing policy keeps a group per layer, or no layer is
+        # global.
+        if policy.per_layer_groups or None not in model.layer_windows:
+            return single_group_layout(model.num_layers)
+        return split_offload_layout(model.layer_windows)
     return window_group_layout(model.layer_windows)
 
 

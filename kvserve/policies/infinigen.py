@@ -24,6 +24,7 @@ speculation selected it (``counter``, the paper's), least recently selected (``l
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -100,6 +101,13 @@ class InfiniGen(KVPolicy):
                 "`kvserve infinigen-setup` for this model (or give infinigen_alpha a number)"
             )
         return dataclasses.replace(self, alpha=tuple(float(a) for a in calibrated))
+
+    def of_layers(self, layers: Sequence[int]) -> InfiniGen:
+        """This policy for a cache holding only ``layers`` of the model, numbered 0.. in their order (the global
+        layers a split offload keeps in its tier): per-layer alphas narrowed to them."""
+        if isinstance(self.alpha, tuple):
+            return dataclasses.replace(self, alpha=tuple(self.alpha[layer] for layer in layers))
+        return self
 
     def partial_dims(self, head_dim: int) -> int:
         return max(1, math.ceil(self.partial_ratio * head_dim))
@@ -389,6 +397,21 @@ class Rehearsal:
     @property
     def partial_dims(self) -> int:
         return self.skew.shape[-1]
+
+    def of_layers(self, layers: Sequence[int]) -> Rehearsal:
+        """The rehearsal of ``layers`` of the model only, numbered 0.. in their order, for a cache holding those
+        layers (a split offload's global layers): layer j is rehearsed from the input of model layer
+        ``layers[j] - 1``, as in the whole model; it speculates unless it is model layer 0, and from its own query
+        where model layer 1 does."""
+        sub = copy.copy(self)
+        for name in ("weights", "packed", "biases", "q_norms", "q_scales"):
+            setattr(sub, name, [getattr(self, name)[layer] for layer in layers])
+        sub.skew = self.skew[list(layers)]
+        sub.layer_windows = tuple(self.layer_windows[layer] for layer in layers)
+        sub.speculated_layers = frozenset(j for j, layer in enumerate(layers) if layer in self.speculated_layers)
+        own = {j for j, layer in enumerate(layers) if layer in self.own_query_layers}
+        sub.own_query_layers = frozenset(own) & sub.speculated_layers
+        return sub
 
     def partial_query(self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x (N, hidden), the attention input of layer - 1 -> (N, Hkv, G, r) skewed partial queries of ``layer``."""

@@ -1,5 +1,7 @@
-"""The offloaded cache on sliding-window models (tiny random Gemma 3 and Mistral, window 8, blocks of 4 tokens):
-fetch-everything and InfiniGen selecting everything give the paged engine's tokens and logprobs (window groups),
+"""The offloaded cache keeping every layer's whole context on sliding-window models (window groups off, as with
+InfiniGen; tiny random Gemma 3 and Mistral, window 8, blocks of 4 tokens; ``test_split_offload_tiny.py`` has the
+default split, window layers on the device): fetch-everything and InfiniGen selecting everything give the paged
+engine's tokens and logprobs (window groups),
 through chunked prefill, scored chunks and decoding past several windows; a window layer fetches only the
 blocks that cover its window; InfiniGen speculates in every layer past the first and in every window layer
 (among its window's rows, from its own query), as a written-out reference does; INT4 reads the same rows as the
@@ -66,7 +68,7 @@ def paged(tiny) -> list:
 @pytest.fixture(scope="module")
 def full(tiny) -> tuple[list, OffloadedKVCache]:
     folder, loaded = tiny
-    outputs, llm = generate(folder, loaded, kv_offload="host")
+    outputs, llm = generate(folder, loaded, kv_offload="host", kv_window_groups=False)
     cache = llm.engine.runner.cache
     assert isinstance(cache, OffloadedKVCache) and cache.layer_windows == loaded.config.layer_windows
     llm.engine.close()
@@ -80,7 +82,7 @@ def test_full_offload_is_the_paged_engine_with_window_groups(paged, full) -> Non
 
 def test_infinigen_selecting_everything_is_the_full_offload(tiny, full) -> None:
     folder, loaded = tiny
-    outputs, llm = generate(folder, loaded, kv_offload="host", **EVERYTHING)
+    outputs, llm = generate(folder, loaded, kv_offload="host", kv_window_groups=False, **EVERYTHING)
     llm.engine.close()
     assert_same(outputs, full[0])
     assert llm.engine.runner.cache.stats.fetch_fraction() == full[1].stats.fetch_fraction()
@@ -91,7 +93,14 @@ def test_window_layers_fetch_their_window_and_count_it(tiny, full) -> None:
     window against the whole context, global layers every row."""
     folder, loaded = tiny
     windows = loaded.config.layer_windows
-    llm = LLM(str(folder), dtype="float32", block_size=BLOCK, kv_cache_memory="4MiB", kv_offload="host")
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        block_size=BLOCK,
+        kv_cache_memory="4MiB",
+        kv_offload="host",
+        kv_window_groups=False,
+    )
     cache = llm.engine.runner.cache
     widths: dict[int, list[int]] = {layer: [] for layer in range(len(windows))}
     fetch_blocks = cache._fetch_blocks
@@ -124,7 +133,9 @@ def test_infinigen_speculates_in_window_layers_too(tiny, full) -> None:
     """Every layer reads fewer rows than the full offload at a small alpha: a global layer among all its rows, a
     window layer among its window's (layer 0 has one in both models, so it selects too)."""
     folder, loaded = tiny
-    outputs, llm = generate(folder, loaded, kv_offload="host", kv_policy="infinigen", infinigen_alpha=0.5)
+    outputs, llm = generate(
+        folder, loaded, kv_offload="host", kv_window_groups=False, kv_policy="infinigen", infinigen_alpha=0.5
+    )
     llm.engine.close()
     cache = llm.engine.runner.cache
     assert [len(o.outputs[0].token_ids) for o in outputs] == [MAX_TOKENS] * len(LENGTHS)
@@ -142,7 +153,7 @@ def test_infinigen_decodes_and_scores_what_the_written_out_selection_does(tiny) 
     prompt = prompts(loaded)[0]
     for options, first in (({}, None), ({"prompt_logprobs": 1}, 16)):
         llm = LLM(str(folder), dtype="float32", block_size=BLOCK, max_num_batched_tokens=16, kv_cache_memory="4MiB",
-                  enable_prefix_caching=False, kv_offload="host", kv_policy="infinigen",
+                  enable_prefix_caching=False, kv_offload="host", kv_window_groups=False, kv_policy="infinigen",
                   infinigen_alpha=0.5)  # fmt: skip
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=2, **options)
         (out,) = llm.generate([prompt], params, use_tqdm=False)
@@ -167,7 +178,7 @@ def test_int4_reads_the_full_offloads_rows(tmp_path) -> None:
     loaded = load_model(folder, dtype=torch.float32)
     caches = {}
     for policy in ("full", "int4"):
-        outputs, llm = generate(folder, loaded, kv_offload="host", kv_policy=policy)
+        outputs, llm = generate(folder, loaded, kv_offload="host", kv_window_groups=False, kv_policy=policy)
         llm.engine.close()
         assert [len(o.outputs[0].token_ids) for o in outputs] == [MAX_TOKENS] * len(LENGTHS)
         caches[policy] = llm.engine.runner.cache
@@ -178,7 +189,14 @@ def test_int4_reads_the_full_offloads_rows(tmp_path) -> None:
 def test_a_pool_limit_is_refused_on_a_windowed_model(tiny) -> None:
     folder, _ = tiny
     with pytest.raises(ValueError, match="kv_pool_limit=0.5 overwrites slots in place"):
-        LLM(str(folder), dtype="float32", kv_offload="host", kv_policy="infinigen", kv_pool_limit=0.5)
+        LLM(
+            str(folder),
+            dtype="float32",
+            kv_offload="host",
+            kv_window_groups=False,
+            kv_policy="infinigen",
+            kv_pool_limit=0.5,
+        )
 
 
 def test_the_rehearsal_rotates_and_normalises_as_the_layer_it_predicts(tiny) -> None:
