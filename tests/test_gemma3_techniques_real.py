@@ -7,12 +7,15 @@ each window layer keeping its window). Prompt Cache and parallel prefill over wi
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.core.engine import LLMEngine
 from kvserve.eval.data import WIKITEXT2, require
+from kvserve.models.gguf_linear import GGUFEmbedding
 from kvserve.policies.skewing import SKEWING_DIR_ENV
+from tests.real_models import shared_load
 
 pytestmark = pytest.mark.real_model
 
@@ -70,3 +73,14 @@ def test_compressing_policies_keep_each_window(gemma3_model, prompt, policy):
     assert len(tokens) == 8
     assert engine.plan.per_layer_groups
     assert engine.plan.group_windows(windows) == tuple(windows)  # each window layer's group frees past its window
+
+
+def test_infinigen_on_the_native_k_quant_weights(prompt, tmp_path, monkeypatch):
+    """The weights as the GGUF file stores them (``weights="native"``: the token embedding stays in ggml blocks):
+    InfiniGen's skewing reads the model's activation dtype from that embedding, then decodes sparse."""
+    monkeypatch.setenv(SKEWING_DIR_ENV, str(tmp_path))
+    loaded = shared_load("gemma3-270m", dtype=torch.float32, weights="native")
+    assert isinstance(loaded.model.embed_tokens, GGUFEmbedding)
+    tokens, engine = _generate(loaded, prompt[:300], 8, kv_policy="infinigen", infinigen_alpha=2.0)
+    assert len(tokens) == 8
+    assert engine.runner.cache.rehearsal.skew.dtype == torch.float32

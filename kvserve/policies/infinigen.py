@@ -347,6 +347,16 @@ def partial_logits(q_partial: torch.Tensor, k_partial: torch.Tensor, head_dim: i
     return torch.matmul(q_partial, k_partial.transpose(-1, -2)).float().mul_(1 / math.sqrt(head_dim))
 
 
+def activation_dtype_device(model: torch.nn.Module) -> tuple[torch.dtype, torch.device]:
+    """The dtype and device of ``model``'s hidden states, read off its token embedding: a float table's own, float32
+    for an integer one, and a GGUF embedding's (ggml blocks dequantised when looked up) compute dtype."""
+    embed = model.embed_tokens
+    weight = getattr(embed, "weight", None)
+    if weight is None:  # GGUFEmbedding
+        return embed.dtype, embed.blocks.device
+    return (weight.dtype if weight.is_floating_point() else torch.float32), weight.device
+
+
 def speculated_layers(layer_windows: Sequence[int | None]) -> frozenset[int]:
     """The layers InfiniGen selects rows in: every one but a full-attention layer 0, which reads its whole cache
     (a window layer 0 selects within its window, from its own query)."""
@@ -371,10 +381,9 @@ class Rehearsal:
         cfg = model.config
         self.num_kv_heads, self.group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
         self.head_dim = cfg.head_dim
-        weight = model.embed_tokens.weight
-        dtype = weight.dtype if weight.is_floating_point() else torch.float32
-        eye = torch.eye(cfg.hidden_size, dtype=dtype, device=weight.device)
-        zero = torch.zeros(1, cfg.hidden_size, dtype=dtype, device=weight.device)
+        dtype, device = activation_dtype_device(model)
+        eye = torch.eye(cfg.hidden_size, dtype=dtype, device=device)
+        zero = torch.zeros(1, cfg.hidden_size, dtype=dtype, device=device)
         self.weights, self.packed, self.biases = [], [], []
         # Gemma 3: queries are RMS-normalised per head before RoPE and scaled after it.
         self.q_norms = [getattr(layer.self_attn, "q_norm", None) for layer in model.layers]
@@ -392,7 +401,7 @@ class Rehearsal:
                 self.weights.append(weight)
                 self.packed.append(prepack(weight))
                 self.biases.append(bias if bool(bias.any()) else None)
-        self.skew = skew_partial.to(dtype=dtype, device=weight.device)  # (L, Hkv, D, r)
+        self.skew = skew_partial.to(dtype=dtype, device=device)  # (L, Hkv, D, r)
 
     @property
     def partial_dims(self) -> int:

@@ -30,7 +30,7 @@ from kvserve.attention.contiguous import ContiguousKVCache
 from kvserve.log import get_logger
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.policies.calibration import SampleRows, ThresholdCalibration, calibrate_alphas, calibration_rows
-from kvserve.policies.infinigen import InfiniGen, Rehearsal
+from kvserve.policies.infinigen import InfiniGen, Rehearsal, activation_dtype_device
 
 SKEWING_DIR_ENV = "KVSERVE_INFINIGEN_DIR"
 SAMPLE_TOKENS = 2048
@@ -106,9 +106,8 @@ def skew_head(queries: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, 
 def record_sample(model: LlamaForCausalLM, token_ids: list[int], rows: torch.Tensor | None = None) -> _Recorder:
     """Run ``token_ids`` through ``model``, recording queries and keys (and the calibration ``rows``' inputs)."""
     cfg = model.config
-    device = model.embed_tokens.weight.device
+    dtype, device = activation_dtype_device(model)
     n = len(token_ids)
-    dtype = model.embed_tokens.weight.dtype if model.embed_tokens.weight.is_floating_point() else torch.float32
     recorder = _Recorder(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, n, dtype, device, rows=rows)
     metadata = AttentionMetadata(
         seq_ids=(0,), query_lens=(n,), context_lens=(0,), layer_windows=cfg.layer_windows,
