@@ -105,6 +105,23 @@ class SplitOffloadKVCache(AttentionBackend):
             return self.offloaded.forward(tier_layer, q, k, v, meta.tier)
         return self.device.forward(layer, q, k, v, meta.device)
 
+    def store_layer(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        metadata: AttentionMetadata,
+        scores: torch.Tensor | None = None,
+    ) -> None:
+        """A parallel prefill's whole prompt of one layer: a global layer's to the tier, a window layer's to the
+        device's window group (which holds the whole prompt for that step, as a one-process prefill's does)."""
+        meta = self._split(metadata)
+        tier_layer = self.tier_layer.get(layer)
+        if tier_layer is not None:
+            self.offloaded.store_layer(tier_layer, k, v, meta.tier, scores)
+        else:
+            self.device.store_layer(layer, k, v, meta.device, scores)
+
     def report(self, metadata: AttentionMetadata) -> StepReport:
         return self.offloaded.report(self._split(metadata).tier)
 

@@ -205,7 +205,7 @@ def kv_layout(config: EngineConfig, model: ModelConfig, policy: KVPolicy) -> KVL
     refuses the techniques that do not run over window groups, with the reason."""
     if not any(w is not None for w in model.layer_windows):
         return single_group_layout(model.num_layers)
-    refusal = windowed_model_refusal(config, policy)
+    refusal = windowed_model_refusal(config, policy, None in model.layer_windows)
     if refusal:
         raise ValueError(f"{model.architecture} has sliding-window layers: {refusal}")
     if not config.kv_window_groups:
@@ -220,17 +220,20 @@ def kv_layout(config: EngineConfig, model: ModelConfig, policy: KVPolicy) -> KVL
     return window_group_layout(model.layer_windows)
 
 
-def windowed_model_refusal(config: EngineConfig, policy: KVPolicy) -> str | None:
+def windowed_model_refusal(config: EngineConfig, policy: KVPolicy, has_global_layers: bool = True) -> str | None:
     """Why an engine over a model with sliding-window layers cannot run ``config``, or None."""
     if config.kv_offload != "none" and config.kv_pool_limit < 1:
         return (
             f"kv_pool_limit={config.kv_pool_limit} overwrites slots in place, so a window layer could no longer find "
             "its window by position; use kv_pool_limit=1"
         )
-    if config.prefill_parallel > 1 and (policy.per_layer_groups or config.kv_offload != "none"):
+    # An offloading engine with window groups keeps the window layers in a paged cache on the device (split).
+    split = config.kv_offload != "none" and config.kv_window_groups and has_global_layers
+    if config.prefill_parallel > 1 and (policy.per_layer_groups or (config.kv_offload != "none" and not split)):
         return (
             "parallel prefill (KV-Runahead) windows its processes' attention over the paged cache only; a compressing "
-            "kv_policy or kv_offload stores the prompt's window layers by rules of its own: use prefill_parallel=1"
+            "kv_policy, or kv_offload keeping every layer in its tier (window groups off, or no global layer), "
+            "stores the prompt's window layers by rules of its own: use prefill_parallel=1"
         )
     return None
 
