@@ -96,7 +96,8 @@ def _fetched(cache: AttentionBackend) -> int:
 def _disk_read(cache: AttentionBackend, what: str = "disk_read") -> float:
     """The direct-I/O disk tier's count so far: bytes read from the device, or seconds waited for reads (0 for any
     other tier)."""
-    stats = getattr(getattr(cache, "tier", None), "stats", None)
+    offloaded = getattr(cache, "offloaded", cache)  # a split cache's tier part (SplitOffloadKVCache)
+    stats = getattr(getattr(offloaded, "tier", None), "stats", None)
     return stats[what] if stats else 0
 
 

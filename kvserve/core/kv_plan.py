@@ -197,6 +197,11 @@ def one_request_config(config: EngineConfig, model: ModelConfig, dtype: torch.dt
     plan = plan_kv(config, model, dtype)
     blocks = len(plan.groups(model.num_layers)) * (-(-num_tokens // config.block_size) + 1)
     kv_bytes = min(config.kv_cache_bytes, blocks * plan.block_bytes)
+    if plan.layout.split:  # the window layers' device pool, sized for one sequence, is capped by the same bytes
+        one = dataclasses.replace(config, max_num_seqs=1)
+        side_blocks, side_bytes = side_pool(one, model, plan.layout, config.kv_dtype(dtype), plan.num_blocks)
+        kv_bytes = min(config.kv_cache_bytes, max(kv_bytes, side_blocks * side_bytes))
+        return dataclasses.replace(config, kv_cache_memory=kv_bytes, swap_space=0, max_num_seqs=1)
     return dataclasses.replace(config, kv_cache_memory=kv_bytes, swap_space=0)
 
 

@@ -16,6 +16,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.attention.offloaded import OffloadedKVCache
 from kvserve.attention.split_offload import SplitOffloadKVCache
+from kvserve.entrypoints.cli import main
 from kvserve.models import load_model
 from tests.policies.test_offload_windows_tiny import (
     BLOCK,
@@ -35,6 +36,7 @@ GEMMA2 = TinySpec(
            "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh"},
 )  # fmt: skip
 MODELS = {"gemma3": SPECS["gemma3"], "gemma2": GEMMA2}
+PROMPT = "the quick brown fox jumps over the lazy dog and the cat sat on the mat by the door"  # several windows
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -144,3 +146,19 @@ def test_infinigen_fetches_fewer_rows_of_the_global_layers(tiny, split) -> None:
     assert [len(o.outputs[0].token_ids) for o in outputs] == [MAX_TOKENS] * len(LENGTHS)
     assert all(f < 1.0 for f in llm.engine.runner.cache.stats.fetch_fraction())
     assert llm.engine.runner.cache.bytes_moved()["fetched"] < split[1].engine.runner.cache.bytes_moved()["fetched"]
+
+
+def test_generate_command_offloads_one_request_split(tiny, capsys, monkeypatch) -> None:
+    """``kvserve generate`` sizes its pools for its one request: the tier for its tokens, the device's window pool
+    for one sequence's windows and a step (not cut to the tier's few bytes); it prints the plain continuation."""
+    folder, _ = tiny
+    monkeypatch.setenv("KVSERVE_CONFIGURE_LOGGING", "0")
+    outputs = []
+    for flags in ([], ["--kv-offload", "host"]):
+        capsys.readouterr()
+        status = main(["generate", PROMPT, "--model", str(folder), "--max-tokens", "12", "--dtype", "float32",
+                       "--threads", "1", *flags])  # fmt: skip
+        out, err = capsys.readouterr()
+        assert status == 0, err
+        outputs.append(out)
+    assert outputs[1] == outputs[0] and len(outputs[0]) > len(PROMPT)
