@@ -173,10 +173,10 @@ def side_pool(
     config: EngineConfig, model: ModelConfig, layout: KVLayout, dtype: torch.dtype, num_tier_blocks: int
 ) -> tuple[int, int]:
     """The device pool of a split layout's window groups: (blocks, bytes a block). Sized so that it rarely binds
-    before the tier does: each sequence that may be resident at once (at most ``max_num_seqs``, and at most one a
-    tier block) holds its window's blocks and one more, and a step's tokens (``max_num_batched_tokens``) take
-    blocks beside them; at most as many bytes as the tier's ``kv_cache_memory``. The KV manager checks each pool,
-    so a pool that does bind makes sequences wait or be preempted, never fail."""
+    before the tier does: each sequence that may be resident at once (``max_num_seqs``, and no more than the tier
+    has blocks, one at least each) holds its window's blocks and two more, and a step's tokens
+    (``max_num_batched_tokens``) take blocks beside them; at most as many bytes as the tier's ``kv_cache_memory``.
+    The KV manager checks each pool, so a pool that does bind makes sequences wait or be preempted, never fail."""
     dtype_size = torch.empty((), dtype=dtype).element_size()
     block_bytes = kv_block_bytes(layout.side_rows, model.num_kv_heads, model.head_dim, dtype_size, config.block_size)
     seqs, bs = min(config.max_num_seqs, num_tier_blocks), config.block_size
