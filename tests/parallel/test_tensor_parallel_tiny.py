@@ -75,7 +75,8 @@ SCENARIOS = {
     # Rank 0 of the one-process run writes the skewing file; the ranks of size 2 read their heads' share.
     "InfiniGen": {"kv_offload": "disk", "kv_policy": "infinigen"},
     # Rows are quantized per (token, KV head): each rank's heads quantize as they do in one process, up to a code
-    # rounded the other way where the ranks' summed projections differ in their last bit (logprobs within 5e-3).
+    # rounded the other way where the ranks' summed projections differ in their last bit (logprobs within 5e-3 for
+    # int8; an int4 code is a 17x coarser step, so 2e-2: 5.6e-3 measured on an AVX2 EPYC).
     "int8 KV cache, chunked": {"kv_cache_dtype": "int8", "max_num_batched_tokens": 8},
     "int4 KV cache": {"kv_cache_dtype": "int4"},
 }
@@ -95,7 +96,8 @@ def test_size_2_generates_what_one_process_does(folder, scenario) -> None:
     options = SCENARIOS[scenario]
     reference, preempted = generate(folder, 1, PROMPTS, **options)
     got, preempted_tp = generate(folder, 2, PROMPTS, **options)
-    assert_same(reference, got, 5e-3 if "kv_cache_dtype" in options else 1e-4)
+    quantized = {"int8": 5e-3, "int4": 2e-2}
+    assert_same(reference, got, quantized.get(options.get("kv_cache_dtype"), 1e-4))
     assert preempted_tp == preempted
     if "preemption" in scenario:
         assert preempted > 0
