@@ -51,9 +51,7 @@ def single_group_layout(num_layers: int) -> KVLayout:
 def window_group_layout(layer_windows: Sequence[int | None]) -> KVLayout:
     """Groups of the layers sharing a window size (None: global), cut into groups of ``rows`` layers,
     ``rows`` being the smallest count of one kind; a last group of a kind may be shorter."""
-    kinds: dict[int | None, list[int]] = {}
-    for layer, window in enumerate(layer_windows):
-        kinds.setdefault(window, []).append(layer)
+    kinds = _layers_by_window(layer_windows)
     rows = min(len(layers) for layers in kinds.values())
     groups: list[KVGroupSpec] = []
     layer_to_group = [0] * len(layer_windows)
@@ -71,9 +69,7 @@ def split_offload_layout(layer_windows: Sequence[int | None]) -> KVLayout:
     """The global layers in one group of the main pool (an offload tier); each window size's layers in one group of
     the side pool (the device). Rows count per pool: a global layer's row among the global layers, a window layer's
     among its group's."""
-    kinds: dict[int | None, list[int]] = {}
-    for layer, window in enumerate(layer_windows):
-        kinds.setdefault(window, []).append(layer)
+    kinds = _layers_by_window(layer_windows)
     if None not in kinds or len(kinds) < 2:
         raise ValueError("a split layout needs global layers and sliding-window layers")
     groups = [KVGroupSpec(tuple(kinds.pop(None)))]
@@ -85,3 +81,11 @@ def split_offload_layout(layer_windows: Sequence[int | None]) -> KVLayout:
             layer_to_group[layer], layer_rows[layer] = g, row
     side_rows = max(len(spec.layer_ids) for spec in groups[1:])
     return KVLayout(tuple(groups), tuple(layer_to_group), tuple(layer_rows), len(groups[0].layer_ids), side_rows)
+
+
+def _layers_by_window(layer_windows: Sequence[int | None]) -> dict[int | None, list[int]]:
+    """The layers of each window size (None: global), in the order the sizes first appear."""
+    kinds: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(layer_windows):
+        kinds.setdefault(window, []).append(layer)
+    return kinds
