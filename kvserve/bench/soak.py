@@ -354,7 +354,9 @@ class Traffic:
         return await self._complete("pml", prompt, n=1)
 
     async def _long(self) -> Outcome:
-        return await self._complete("long", self._snippet(7000), n=1)  # ~1,700 tokens, a new prefix each time
+        # ~1,700 tokens, a new prefix each time; under chaos ~850 (at most ~960), inside the 48 MiB cache's 1,088
+        chars = 3500 if self.opts.chaos else 7000
+        return await self._complete("long", self._snippet(chars), n=1)
 
     async def _bad(self) -> Outcome:
         body = self.rng.choice(BAD_BODIES)
