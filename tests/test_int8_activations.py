@@ -274,17 +274,24 @@ def test_real_model_likelihood_and_greedy_tokens_stay_close_to_float32(shared_re
 def test_real_model_composes_with_a_compressing_policy_and_a_narrower_cache(shared_real_loads) -> None:
     """The int8 kernel inside the compressed cache's one-call decode (per-layer tables, scores folded after it):
     the same tokens and logprobs as the eager layers. Over a float16 paged cache it decodes through the chain too,
-    and the greedy text starts as the float32 cache's (both round; measured: the first 12 of 16 tokens agree)."""
+    and the greedy text follows the float32 cache's until a near-tie: both round, so where the two first differ each
+    run ranks the other's token second, close behind (measured on an AVX2 EPYC: 0.03 and 0.12 nats)."""
     prompts = ["Tell me a story about a lighthouse keeper and the storm that changed his life.", "What is 2+2?"]
     compressed = LLM(dtype="float32", kv_cache_memory="64MiB", swap_space=0, kv_policy="h2o", kv_budget=0.5,
                      int8_activations=True)  # fmt: skip
     assert_the_chain_changes_nothing(compressed, prompts, 40)
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    tokens = {}
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    outputs = {}
     for kv_cache_dtype in ("auto", "float16"):
         llm = LLM(dtype="float32", kv_cache_memory="64MiB", kv_cache_dtype=kv_cache_dtype, int8_activations=True)
-        tokens[kv_cache_dtype] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        outputs[kv_cache_dtype] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert llm.engine.runner.cache.k.dtype == torch.float16
     assert isinstance(llm.engine.runner.model.decode_chain, DecodeChain)
-    for narrow, wide in zip(tokens["float16"], tokens["auto"], strict=True):
-        assert narrow[:8] == wide[:8]
+    for narrow, wide in zip(outputs["float16"], outputs["auto"], strict=True):
+        pairs = list(zip(narrow.token_ids, wide.token_ids, strict=True))
+        split = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
+        assert split >= 2, (narrow.token_ids, wide.token_ids)
+        if split < len(pairs):
+            for run, own, other in ((narrow, *pairs[split]), (wide, *reversed(pairs[split]))):
+                top = run.logprobs[split]
+                assert other in top and top[own] - top[other] < 0.25, (split, top, narrow.token_ids, wide.token_ids)
